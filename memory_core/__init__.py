@@ -1,0 +1,63 @@
+"""memvit's engine: a frozen timm ViT plus learnable-memory adapters in one fused forward pass.
+
+Sandler et al., "Fine-tuning Image Transformers using Learnable Memory" (CVPR 2022). No web or
+file-format code lives here: bundles are ``adapters/``, HTTP is ``server/``.
+"""
+
+from .adapter import BASE_TASK, MEMORY_NORMS, NAME_PATTERN, AdapterWeights, check_name
+from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
+from .base_model import BaseModel, create_base, read_weights_metadata
+from .errors import (
+    AdapterError,
+    AdapterInUseError,
+    AdapterShapeError,
+    DuplicateAdapterError,
+    InputError,
+    MemvitError,
+    MissingParentError,
+    UnknownAdapterError,
+    UnsupportedModelError,
+    WeightsError,
+)
+from .fingerprint import state_fingerprint
+from .flops import AdapterCost, adapter_flops, base_flops, flop_ratio, fused_flops, uniform_adapters
+from .model import FusedOutput, MemoryViT
+from .reference import DenseMemoryViT, attention_mask
+from .spec import ViTSpec, check_supported
+
+__all__ = [
+    "BASE_TASK",
+    "MEMORY_NORMS",
+    "NAME_PATTERN",
+    "AdapterCost",
+    "AdapterError",
+    "AdapterInUseError",
+    "AdapterSet",
+    "AdapterShapeError",
+    "AdapterStack",
+    "AdapterWeights",
+    "BaseModel",
+    "DenseMemoryViT",
+    "DuplicateAdapterError",
+    "FusedOutput",
+    "InputError",
+    "MemoryViT",
+    "MemvitError",
+    "MissingParentError",
+    "PreparedAdapter",
+    "UnknownAdapterError",
+    "UnsupportedModelError",
+    "ViTSpec",
+    "WeightsError",
+    "adapter_flops",
+    "attention_mask",
+    "base_flops",
+    "check_name",
+    "check_supported",
+    "create_base",
+    "flop_ratio",
+    "fused_flops",
+    "read_weights_metadata",
+    "state_fingerprint",
+    "uniform_adapters",
+]

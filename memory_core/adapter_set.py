@@ -1,0 +1,189 @@
+"""The set of live adapters: an immutable snapshot, swapped whole.
+
+A fused pass reads the engine's current ``AdapterSet`` once and uses only that object, so adding or
+removing an adapter (which builds a new set and swaps one reference) can never change a pass that
+is already running, and a response can never mix two sets. Everything the fused pass needs is
+stacked once, when the set is built, not on every pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .adapter import AdapterWeights
+from .attention import LayerMemory
+from .errors import (
+    AdapterInUseError,
+    DuplicateAdapterError,
+    MissingParentError,
+    UnknownAdapterError,
+)
+
+_versions = itertools.count(1)
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedAdapter:
+    """An adapter made ready for one engine: tensors on its device and dtype, memory projected."""
+
+    weights: AdapterWeights  # as given, kept to describe the adapter and to re-prepare it
+    cls: Tensor  # (D,) class token plus the base class token's position embedding
+    memory_keys: Tensor  # (L, H, m, d), constants: they do not depend on the image (DESIGN 2.2)
+    memory_values: Tensor  # (L, H, m, d)
+    head_weight: Tensor  # (C, D)
+    head_bias: Tensor  # (C,)
+
+    @property
+    def name(self) -> str:
+        return self.weights.name
+
+    @property
+    def parent(self) -> str | None:
+        return self.weights.parent
+
+
+@dataclass(frozen=True)
+class AdapterStack:
+    """The adapters of a set, stacked for the fused pass."""
+
+    cls: Tensor  # (K, D)
+    layers: tuple[LayerMemory, ...]  # one per block
+    heads: tuple[tuple[Tensor, Tensor], ...]  # K (weight (C_k, D), bias (C_k,))
+
+
+class AdapterSet:
+    """An immutable, ordered set of prepared adapters. ``version`` is unique per set built."""
+
+    __slots__ = ("_by_name", "adapters", "stack", "version")
+
+    def __init__(self, adapters: tuple[PreparedAdapter, ...] = ()) -> None:
+        self.adapters = tuple(adapters)
+        self._by_name = {a.name: i for i, a in enumerate(self.adapters)}
+        if len(self._by_name) != len(self.adapters):
+            raise DuplicateAdapterError("adapter names in a set must be unique", field="name")
+        for a in self.adapters:
+            if a.parent is not None and a.parent not in self._by_name:
+                raise MissingParentError(
+                    f"adapter {a.name!r} extends {a.parent!r}, which is not loaded; load the parent first",
+                    field="parent",
+                )
+        self.stack = _build_stack(self.adapters, self._lineages()) if self.adapters else None
+        self.version = next(_versions)
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.adapters)
+
+    def __len__(self) -> int:
+        return len(self.adapters)
+
+    def __iter__(self) -> Iterator[PreparedAdapter]:
+        return iter(self.adapters)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> PreparedAdapter:
+        try:
+            return self.adapters[self._by_name[name]]
+        except KeyError:
+            raise UnknownAdapterError(f"no adapter named {name!r} is loaded", field="name") from None
+
+    def __repr__(self) -> str:
+        return f"AdapterSet(version={self.version}, names={list(self.names)})"
+
+    def dependents(self, name: str) -> list[str]:
+        """Adapters that extend ``name`` directly."""
+        return [a.name for a in self.adapters if a.parent == name]
+
+    def lineage(self, name: str) -> list[str]:
+        """``name`` followed by its ancestors, nearest first."""
+        chain = [name]
+        while (parent := self[chain[-1]].parent) is not None:
+            chain.append(parent)
+        return chain
+
+    # -- deriving new sets ---------------------------------------------------------------------
+    def with_adapter(self, adapter: PreparedAdapter, *, replace: bool = False) -> AdapterSet:
+        """A new set with ``adapter`` added (or, with ``replace``, swapped in at the same position)."""
+        name = adapter.name
+        if name not in self._by_name:
+            return AdapterSet((*self.adapters, adapter))
+        if not replace:
+            raise DuplicateAdapterError(
+                f"an adapter named {name!r} is already loaded; remove it first or ask to replace it",
+                field="name",
+            )
+        if users := self.dependents(name):
+            raise AdapterInUseError(
+                f"cannot replace {name!r}: {users} extend it and were trained against the current version",
+                field="name",
+            )
+        adapters = list(self.adapters)
+        adapters[self._by_name[name]] = adapter
+        return AdapterSet(tuple(adapters))
+
+    def without(self, name: str) -> AdapterSet:
+        """A new set without ``name``."""
+        self[name]  # raises UnknownAdapterError
+        if users := self.dependents(name):
+            raise AdapterInUseError(
+                f"cannot remove {name!r}: {users} extend it; remove them first", field="name"
+            )
+        return AdapterSet(tuple(a for a in self.adapters if a.name != name))
+
+    def _lineages(self) -> list[list[int]]:
+        return [[self._by_name[n] for n in self.lineage(a.name)] for a in self.adapters]
+
+
+def _build_stack(adapters: tuple[PreparedAdapter, ...], lineages: list[list[int]]) -> AdapterStack:
+    first = adapters[0]
+    device, dtype = first.cls.device, first.cls.dtype
+    K = len(adapters)
+    L, H, _, d = first.memory_keys.shape
+    # Each adapter sees its own memory and, in extension mode, its ancestors'. Memory is constant,
+    # so the ancestors' memory is simply folded into the adapter's own key/value list here.
+    visible = [sum(adapters[j].memory_keys.shape[2] for j in chain) for chain in lineages]
+    P = max(visible)
+    keys = values = mem_bias = None
+    if P > 0:
+        keys = torch.zeros(L, K, H, P, d, device=device, dtype=dtype)
+        values = torch.zeros_like(keys)
+        for k, chain in enumerate(lineages):
+            keys[:, k, :, : visible[k]] = torch.cat([adapters[j].memory_keys for j in chain], dim=2)
+            values[:, k, :, : visible[k]] = torch.cat([adapters[j].memory_values for j in chain], dim=2)
+        if min(visible) < P:
+            mem_bias = _padding_bias(visible, P, device, dtype)
+    lineage = lineage_bias = None
+    A = max(len(chain) for chain in lineages)
+    if A > 1:
+        lineage = torch.tensor([chain + [chain[0]] * (A - len(chain)) for chain in lineages], device=device)
+        lineage_bias = _padding_bias([len(chain) for chain in lineages], A, device, dtype)
+    layers = tuple(
+        LayerMemory(
+            keys=None if keys is None else keys[layer],
+            values=None if values is None else values[layer],
+            bias=mem_bias,
+            lineage=lineage,
+            lineage_bias=lineage_bias,
+        )
+        for layer in range(L)
+    )
+    return AdapterStack(
+        cls=torch.stack([a.cls for a in adapters]),
+        layers=layers,
+        heads=tuple((a.head_weight, a.head_bias) for a in adapters),
+    )
+
+
+def _padding_bias(lengths: list[int], width: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """(len(lengths), width): 0 where a row has an entry, -inf on its padding."""
+    positions = torch.arange(width, device=device)
+    valid = positions[None, :] < torch.tensor(lengths, device=device)[:, None]
+    return torch.zeros(valid.shape, device=device, dtype=dtype).masked_fill(~valid, float("-inf"))

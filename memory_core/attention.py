@@ -1,0 +1,133 @@
+"""One transformer block, split into the base tokens' path and the adapter class tokens' path.
+
+DESIGN 2.1: the base tokens X go through the timm block exactly as timm computes it (same modules,
+same ops, same attention kernel), which also yields their keys and values. The K adapter class
+tokens C go through the same per-token modules; only their attention differs: class token k
+attends over the shared base keys, the class tokens of its own lineage (itself, plus its ancestors
+in extension mode) and its memory, whose keys and values are constants (DESIGN 2.2).
+
+Nothing here allocates a (T+K) x (T+K) mask, and the base path never sees adapter tokens, which is
+what keeps the base logits bit-for-bit timm's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+from timm.models.vision_transformer import Block
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """What adapter class tokens attend to besides the base tokens, for one layer.
+
+    ``keys``/``values`` hold each adapter's visible memory (its own, plus its ancestors' in extension
+    mode), padded to the longest with ``bias`` = -inf on padding. ``lineage`` lists, per adapter,
+    the class tokens it attends to (itself first); None means "itself only" (concatenation mode).
+    """
+
+    keys: Tensor | None  # (K, H, P, d) or None when no adapter has memory
+    values: Tensor | None  # (K, H, P, d)
+    bias: Tensor | None  # (K, P) additive 0 / -inf, or None when nothing is padded
+    lineage: Tensor | None  # (K, A) long indices into the K class tokens
+    lineage_bias: Tensor | None  # (K, A) additive 0 / -inf
+
+
+def project_qkv(attn: Attention, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Normalised tokens (B, N, D) -> q, k, v, each (B, H, N, d), as timm's Attention does."""
+    B, N, _ = h.shape
+    qkv = attn.qkv(h).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    return attn.q_norm(q), attn.k_norm(k), v
+
+
+def project_memory(block: Block, memory: Tensor, memory_norm: str) -> tuple[Tensor, Tensor]:
+    """One layer's memory tokens (m, D) -> their keys and values, each (H, m, d).
+
+    Memory tokens are keys and values only, so their queries are never computed. ``memory_norm``
+    says whether they pass through the block's pre-attention LayerNorm (the paper) or not.
+    """
+    h = block.norm1(memory) if memory_norm == "norm1" else memory
+    _, k, v = project_qkv(block.attn, h.unsqueeze(0))
+    return k[0], v[0]
+
+
+def base_attention(attn: Attention, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Self-attention of the base tokens, with timm's own choice of kernel. Returns (B, H, T, d)."""
+    if attn.fused_attn:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=attn.attn_drop.p if attn.training else 0.0)
+    scores = (q * attn.scale) @ k.transpose(-2, -1)
+    return attn.attn_drop(scores.softmax(dim=-1)) @ v
+
+
+def adapter_attention(
+    attn: Attention,
+    q_c: Tensor,
+    k_c: Tensor,
+    v_c: Tensor,
+    k_x: Tensor,
+    v_x: Tensor,
+    memory: LayerMemory,
+) -> Tensor:
+    """Attention of the K adapter class tokens. q_c, k_c, v_c: (B, H, K, d); k_x, v_x: (B, H, T, d).
+
+    One softmax per class token over [base keys ; lineage class-token keys ; memory keys].
+    Returns (B, H, K, d).
+    """
+    T = k_x.shape[2]
+    q = q_c * attn.scale
+    scores = [q @ k_x.transpose(-2, -1)]  # (B, H, K, T): every class token reads every base token
+    if memory.lineage is None:
+        # Concatenation mode: each class token sees only itself among the class tokens.
+        k_l, v_l = k_c.unsqueeze(3), v_c.unsqueeze(3)  # (B, H, K, 1, d)
+        scores.append((q * k_c).sum(-1, keepdim=True))  # (B, H, K, 1)
+    else:
+        # Extension mode: also its ancestors' class tokens, computed in this same pass.
+        k_l, v_l = k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]  # (B, H, K, A, d)
+        scores.append((q.unsqueeze(3) * k_l).sum(-1) + memory.lineage_bias)  # (B, H, K, A)
+    if memory.keys is not None:
+        s_mem = torch.einsum("bhkd,khpd->bhkp", q, memory.keys)  # (B, H, K, P)
+        scores.append(s_mem if memory.bias is None else s_mem + memory.bias)
+    # Softmax in float32 whatever the model's dtype: bf16 scores over ~200 keys lose too much.
+    probs = torch.cat(scores, dim=-1).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = attn.attn_drop(probs)
+    p_x = probs[..., :T]
+    p_l = probs[..., T : T + k_l.shape[3]]
+    out = p_x @ v_x + (p_l.unsqueeze(-1) * v_l).sum(3)  # (B, H, K, d)
+    if memory.values is not None:
+        out = out + torch.einsum("bhkp,khpd->bhkd", probs[..., T + k_l.shape[3] :], memory.values)
+    return out
+
+
+def _finish(block: Block, x: Tensor, h: Tensor, o: Tensor) -> Tensor:
+    """Everything after attention, per token: output projection, layer scale, residual, MLP."""
+    attn = block.attn
+    B, N, _ = x.shape
+    o = attn.norm(o.transpose(1, 2).reshape(B, N, -1))
+    gate = getattr(attn, "gate", None)
+    if gate is not None:
+        o = o * gate(h).sigmoid()
+    o = attn.proj_drop(attn.proj(o))
+    x = x + block.drop_path1(block.ls1(o))
+    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
+
+def base_block(block: Block, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Base tokens (B, T, D) through one block, exactly as ``block(x)``. Also returns the base keys
+    and values (B, H, T, d) that the adapter class tokens attend to."""
+    h = block.norm1(x)
+    q, k, v = project_qkv(block.attn, h)
+    o = base_attention(block.attn, q, k, v)
+    return _finish(block, x, h, o), k, v
+
+
+def adapter_block(block: Block, c: Tensor, k_x: Tensor, v_x: Tensor, memory: LayerMemory) -> Tensor:
+    """Adapter class tokens (B, K, D) through one block, given the base keys/values of this layer."""
+    h = block.norm1(c)
+    q, k, v = project_qkv(block.attn, h)
+    o = adapter_attention(block.attn, q, k, v, k_x, v_x, memory)
+    return _finish(block, c, h, o)

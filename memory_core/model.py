@@ -1,0 +1,203 @@
+"""MemoryViT: a frozen timm ViT plus any number of memory adapters, in one fused forward pass.
+
+    forward(x) = forward_head(*forward_features(x, stack))
+
+``forward_features`` runs the base tokens through every block exactly as timm does, and the K
+adapter class tokens alongside them (``attention.py``); ``forward_head`` applies the base's own head
+to the base tokens and each adapter's head to its class token. The live adapters are an immutable
+``AdapterSet``; writers build a new one and swap the reference under a lock, readers never lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .adapter import AdapterWeights
+from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
+from .attention import adapter_block, base_block, project_memory
+from .base_model import BaseModel, create_base
+from .errors import InputError
+from .fingerprint import state_fingerprint
+from .spec import ViTSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FusedOutput:
+    """Logits of one fused pass, and the adapter set that produced them."""
+
+    base: Tensor  # (B, C_0): the base model's own task
+    adapters: dict[str, Tensor]  # name -> (B, C_k), in the set's order
+    adapter_set: AdapterSet
+
+
+class MemoryViT(nn.Module):
+    """A frozen timm ViT that serves its own task and every loaded adapter in one pass."""
+
+    def __init__(
+        self,
+        base: BaseModel,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.spec = ViTSpec.from_model(base.model, base.arch)  # raises UnsupportedModelError
+        self.base = base.model.eval().requires_grad_(False)
+        self.labels = base.labels
+        self.source = base.source
+        # Fingerprint the weights as given, before any cast, so it names the weights, not the dtype.
+        self.fingerprint = state_fingerprint(self.base.state_dict())
+        self._write_lock = threading.RLock()
+        self._adapters = AdapterSet()
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
+
+    @classmethod
+    def from_timm(
+        cls,
+        arch: str | None = None,
+        *,
+        weights: str | None = None,
+        pretrained: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        labels: tuple[str, ...] | None = None,
+        **model_kwargs: Any,
+    ) -> MemoryViT:
+        """Build from a timm architecture name and (optionally) a local weights file."""
+        base = create_base(arch, weights=weights, pretrained=pretrained, labels=labels, **model_kwargs)
+        return cls(base, device=device, dtype=dtype)
+
+    # -- device, dtype, mode -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.base.cls_token.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.cls_token.dtype
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MemoryViT:
+        # .to()/.cuda()/.half() land here: move the base, then re-prepare the adapters on it.
+        super()._apply(fn, recurse)
+        if getattr(self, "_adapters", None) is not None and len(self._adapters):
+            with self._write_lock:
+                self._adapters = AdapterSet(tuple(self.prepare(a.weights) for a in self._adapters))
+        return self
+
+    def train(self, mode: bool = True) -> MemoryViT:
+        # The base is frozen: its dropout and drop-path stay off even while adapters train.
+        super().train(mode)
+        self.base.eval()
+        return self
+
+    # -- adapters ------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> AdapterSet:
+        """The live adapter set. Hold on to it to run several passes on the same snapshot."""
+        return self._adapters
+
+    def class_position(self) -> Tensor:
+        """(D,) the position embedding the base's class token gets, which adapter class tokens share."""
+        base = self.base
+        if base.pos_embed is None or base.no_embed_class:
+            return torch.zeros(self.spec.width, device=self.device, dtype=self.dtype)
+        return base.pos_embed[0, 0]
+
+    @torch.no_grad()
+    def prepare(self, weights: AdapterWeights) -> PreparedAdapter:
+        """Check ``weights`` against the base and precompute what serving needs. Changes nothing."""
+        weights.check_fits(self.spec)
+        like = {"device": self.device, "dtype": self.dtype}
+        keys, values = self.project_memory(weights.memory.to(**like), weights.memory_norm)
+        return PreparedAdapter(
+            weights=weights,
+            cls=weights.cls_token.to(**like) + self.class_position(),
+            memory_keys=keys,
+            memory_values=values,
+            head_weight=weights.head_weight.to(**like),
+            head_bias=weights.head_bias.to(**like),
+        )
+
+    def project_memory(self, memory: Tensor, memory_norm: str) -> tuple[Tensor, Tensor]:
+        """Memory (L, m, D) -> keys and values (L, H, m, d) through each block's norm1/qkv."""
+        L, m, _ = memory.shape
+        if m == 0:
+            empty = memory.new_zeros(L, self.spec.num_heads, 0, self.spec.head_dim)
+            return empty, empty
+        pairs = [project_memory(block, memory[i], memory_norm) for i, block in enumerate(self.base.blocks)]
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+
+    def add_adapter(self, weights: AdapterWeights, *, replace: bool = False) -> AdapterSet:
+        """Make ``weights`` live (atomically). Returns the new set; on error the live set is unchanged."""
+        prepared = self.prepare(weights)
+        with self._write_lock:
+            return self._swap(self._adapters.with_adapter(prepared, replace=replace))
+
+    def remove_adapter(self, name: str) -> AdapterSet:
+        with self._write_lock:
+            return self._swap(self._adapters.without(name))
+
+    def set_adapters(self, adapters: Iterable[AdapterWeights]) -> AdapterSet:
+        """Replace the whole live set at once (parents must come before their extensions)."""
+        prepared = tuple(self.prepare(w) for w in adapters)
+        with self._write_lock:
+            return self._swap(AdapterSet(prepared))
+
+    def _swap(self, new: AdapterSet) -> AdapterSet:
+        self._adapters = new  # one reference assignment: passes in flight keep the old set
+        log.info("adapter set v%d live: %s", new.version, list(new.names))
+        return new
+
+    # -- the fused pass ------------------------------------------------------------------------
+    def forward(self, x: Tensor, adapter_set: AdapterSet | None = None) -> FusedOutput:
+        """Images (B, C, H, W) -> base logits and every adapter's logits, from one pass."""
+        adapter_set = self._adapters if adapter_set is None else adapter_set  # read the reference once
+        x_tokens, c_tokens = self.forward_features(x, adapter_set.stack)
+        return self.forward_head(x_tokens, c_tokens, adapter_set)
+
+    def forward_features(self, x: Tensor, stack: AdapterStack | None) -> tuple[Tensor, Tensor | None]:
+        """Images -> final-normed base tokens (B, T, D) and adapter class tokens (B, K, D) or None."""
+        self._check_input(x)
+        base = self.base
+        x = x.to(self.dtype)
+        x = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))  # (B, T, D)
+        if stack is None:
+            return base.norm(base.blocks(x)), None
+        c = base.norm_pre(stack.cls.expand(x.shape[0], -1, -1))  # (B, K, D)
+        for block, memory in zip(base.blocks, stack.layers, strict=True):
+            x_next, k_x, v_x = base_block(block, x)  # k_x, v_x: (B, H, T, d) of this layer's input
+            c = adapter_block(block, c, k_x, v_x, memory)
+            x = x_next
+        return base.norm(x), base.norm(c)
+
+    def forward_head(self, x: Tensor, c: Tensor | None, adapter_set: AdapterSet) -> FusedOutput:
+        logits = {}
+        if c is not None:
+            for k, (adapter, (weight, bias)) in enumerate(
+                zip(adapter_set, adapter_set.stack.heads, strict=True)
+            ):
+                logits[adapter.name] = F.linear(c[:, k], weight, bias)
+        return FusedOutput(base=self.base.forward_head(x), adapters=logits, adapter_set=adapter_set)
+
+    def _check_input(self, x: Tensor) -> None:
+        in_chans = self.base.patch_embed.proj.in_channels
+        if x.ndim != 4 or x.shape[1] != in_chans:
+            raise InputError(f"expected images (B, {in_chans}, H, W), got shape {tuple(x.shape)}")
+        if not self.base.dynamic_img_size and tuple(x.shape[2:]) != self.spec.img_size:
+            raise InputError(
+                f"expected {self.spec.img_size[0]}x{self.spec.img_size[1]} images for {self.spec.arch}, "
+                f"got {x.shape[2]}x{x.shape[3]}"
+            )
+        if x.device != self.device:
+            raise InputError(f"images are on {x.device} but the model is on {self.device}")
