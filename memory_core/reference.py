@@ -10,7 +10,9 @@ built from the paper's token table (rows are queries, columns keys):
 Memory tokens are fed in fresh at every layer and dropped after it: they are keys and values, never
 queries (their rows of the mask only let them see themselves, to keep the softmax finite; their
 outputs are thrown away). ``memory_norm = "norm1"`` memory passes through the block's norm1 with
-the tokens, ``"none"`` memory joins after it.
+the tokens, ``"none"`` memory joins after it. As in the paper's figure and its public reproduction,
+the memory rows go through the whole layer (MLP included) before being dropped; ``trim_memory``
+drops them right after attention instead, the cheapest a dense-mask form can be.
 
 This file shares no code with the fused pass on purpose: it is what the fused pass is checked
 against. It costs (T+K+sum m)^2 attention per layer and its mask rules out fast attention kernels.
@@ -67,8 +69,11 @@ def attention_mask(num_base: int, adapters: Sequence[AdapterWeights]) -> Tensor:
 class DenseMemoryViT:
     """Base model plus adapters, computed densely. ``__call__(x) -> (base_logits, {name: logits})``."""
 
-    def __init__(self, base: VisionTransformer, adapters: Sequence[AdapterWeights]) -> None:
+    def __init__(
+        self, base: VisionTransformer, adapters: Sequence[AdapterWeights], *, trim_memory: bool = False
+    ) -> None:
         self.base = base.eval()
+        self.trim_memory = trim_memory
         self.adapters = list(adapters)
         names = [a.name for a in self.adapters]
         for a in self.adapters:
@@ -96,7 +101,7 @@ class DenseMemoryViT:
         ]
         self.memory_normed = torch.tensor(
             [a.memory_norm == "norm1" for a in self.adapters for _ in range(a.num_memory)], dtype=torch.bool
-        ).to(like["device"])
+        ).to(like["device"])  # (sum m,)
 
     @torch.no_grad()
     def __call__(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -118,16 +123,20 @@ class DenseMemoryViT:
     def _block(self, block, x: Tensor, memory: Tensor) -> Tensor:
         attn = block.attn
         B, N, D = x.shape
-        h = block.norm1(x)
-        mem = torch.where(self.memory_normed[:, None], block.norm1(memory), memory)
-        seq = torch.cat([h, mem.expand(B, -1, -1)], dim=1)  # (B, N + sum m, D)
+        seq = torch.cat([x, memory.expand(B, -1, -1)], dim=1)  # (B, S, D), S = N + sum m
         S = seq.shape[1]
-        qkv = attn.qkv(seq).reshape(B, S, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        h = block.norm1(seq)
+        # memory_norm "none": that adapter's memory joins after norm1, unnormalised.
+        h = torch.cat([h[:, :N], torch.where(self.memory_normed[:, None], h[:, N:], seq[:, N:])], dim=1)
+        qkv = attn.qkv(h).reshape(B, S, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, H, S, d)
         q, k = attn.q_norm(q), attn.k_norm(k)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)  # (B, H, S, d)
-        o = attn.norm(o[:, :, :N].transpose(1, 2).reshape(B, N, D))  # memory rows are dropped here
+        rows = N if self.trim_memory else S
+        seq, h = seq[:, :rows], h[:, :rows]
+        o = attn.norm(o[:, :, :rows].transpose(1, 2).reshape(B, rows, D))
         if getattr(attn, "gate", None) is not None:
             o = o * attn.gate(h).sigmoid()
-        x = x + block.ls1(attn.proj(o))
-        return x + block.ls2(block.mlp(block.norm2(x)))
+        seq = seq + block.ls1(attn.proj(o))
+        seq = seq + block.ls2(block.mlp(block.norm2(seq)))
+        return seq[:, :N]  # memory outputs are dropped: fresh memory enters the next layer

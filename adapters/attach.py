@@ -1,0 +1,45 @@
+"""Putting bundles on an engine: the checks that need the base, then one atomic swap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memory_core import AdapterSet, MemoryViT
+
+from .bundle import AdapterBundle
+from .errors import BaseMismatchError
+from .reader import read_bundle
+
+
+def check_compatible(bundle: AdapterBundle, engine: MemoryViT) -> None:
+    """Raise ``BaseMismatchError`` unless ``bundle`` was made for the base ``engine`` serves."""
+    spec, w = engine.spec, bundle.weights
+    if bundle.base_model != spec.arch:
+        raise BaseMismatchError(
+            f"adapter {w.name!r} was trained on {bundle.base_model}, this model is {spec.arch}",
+            field="base_model",
+        )
+    if w.depth != spec.depth:
+        raise BaseMismatchError(
+            f"adapter {w.name!r} has memory for {w.depth} layers, {spec.arch} has {spec.depth}",
+            field="memory",
+        )
+    if w.width != spec.width:
+        raise BaseMismatchError(
+            f"adapter {w.name!r} has width {w.width}, {spec.arch} has width {spec.width}", field="cls_token"
+        )
+    if bundle.base_fingerprint != engine.fingerprint:
+        raise BaseMismatchError(
+            f"adapter {w.name!r} was trained on other {spec.arch} weights "
+            f"(fingerprint {bundle.base_fingerprint[:12]}..., this base is {engine.fingerprint[:12]}...)",
+            field="base_fingerprint",
+        )
+
+
+def attach_bundle(
+    engine: MemoryViT, source: AdapterBundle | str | Path | bytes, *, replace: bool = False
+) -> AdapterSet:
+    """Validate ``source`` completely, then make it live. On any error the live set is unchanged."""
+    bundle = source if isinstance(source, AdapterBundle) else read_bundle(source)
+    check_compatible(bundle, engine)
+    return engine.add_adapter(bundle.weights, replace=replace)

@@ -1,0 +1,125 @@
+"""The live adapter set: atomic, validated changes that leave the old snapshot untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memory_core import (
+    AdapterInUseError,
+    AdapterShapeError,
+    AdapterWeights,
+    DuplicateAdapterError,
+    MissingParentError,
+    UnknownAdapterError,
+)
+from tests.conftest import images, max_diff, random_adapter, tiny_engine
+
+
+def test_add_replace_remove(engine) -> None:
+    a = random_adapter("a", engine)
+    s1 = engine.add_adapter(a)
+    with pytest.raises(DuplicateAdapterError, match="already loaded"):
+        engine.add_adapter(random_adapter("a", engine, seed=1))
+    assert engine.adapters is s1
+    s2 = engine.add_adapter(random_adapter("a", engine, seed=1, m=4), replace=True)
+    assert s2.names == ("a",) and s2["a"].weights.num_memory == 4
+    assert s1["a"].weights is a  # the old snapshot is untouched
+    s3 = engine.remove_adapter("a")
+    assert len(s3) == 0 and engine.adapters.stack is None
+    with pytest.raises(UnknownAdapterError, match="no adapter named 'a'"):
+        engine.remove_adapter("a")
+    assert len({s1.version, s2.version, s3.version}) == 3
+
+
+def test_replace_keeps_position(engine) -> None:
+    engine.set_adapters([random_adapter(n, engine) for n in "abc"])
+    engine.add_adapter(random_adapter("b", engine, seed=5), replace=True)
+    assert engine.adapters.names == ("a", "b", "c")
+
+
+def test_extension_needs_its_parent_and_protects_it(engine) -> None:
+    before = engine.adapters
+    with pytest.raises(MissingParentError, match="extends 'p'"):
+        engine.add_adapter(random_adapter("c", engine, parent="p"))
+    assert engine.adapters is before
+    engine.add_adapter(random_adapter("p", engine))
+    engine.add_adapter(random_adapter("c", engine, parent="p"))
+    engine.add_adapter(random_adapter("g", engine, parent="c"))
+    assert engine.adapters.lineage("g") == ["g", "c", "p"]
+    live = engine.adapters
+    with pytest.raises(AdapterInUseError, match="extend it"):
+        engine.remove_adapter("p")
+    with pytest.raises(AdapterInUseError, match="extend it"):
+        engine.add_adapter(random_adapter("p", engine, seed=3), replace=True)
+    assert engine.adapters is live
+    engine.remove_adapter("g")
+    engine.remove_adapter("c")
+    engine.remove_adapter("p")
+    assert len(engine.adapters) == 0
+
+
+def test_set_adapters_is_all_or_nothing(engine) -> None:
+    engine.set_adapters([random_adapter("keep", engine)])
+    live = engine.adapters
+    with pytest.raises(MissingParentError):
+        engine.set_adapters([random_adapter("x", engine), random_adapter("y", engine, parent="nope")])
+    with pytest.raises(DuplicateAdapterError):
+        engine.set_adapters([random_adapter("x", engine), random_adapter("x", engine)])
+    assert engine.adapters is live
+
+
+def test_shape_checks_before_anything_is_copied(engine) -> None:
+    spec = engine.spec
+    live = engine.adapters
+    wrong_depth = AdapterWeights(
+        "d",
+        torch.zeros(spec.depth + 1, 1, spec.width),
+        torch.zeros(spec.width),
+        torch.zeros(2, spec.width),
+        torch.zeros(2),
+    )
+    with pytest.raises(AdapterShapeError, match="memory for 4 layers but the base"):
+        engine.add_adapter(wrong_depth)
+    wrong_width = AdapterWeights(
+        "w", torch.zeros(spec.depth, 1, 8), torch.zeros(8), torch.zeros(2, 8), torch.zeros(2)
+    )
+    with pytest.raises(AdapterShapeError, match="width 8"):
+        engine.add_adapter(wrong_width)
+    assert engine.adapters is live
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(name="Bad Name"), "invalid adapter name"),
+        (dict(name="base"), "reserved"),
+        (dict(memory_norm="post"), "memory_norm"),
+        (dict(head_bias=torch.zeros(3)), "head bias has 3 rows"),
+        (dict(memory=torch.zeros(3, 1, 5)), "memory has width 5"),
+        (dict(memory=torch.zeros(3, 5)), "memory must be 3-D"),
+        (dict(cls_token=torch.zeros(64, dtype=torch.int64)), "floating-point"),
+        (dict(labels=("x",)), "1 labels for a head of 2"),
+        (dict(parent="a"), "itself"),
+    ],
+)
+def test_adapter_weights_validate_themselves(kwargs, match) -> None:
+    good = dict(
+        name="a",
+        memory=torch.zeros(3, 1, 64),
+        cls_token=torch.zeros(64),
+        head_weight=torch.zeros(2, 64),
+        head_bias=torch.zeros(2),
+    )
+    with pytest.raises(AdapterShapeError, match=match):
+        AdapterWeights(**{**good, **kwargs})
+
+
+def test_moving_the_engine_re_prepares_adapters() -> None:
+    engine = tiny_engine()
+    engine.set_adapters([random_adapter("a", engine, m=2)])
+    x = images(engine)
+    before = engine(x).adapters["a"]
+    engine.to(torch.float64)
+    assert engine.adapters.stack.layers[0].keys.dtype == torch.float64
+    assert max_diff(engine(x.double()).adapters["a"], before) <= 1e-5

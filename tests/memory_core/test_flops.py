@@ -1,0 +1,33 @@
+"""The analytic cost model reproduces DESIGN 2.4 and DESIGN 4's R(K) column."""
+
+from __future__ import annotations
+
+import pytest
+
+from memory_core import AdapterCost, MemoryViT, adapter_flops, base_flops, flop_ratio, uniform_adapters
+
+
+@pytest.mark.parametrize(
+    "arch,k,m,expected",
+    [
+        ("vit_base_patch32_224", 8, 1, 1.157),
+        ("vit_base_patch32_224", 64, 1, 2.258),
+        ("deit_tiny_patch16_224", 8, 5, 1.041),
+        ("deit_tiny_patch16_224", 64, 1, 1.328),
+    ],
+)
+def test_ratio_matches_design_table(arch: str, k: int, m: int, expected: float) -> None:
+    spec = MemoryViT.from_timm(arch).spec
+    assert flop_ratio(spec, uniform_adapters(k, m, 1000)) == pytest.approx(expected, abs=6e-4)
+
+
+def test_base_flops_by_hand() -> None:
+    spec = MemoryViT.from_timm("vit_base_patch32_224").spec
+    T, D, F, L = 50, 768, 3072, 12
+    per_layer = 2 * T * (4 * D * D + 2 * D * F) + 4 * T * T * D
+    assert base_flops(spec) == 2 * 49 * (3 * 32 * 32) * D + L * per_layer + 2 * 1000 * D
+    one = adapter_flops(spec, AdapterCost(num_memory=5, num_classes=10))
+    assert one == L * (2 * (4 * D * D + 2 * D * F) + 4 * (T + 1 + 5) * D) + 2 * 10 * D
+    # Extension: attending to an ancestor's class token and memory costs only its scores.
+    ext = adapter_flops(spec, AdapterCost(num_memory=5 + 2, num_classes=10, lineage=2))
+    assert ext - one == L * 4 * (1 + 2) * D

@@ -1,0 +1,228 @@
+"""The fused pass: base logits are timm's, adapter logits are the dense oracle's and their own."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+from memory_core import DenseMemoryViT, InputError, MemoryViT, create_base
+from tests.conftest import TOL, VARIANTS, images, max_diff, random_adapter, tiny_engine
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("num_adapters", [0, 1, 16])
+def test_base_logits_equal_timm(variant: str, num_adapters: int) -> None:
+    engine = tiny_engine(variant)
+    x = images(engine)
+    expected = engine.base(x)
+    engine.set_adapters(
+        random_adapter(f"a{i}", engine, m=i % 4, memory_norm=("norm1", "none")[i % 2])
+        for i in range(num_adapters)
+    )
+    out = engine(x)
+    assert max_diff(out.base, expected) <= TOL
+    assert len(out.adapters) == num_adapters
+
+
+def test_base_logits_equal_timm_unfused_attention_kernel() -> None:
+    # timm falls back to explicit softmax attention when fused attention is off; mirror it exactly.
+    engine = tiny_engine()
+    for block in engine.base.blocks:
+        block.attn.fused_attn = False
+    x = images(engine)
+    expected = engine.base(x)
+    engine.set_adapters([random_adapter("a", engine, m=2)])
+    assert max_diff(engine(x).base, expected) <= TOL
+
+
+def test_distilled_deit_base_unchanged() -> None:
+    base = create_base("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=4)
+    engine = MemoryViT(base)
+    x = images(engine)
+    expected = engine.base(x)
+    engine.set_adapters([random_adapter("a", engine, m=3)])
+    assert max_diff(engine(x).base, expected) <= TOL
+
+
+@pytest.mark.parametrize("memory_norm", ["norm1", "none"])
+@pytest.mark.parametrize("m", [0, 1, 5])
+@pytest.mark.parametrize("variant", ["plain", "registers"])
+def test_adapter_logits_equal_dense_oracle(memory_norm: str, m: int, variant: str) -> None:
+    engine = tiny_engine(variant)
+    adapters = [random_adapter(f"a{i}", engine, m=m, memory_norm=memory_norm) for i in range(3)]
+    engine.set_adapters(adapters)
+    x = images(engine)
+    out = engine(x)
+    base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
+    assert max_diff(out.base, base_ref) <= TOL
+    for a in adapters:
+        assert max_diff(out.adapters[a.name], adapter_ref[a.name]) <= TOL
+
+
+def test_mixed_memory_sizes_and_norms_in_one_set() -> None:
+    engine = tiny_engine("qknorm_layerscale_prenorm")
+    adapters = [
+        random_adapter("m0", engine, m=0),
+        random_adapter("m1-none", engine, m=1, memory_norm="none"),
+        random_adapter("m5", engine, m=5, classes=11),
+        random_adapter("m3-none", engine, m=3, memory_norm="none", classes=2),
+    ]
+    engine.set_adapters(adapters)
+    x = images(engine)
+    out = engine(x)
+    _, ref = DenseMemoryViT(engine.base, adapters)(x)
+    for a in adapters:
+        assert out.adapters[a.name].shape == (x.shape[0], a.num_classes)
+        assert max_diff(out.adapters[a.name], ref[a.name]) <= TOL
+
+
+def test_adapter_logits_do_not_depend_on_other_adapters() -> None:
+    engine = tiny_engine("registers")
+    x = images(engine)
+    target = random_adapter("target", engine, m=5)
+    engine.set_adapters([target])
+    alone = engine(x).adapters["target"]
+
+    others = [
+        random_adapter(f"o{i}", engine, m=i % 6, memory_norm=("norm1", "none")[i % 2]) for i in range(15)
+    ]
+    engine.set_adapters([*others[:7], target, *others[7:]])
+    among = engine(x).adapters["target"]
+    assert len(engine.adapters) == 16
+
+    for other in others:
+        engine.remove_adapter(other.name)
+    after = engine(x).adapters["target"]
+    assert engine.adapters.names == ("target",)
+
+    _, ref = DenseMemoryViT(engine.base, [target])(x)
+    assert max_diff(alone, among) <= TOL
+    assert max_diff(alone, after) <= TOL
+    assert max_diff(alone, ref["target"]) <= TOL
+
+
+def test_extension_chain_matches_oracle_and_parents_ignore_children() -> None:
+    engine = tiny_engine()
+    root = random_adapter("root", engine, m=2)
+    child = random_adapter("child", engine, m=1, parent="root", memory_norm="none")
+    grandchild = random_adapter("grandchild", engine, m=3, parent="child")
+    sibling = random_adapter("sibling", engine, m=4, parent="root")
+    loner = random_adapter("loner", engine, m=0)
+    adapters = [root, loner, child, sibling, grandchild]
+    engine.set_adapters(adapters)
+    x = images(engine)
+    out = engine(x)
+    _, ref = DenseMemoryViT(engine.base, adapters)(x)
+    for a in adapters:
+        assert max_diff(out.adapters[a.name], ref[a.name]) <= TOL, a.name
+
+    # A parent never sees its extensions: alone it gives the same logits.
+    engine.set_adapters([root])
+    assert max_diff(engine(x).adapters["root"], out.adapters["root"]) <= TOL
+    # An extension does see its parent: the same child weights over a different parent differ.
+    other_root = random_adapter("root", engine, m=2, seed=99)
+    engine.set_adapters([other_root, child])
+    assert max_diff(engine(x).adapters["child"], out.adapters["child"]) > 1e-3
+
+
+def test_memory_changes_adapter_logits_but_not_base() -> None:
+    engine = tiny_engine()
+    x = images(engine)
+    with_memory = random_adapter("a", engine, m=5)
+    without_memory = random_adapter("a", engine, m=0)  # same seed: same class token and head
+    assert torch.equal(with_memory.cls_token, without_memory.cls_token)
+    engine.set_adapters([with_memory])
+    out_mem = engine(x)
+    engine.set_adapters([without_memory])
+    out_plain = engine(x)
+    assert max_diff(out_mem.adapters["a"], out_plain.adapters["a"]) > 1e-2
+    assert max_diff(out_mem.base, out_plain.base) == 0.0
+
+
+def test_memory_norm_placement_is_honoured() -> None:
+    engine = tiny_engine()
+    x = images(engine)
+    normed = random_adapter("a", engine, m=3, memory_norm="norm1")
+    raw = random_adapter("a", engine, m=3, memory_norm="none")
+    assert torch.equal(normed.memory, raw.memory)
+    engine.set_adapters([normed])
+    a = engine(x).adapters["a"]
+    engine.set_adapters([raw])
+    b = engine(x).adapters["a"]
+    assert max_diff(a, b) > 1e-3
+
+
+def test_a_pass_keeps_the_snapshot_it_started_with() -> None:
+    engine = tiny_engine()
+    x = images(engine)
+    first = engine.add_adapter(random_adapter("a", engine))
+    engine.add_adapter(random_adapter("b", engine))
+    old = engine(x, first)
+    assert list(old.adapters) == ["a"]
+    assert old.adapter_set is first
+    new = engine(x)
+    assert list(new.adapters) == ["a", "b"]
+    assert new.adapter_set.version > first.version
+    assert max_diff(old.adapters["a"], new.adapters["a"]) <= TOL
+
+
+def test_real_deit_tiny(deit_tiny_path) -> None:
+    reference = timm.create_model("deit_tiny_patch16_224", num_classes=1000)
+    reference.load_state_dict(timm.models.load_state_dict(str(deit_tiny_path)))
+    reference.eval()
+    engine = MemoryViT.from_timm(weights=str(deit_tiny_path))  # architecture from the file's metadata
+    assert engine.spec.arch == "deit_tiny_patch16_224"
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(x)
+        for k in (0, 1, 16):
+            adapters = [random_adapter(f"a{i}", engine, m=i % 3, memory_std=0.1) for i in range(k)]
+            engine.set_adapters(adapters)
+            out = engine(x)
+            assert max_diff(out.base, expected) <= TOL, k
+        _, ref = DenseMemoryViT(engine.base, adapters)(x)
+        for a in adapters:
+            assert max_diff(out.adapters[a.name], ref[a.name]) <= TOL
+
+
+def test_wrong_images_are_refused(engine) -> None:
+    with pytest.raises(InputError, match="32x32"):
+        engine(torch.zeros(1, 3, 64, 64))
+    with pytest.raises(InputError, match="B, 3, H, W"):
+        engine(torch.zeros(1, 1, 32, 32))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 0.06), (torch.float16, 0.01)])
+def test_half_precision_on_cpu(dtype: torch.dtype, tol: float) -> None:
+    # Low precision: logits (of magnitude ~2 here) within `tol` of float32; measured 0.02 for bf16
+    # and 0.0023 for fp16, so the bounds leave 3-4x headroom.
+    engine = tiny_engine()
+    adapters = [random_adapter(f"a{i}", engine, m=i) for i in range(3)]
+    engine.set_adapters(adapters)
+    x = images(engine)
+    full = engine(x)
+    engine.to(dtype=dtype)
+    assert engine.adapters.stack.cls.dtype == dtype  # adapters were re-prepared for the new dtype
+    half = engine(x)
+    assert half.base.dtype == dtype
+    assert max_diff(half.base, full.base) <= tol
+    for a in adapters:
+        assert max_diff(half.adapters[a.name], full.adapters[a.name]) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.06), (torch.float16, 0.01)])
+def test_cuda_matches_cpu(dtype: torch.dtype, tol: float) -> None:
+    # float32 on CUDA uses TF32-free kernels by default in torch; 1e-4 covers reduction order.
+    engine = tiny_engine()
+    adapters = [random_adapter(f"a{i}", engine, m=i, memory_norm=("norm1", "none")[i % 2]) for i in range(4)]
+    engine.set_adapters(adapters)
+    x = images(engine)
+    cpu = engine(x)
+    engine.to("cuda", dtype)
+    gpu = engine(x.cuda())
+    assert max_diff(gpu.base.cpu(), cpu.base) <= tol
+    for a in adapters:
+        assert max_diff(gpu.adapters[a.name].cpu(), cpu.adapters[a.name]) <= tol
