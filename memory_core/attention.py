@@ -116,18 +116,17 @@ def _finish(block: Block, x: Tensor, h: Tensor, o: Tensor) -> Tensor:
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
 
 
-def base_block(block: Block, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Base tokens (B, T, D) through one block, exactly as ``block(x)``. Also returns the base keys
-    and values (B, H, T, d) that the adapter class tokens attend to."""
-    h = block.norm1(x)
-    q, k, v = project_qkv(block.attn, h)
-    o = base_attention(block.attn, q, k, v)
-    return _finish(block, x, h, o), k, v
+def fused_block(block: Block, x: Tensor, c: Tensor, memory: LayerMemory) -> tuple[Tensor, Tensor]:
+    """Base tokens x (B, T, D) and adapter class tokens c (B, K, D) through one block.
 
-
-def adapter_block(block: Block, c: Tensor, k_x: Tensor, v_x: Tensor, memory: LayerMemory) -> Tensor:
-    """Adapter class tokens (B, K, D) through one block, given the base keys/values of this layer."""
-    h = block.norm1(c)
-    q, k, v = project_qkv(block.attn, h)
-    o = adapter_attention(block.attn, q, k, v, k_x, v_x, memory)
-    return _finish(block, c, h, o)
+    x goes exactly the way ``block(x)`` takes it. c reads this layer's base keys and values, which
+    are dropped before either MLP runs, so the fused pass peaks at little more memory than timm's.
+    """
+    h_x = block.norm1(x)
+    q_x, k_x, v_x = project_qkv(block.attn, h_x)  # (B, H, T, d) each
+    o_x = base_attention(block.attn, q_x, k_x, v_x)
+    h_c = block.norm1(c)
+    q_c, k_c, v_c = project_qkv(block.attn, h_c)  # (B, H, K, d) each
+    o_c = adapter_attention(block.attn, q_c, k_c, v_c, k_x, v_x, memory)
+    del q_x, k_x, v_x, q_c, k_c, v_c
+    return _finish(block, x, h_x, o_x), _finish(block, c, h_c, o_c)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .adapter import AdapterWeights
 from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
-from .attention import adapter_block, base_block, project_memory
+from .attention import fused_block, project_memory
 from .base_model import BaseModel, create_base
 from .errors import InputError
 from .fingerprint import state_fingerprint
@@ -176,9 +176,7 @@ class MemoryViT(nn.Module):
             return base.norm(base.blocks(x)), None
         c = base.norm_pre(stack.cls.expand(x.shape[0], -1, -1))  # (B, K, D)
         for block, memory in zip(base.blocks, stack.layers, strict=True):
-            x_next, k_x, v_x = base_block(block, x)  # k_x, v_x: (B, H, T, d) of this layer's input
-            c = adapter_block(block, c, k_x, v_x, memory)
-            x = x_next
+            x, c = fused_block(block, x, c, memory)
         return base.norm(x), base.norm(c)
 
     def forward_head(self, x: Tensor, c: Tensor | None, adapter_set: AdapterSet) -> FusedOutput:

@@ -1,0 +1,1 @@
+"""memvit's application layer: the command line (and, with issue #4, the HTTP service)."""
