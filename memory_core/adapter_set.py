@@ -55,6 +55,16 @@ class AdapterStack:
     layers: tuple[LayerMemory, ...]  # one per block
     heads: tuple[tuple[Tensor, Tensor], ...]  # K (weight (C_k, D), bias (C_k,))
 
+    @property
+    def requires_grad(self) -> bool:
+        """True when some tensor of the stack is being trained."""
+        tensors = [
+            self.cls,
+            *(t for layer in self.layers for t in (layer.keys, layer.values) if t is not None),
+        ]
+        tensors += [t for head in self.heads for t in head]
+        return any(t.requires_grad for t in tensors)
+
 
 class AdapterSet:
     """An immutable, ordered set of prepared adapters. ``version`` is unique per set built."""

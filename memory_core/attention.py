@@ -104,10 +104,12 @@ def adapter_attention(
 
 
 def _finish(block: Block, x: Tensor, h: Tensor, o: Tensor) -> Tensor:
-    """Everything after attention, per token: output projection, layer scale, residual, MLP."""
+    """Everything after attention, per token: output projection, layer scale, residual, MLP.
+
+    x: the block input (B, N, D); h: norm1(x); o: attention output with heads merged (B, N, H*d).
+    """
     attn = block.attn
-    B, N, _ = x.shape
-    o = attn.norm(o.transpose(1, 2).reshape(B, N, -1))
+    o = attn.norm(o)
     gate = getattr(attn, "gate", None)
     if gate is not None:
         o = o * gate(h).sigmoid()
@@ -116,11 +118,37 @@ def _finish(block: Block, x: Tensor, h: Tensor, o: Tensor) -> Tensor:
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
 
 
-def fused_block(block: Block, x: Tensor, c: Tensor, memory: LayerMemory) -> tuple[Tensor, Tensor]:
-    """Base tokens x (B, T, D) and adapter class tokens c (B, K, D) through one block.
+def _merge_heads(o: Tensor) -> Tensor:
+    """(B, H, N, d) -> (B, N, H*d)."""
+    B, _, N, _ = o.shape
+    return o.transpose(1, 2).reshape(B, N, -1)
 
-    x goes exactly the way ``block(x)`` takes it. c reads this layer's base keys and values, which
-    are dropped before either MLP runs, so the fused pass peaks at little more memory than timm's.
+
+def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) -> Tensor:
+    """Base tokens and adapter class tokens, z = [X ; C] (B, T+K, D), through one block.
+
+    The inference path. Every per-token module runs once over all T+K rows (one GEMM per linear
+    layer instead of a large one and a thin one); only attention is split. Row i of a GEMM does not
+    depend on the other rows, so the base rows are still computed as ``block(x)`` computes them.
+    """
+    T = num_base
+    h = block.norm1(z)
+    q, k, v = project_qkv(block.attn, h)  # (B, H, T+K, d) each
+    k_x, v_x = k[:, :, :T], v[:, :, :T]
+    o_x = base_attention(block.attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
+    o_c = adapter_attention(
+        block.attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k_x, v_x, memory
+    )  # (B, H, K, d)
+    del q, k, v, k_x, v_x  # drop this layer's keys and values before the MLP allocates its hidden layer
+    o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1).flatten(2)  # (B, T+K, H*d)
+    return _finish(block, z, h, o)
+
+
+def split_block(block: Block, x: Tensor, c: Tensor, memory: LayerMemory) -> tuple[Tensor, Tensor]:
+    """Base tokens x (B, T, D) and adapter class tokens c (B, K, D) through one block, apart.
+
+    The training path (DESIGN 2.3): x never meets a tensor that needs gradients, so autograd records
+    only the class-token rows and back-propagation costs about one inference pass.
     """
     h_x = block.norm1(x)
     q_x, k_x, v_x = project_qkv(block.attn, h_x)  # (B, H, T, d) each
@@ -129,4 +157,4 @@ def fused_block(block: Block, x: Tensor, c: Tensor, memory: LayerMemory) -> tupl
     q_c, k_c, v_c = project_qkv(block.attn, h_c)  # (B, H, K, d) each
     o_c = adapter_attention(block.attn, q_c, k_c, v_c, k_x, v_x, memory)
     del q_x, k_x, v_x, q_c, k_c, v_c
-    return _finish(block, x, h_x, o_x), _finish(block, c, h_c, o_c)
+    return _finish(block, x, h_x, _merge_heads(o_x)), _finish(block, c, h_c, _merge_heads(o_c))

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .adapter import AdapterWeights
 from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
-from .attention import fused_block, project_memory
+from .attention import merged_block, project_memory, split_block
 from .base_model import BaseModel, create_base
 from .errors import InputError
 from .fingerprint import state_fingerprint
@@ -160,14 +160,21 @@ class MemoryViT(nn.Module):
         return new
 
     # -- the fused pass ------------------------------------------------------------------------
-    def forward(self, x: Tensor, adapter_set: AdapterSet | None = None) -> FusedOutput:
+    def forward(self, x: Tensor, adapter_set: AdapterSet | None = None, *, path: str = "auto") -> FusedOutput:
         """Images (B, C, H, W) -> base logits and every adapter's logits, from one pass."""
         adapter_set = self._adapters if adapter_set is None else adapter_set  # read the reference once
-        x_tokens, c_tokens = self.forward_features(x, adapter_set.stack)
+        x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
         return self.forward_head(x_tokens, c_tokens, adapter_set)
 
-    def forward_features(self, x: Tensor, stack: AdapterStack | None) -> tuple[Tensor, Tensor | None]:
-        """Images -> final-normed base tokens (B, T, D) and adapter class tokens (B, K, D) or None."""
+    def forward_features(
+        self, x: Tensor, stack: AdapterStack | None, *, path: str = "auto"
+    ) -> tuple[Tensor, Tensor | None]:
+        """Images -> final-normed base tokens (B, T, D) and adapter class tokens (B, K, D) or None.
+
+        ``path``: "merged" runs base and class-token rows through each linear layer together (fastest
+        for inference); "split" keeps them apart so that autograd records only the class-token rows
+        (training, DESIGN 2.3); "auto" picks split exactly when gradients will flow into the stack.
+        """
         self._check_input(x)
         base = self.base
         x = x.to(self.dtype)
@@ -175,8 +182,19 @@ class MemoryViT(nn.Module):
         if stack is None:
             return base.norm(base.blocks(x)), None
         c = base.norm_pre(stack.cls.expand(x.shape[0], -1, -1))  # (B, K, D)
-        for block, memory in zip(base.blocks, stack.layers, strict=True):
-            x, c = fused_block(block, x, c, memory)
+        if path == "auto":
+            path = "split" if torch.is_grad_enabled() and stack.requires_grad else "merged"
+        if path == "split":
+            for block, memory in zip(base.blocks, stack.layers, strict=True):
+                x, c = split_block(block, x, c, memory)
+        elif path == "merged":
+            T = x.shape[1]
+            z = torch.cat([x, c], dim=1)  # (B, T+K, D)
+            for block, memory in zip(base.blocks, stack.layers, strict=True):
+                z = merged_block(block, z, T, memory)
+            x, c = z[:, :T], z[:, T:]
+        else:
+            raise ValueError(f"path must be 'auto', 'merged' or 'split', got {path!r}")
         return base.norm(x), base.norm(c)
 
     def forward_head(self, x: Tensor, c: Tensor | None, adapter_set: AdapterSet) -> FusedOutput:

@@ -10,9 +10,10 @@ from memory_core import DenseMemoryViT, InputError, MemoryViT, create_base
 from tests.conftest import TOL, VARIANTS, images, max_diff, random_adapter, tiny_engine
 
 
+@pytest.mark.parametrize("path", ["merged", "split"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("num_adapters", [0, 1, 16])
-def test_base_logits_equal_timm(variant: str, num_adapters: int) -> None:
+def test_base_logits_equal_timm(variant: str, num_adapters: int, path: str) -> None:
     engine = tiny_engine(variant)
     x = images(engine)
     expected = engine.base(x)
@@ -20,7 +21,7 @@ def test_base_logits_equal_timm(variant: str, num_adapters: int) -> None:
         random_adapter(f"a{i}", engine, m=i % 4, memory_norm=("norm1", "none")[i % 2])
         for i in range(num_adapters)
     )
-    out = engine(x)
+    out = engine(x, path=path)
     assert max_diff(out.base, expected) <= TOL
     assert len(out.adapters) == num_adapters
 
@@ -45,15 +46,16 @@ def test_distilled_deit_base_unchanged() -> None:
     assert max_diff(engine(x).base, expected) <= TOL
 
 
+@pytest.mark.parametrize("path", ["merged", "split"])
 @pytest.mark.parametrize("memory_norm", ["norm1", "none"])
 @pytest.mark.parametrize("m", [0, 1, 5])
 @pytest.mark.parametrize("variant", ["plain", "registers"])
-def test_adapter_logits_equal_dense_oracle(memory_norm: str, m: int, variant: str) -> None:
+def test_adapter_logits_equal_dense_oracle(memory_norm: str, m: int, variant: str, path: str) -> None:
     engine = tiny_engine(variant)
     adapters = [random_adapter(f"a{i}", engine, m=m, memory_norm=memory_norm) for i in range(3)]
     engine.set_adapters(adapters)
     x = images(engine)
-    out = engine(x)
+    out = engine(x, path=path)
     base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
     assert max_diff(out.base, base_ref) <= TOL
     for a in adapters:
@@ -77,10 +79,12 @@ def test_mixed_memory_sizes_and_norms_in_one_set() -> None:
         assert max_diff(out.adapters[a.name], ref[a.name]) <= TOL
 
 
-def test_adapter_logits_do_not_depend_on_other_adapters() -> None:
+@pytest.mark.parametrize("memory_norm", ["norm1", "none"])
+@pytest.mark.parametrize("m", [0, 1, 5])
+def test_adapter_logits_do_not_depend_on_other_adapters(memory_norm: str, m: int) -> None:
     engine = tiny_engine("registers")
     x = images(engine)
-    target = random_adapter("target", engine, m=5)
+    target = random_adapter("target", engine, m=m, memory_norm=memory_norm)
     engine.set_adapters([target])
     alone = engine(x).adapters["target"]
 
@@ -102,7 +106,8 @@ def test_adapter_logits_do_not_depend_on_other_adapters() -> None:
     assert max_diff(alone, ref["target"]) <= TOL
 
 
-def test_extension_chain_matches_oracle_and_parents_ignore_children() -> None:
+@pytest.mark.parametrize("path", ["merged", "split"])
+def test_extension_chain_matches_oracle_and_parents_ignore_children(path: str) -> None:
     engine = tiny_engine()
     root = random_adapter("root", engine, m=2)
     child = random_adapter("child", engine, m=1, parent="root", memory_norm="none")
@@ -112,7 +117,7 @@ def test_extension_chain_matches_oracle_and_parents_ignore_children() -> None:
     adapters = [root, loner, child, sibling, grandchild]
     engine.set_adapters(adapters)
     x = images(engine)
-    out = engine(x)
+    out = engine(x, path=path)
     _, ref = DenseMemoryViT(engine.base, adapters)(x)
     for a in adapters:
         assert max_diff(out.adapters[a.name], ref[a.name]) <= TOL, a.name
@@ -184,6 +189,12 @@ def test_real_deit_tiny(deit_tiny_path) -> None:
         _, ref = DenseMemoryViT(engine.base, adapters)(x)
         for a in adapters:
             assert max_diff(out.adapters[a.name], ref[a.name]) <= TOL
+
+
+def test_unknown_path_is_refused(engine) -> None:
+    engine.set_adapters([random_adapter("a", engine)])
+    with pytest.raises(ValueError, match="path must be"):
+        engine(images(engine), path="dense")
 
 
 def test_wrong_images_are_refused(engine) -> None:
