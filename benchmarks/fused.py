@@ -1,6 +1,6 @@
 """Fused pass vs the base alone, vs K+1 separate timm passes, vs the dense-mask oracle, in one run.
 
-    python benchmarks/fused.py                       # the issue's grid, ~8 minutes on 2 CPU cores
+    python benchmarks/fused.py                       # the issue's grid, ~12 minutes on 2 CPU cores
     python benchmarks/fused.py --archs deit_tiny_patch16_224 --ks 0,8 --rounds 3   # a quick look
 
 Random weights (timing does not depend on them). Each configuration is timed in interleaved rounds
@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler's log lines out of the table
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ks", default="0,1,8,64")
     parser.add_argument("--ms", default="1,5")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--classes", type=int, default=1000, help="adapter head rows (DESIGN 4: 1000)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-dense", action="store_true", help="skip the dense-mask oracle")

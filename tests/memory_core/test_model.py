@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import timm
 import torch
 
-from memory_core import DenseMemoryViT, InputError, MemoryViT, create_base
+from memory_core import AdapterSet, DenseMemoryViT, InputError, MemoryViT, create_base
 from tests.conftest import TOL, VARIANTS, images, max_diff, random_adapter, tiny_engine
 
 
@@ -237,3 +239,20 @@ def test_cuda_matches_cpu(dtype: torch.dtype, tol: float) -> None:
     assert max_diff(gpu.base.cpu(), cpu.base) <= tol
     for a in adapters:
         assert max_diff(gpu.adapters[a.name].cpu(), cpu.adapters[a.name]) <= tol
+
+
+def test_gradients_never_flow_through_the_base_rows() -> None:
+    # DESIGN 2.3: when the adapter tensors are trained, autograd must record only the class-token
+    # rows; the base tokens come out of the pass as plain constants.
+    engine = tiny_engine()
+    prepared = engine.prepare(random_adapter("a", engine, m=2))
+    trainable = dataclasses.replace(prepared, cls=prepared.cls.clone().requires_grad_())
+    stack = AdapterSet((trainable,)).stack
+    x_tokens, c_tokens = engine.forward_features(images(engine), stack)
+    assert c_tokens.requires_grad and not x_tokens.requires_grad
+    c_tokens.sum().backward()
+    assert trainable.cls.grad is not None and trainable.cls.grad.abs().sum() > 0
+    assert all(p.grad is None for p in engine.base.parameters())
+    with torch.no_grad():  # no gradients wanted: the merged inference path, same numbers
+        merged = engine.forward_features(images(engine), stack)[1]
+    assert max_diff(merged, c_tokens.detach()) <= TOL
