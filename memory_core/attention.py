@@ -141,6 +141,7 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
     )  # (B, H, K, d)
     del q, k, v, k_x, v_x  # drop this layer's keys and values before the MLP allocates its hidden layer
     o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1).flatten(2)  # (B, T+K, H*d)
+    del o_x, o_c
     return _finish(block, z, h, o)
 
 
