@@ -2,8 +2,9 @@
 
 Weights files are read with timm's own loader (safetensors, or .pth/.pt with ``weights_only``), so
 a checkpoint that loads into timm loads here. A safetensors file may describe itself in its
-metadata: ``arch`` (the timm architecture), ``model_kwargs`` (JSON, e.g. a small image size) and
-``labels`` (JSON list of class names); then the file alone is enough to serve it.
+metadata: ``arch`` (the timm architecture), ``model_kwargs`` (JSON, e.g. a small image size),
+``labels`` (JSON list of class names) and ``data_config`` (JSON: mean, std, interpolation, crop_pct
+overriding timm's defaults for the architecture); then the file alone is enough to serve it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class BaseModel:
     arch: str
     labels: tuple[str, ...] | None = None
     source: str = "random"  # the weights file, "timm-pretrained" or "random"
+    data_config: dict[str, Any] | None = None  # preprocessing overrides (mean, std, interpolation, crop_pct)
 
 
 def read_weights_metadata(path: str | Path) -> dict[str, str]:
@@ -53,6 +55,7 @@ def create_base(
     weights: str | Path | None = None,
     pretrained: bool = False,
     labels: tuple[str, ...] | None = None,
+    data_config: dict[str, Any] | None = None,
     **model_kwargs: Any,
 ) -> BaseModel:
     """Build a supported timm ViT.
@@ -71,6 +74,7 @@ def create_base(
         model_kwargs = {**_json(meta, "model_kwargs", weights, {}), **model_kwargs}
         if labels is None and "labels" in meta:
             labels = tuple(_json(meta, "labels", weights, []))
+        data_config = {**_json(meta, "data_config", weights, {}), **(data_config or {})}
     if not arch:
         raise WeightsError("no architecture given and the weights file does not name one (metadata 'arch')")
 
@@ -95,7 +99,7 @@ def create_base(
     model.eval().requires_grad_(False)
     source = str(weights) if weights is not None else ("timm-pretrained" if pretrained else "random")
     log.info("base %s loaded from %s", arch, source)
-    return BaseModel(model=model, arch=arch, labels=labels, source=source)
+    return BaseModel(model=model, arch=arch, labels=labels, source=source, data_config=data_config or None)
 
 
 def _create(arch: str, *, pretrained: bool, **kwargs: Any) -> VisionTransformer:

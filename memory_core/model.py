@@ -14,10 +14,12 @@ import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.data import resolve_data_config
 from torch import Tensor, nn
 
 from .adapter import AdapterWeights
@@ -55,6 +57,7 @@ class MemoryViT(nn.Module):
         self.base = base.model.eval().requires_grad_(False)
         self.labels = base.labels
         self.source = base.source
+        self._data_config_overrides = dict(base.data_config or {})
         # Fingerprint the weights as given, before any cast, so it names the weights, not the dtype.
         self.fingerprint = state_fingerprint(self.base.state_dict())
         self._write_lock = threading.RLock()
@@ -67,15 +70,23 @@ class MemoryViT(nn.Module):
         cls,
         arch: str | None = None,
         *,
-        weights: str | None = None,
+        weights: str | Path | None = None,
         pretrained: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         labels: tuple[str, ...] | None = None,
+        data_config: dict[str, Any] | None = None,
         **model_kwargs: Any,
     ) -> MemoryViT:
         """Build from a timm architecture name and (optionally) a local weights file."""
-        base = create_base(arch, weights=weights, pretrained=pretrained, labels=labels, **model_kwargs)
+        base = create_base(
+            arch,
+            weights=weights,
+            pretrained=pretrained,
+            labels=labels,
+            data_config=data_config,
+            **model_kwargs,
+        )
         return cls(base, device=device, dtype=dtype)
 
     # -- device, dtype, mode -------------------------------------------------------------------
@@ -100,6 +111,13 @@ class MemoryViT(nn.Module):
         super().train(mode)
         self.base.eval()
         return self
+
+    def data_config(self) -> dict[str, Any]:
+        """The base's own preprocessing (timm's data config): input size, interpolation, crop, mean, std."""
+        config = resolve_data_config(model=self.base)
+        config.update(self._data_config_overrides)
+        config["input_size"] = (self.base.patch_embed.proj.in_channels, *self.spec.img_size)
+        return config
 
     # -- adapters ------------------------------------------------------------------------------
     @property

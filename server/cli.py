@@ -37,13 +37,12 @@ def info(
     classes: Annotated[int, typer.Option(help="classes per adapter head")] = 1000,
 ) -> None:
     """Check that a model can host adapters, and print its shape, fingerprint and FLOP ratios."""
-    from memory_core import MemoryViT, MemvitError, base_flops, flop_ratio, uniform_adapters
+    from memory_core import MemvitError, base_flops, flop_ratio, uniform_adapters
 
     try:
-        engine = MemoryViT.from_timm(arch, weights=str(weights) if weights else None)
+        engine = _engine(arch, weights)
     except MemvitError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
+        raise _fail(exc) from None
     spec = engine.spec
     report = {
         "arch": spec.arch,
@@ -71,9 +70,147 @@ def inspect(bundle: Annotated[Path, typer.Argument(help="adapter bundle (.safete
     try:
         description = read_bundle(bundle).describe()
     except BundleError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
+        raise _fail(exc) from None
     typer.echo(json.dumps(description, indent=2))
+
+
+def _engine(arch: str | None, weights: Path | None):
+    from memory_core import MemoryViT
+
+    return MemoryViT.from_timm(arch, weights=str(weights) if weights else None)
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(code=2)
+
+
+@app.command()
+def train(
+    name: Annotated[str, typer.Option(help="the new adapter's name")],
+    train_dir: Annotated[Path, typer.Option(help="training images: DIR/<class>/*.jpg|png")],
+    out: Annotated[Path | None, typer.Option(help="bundle to write (default: NAME.safetensors)")] = None,
+    arch: Annotated[str | None, typer.Option(help="timm architecture of the base")] = None,
+    weights: Annotated[Path | None, typer.Option(help="base weights (.safetensors/.pth)")] = None,
+    val_dir: Annotated[Path | None, typer.Option(help="validation images (default: a seeded split)")] = None,
+    val_fraction: Annotated[float, typer.Option(help="held-out fraction when no --val-dir")] = 0.1,
+    memory_tokens: Annotated[int, typer.Option(help="memory tokens per layer (0: class token + head)")] = 1,
+    head_only: Annotated[bool, typer.Option(help="train the head alone")] = False,
+    memory_norm: Annotated[str, typer.Option(help="norm1 (paper) or none")] = "norm1",
+    parent: Annotated[Path | None, typer.Option(help="parent bundle: extension mode")] = None,
+    epochs: Annotated[float, typer.Option()] = 5.0,
+    steps: Annotated[int | None, typer.Option(help="optimiser steps (overrides --epochs)")] = None,
+    batch_size: Annotated[int, typer.Option()] = 32,
+    lr: Annotated[float, typer.Option()] = 0.05,
+    momentum: Annotated[float, typer.Option()] = 0.9,
+    weight_decay: Annotated[float, typer.Option()] = 0.0,
+    warmup_fraction: Annotated[float, typer.Option(help="share of steps for linear warm-up")] = 0.05,
+    clip_grad: Annotated[float, typer.Option(help="gradient-norm clip")] = 1.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    workers: Annotated[int, typer.Option(help="data-loading processes")] = 0,
+    checkpoint: Annotated[Path | None, typer.Option(help="checkpoint file (default: OUT.ckpt)")] = None,
+    checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 50,
+    resume: Annotated[bool, typer.Option(help="continue from the checkpoint")] = False,
+    quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
+) -> None:
+    """Fine-tune one adapter on an image folder against a frozen base and write its bundle."""
+    from adapters.training import TrainConfig, train_adapter
+    from memory_core import MemvitError
+
+    out = out or Path(f"{name}.safetensors")
+    config = TrainConfig(
+        name=name,
+        train_dir=str(train_dir),
+        val_dir=str(val_dir) if val_dir else None,
+        val_fraction=val_fraction,
+        memory_tokens=memory_tokens,
+        head_only=head_only,
+        memory_norm=memory_norm,
+        parent=str(parent) if parent else None,
+        epochs=epochs,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        warmup_fraction=warmup_fraction,
+        clip_grad=clip_grad,
+        seed=seed,
+        workers=workers,
+    )
+    try:
+        result = train_adapter(
+            _engine(arch, weights),
+            config,
+            out=out,
+            checkpoint=checkpoint or out.with_suffix(".ckpt"),
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            progress=not quiet,
+        )
+    except (MemvitError, ValueError) as exc:
+        raise _fail(exc) from None
+    typer.echo(
+        f"{out}: {result.steps} steps, val top-1 {result.val.top1:.4f}, top-5 {result.val.top5:.4f} "
+        f"({result.val.images} images), {result.seconds:.0f}s"
+    )
+
+
+@app.command("eval")
+def evaluate(
+    val: Annotated[list[str], typer.Option(help="TASK=DIR, once per task ('base' for the base model)")],
+    adapter: Annotated[list[Path] | None, typer.Option(help="adapter bundle to load (repeat)")] = None,
+    arch: Annotated[str | None, typer.Option(help="timm architecture of the base")] = None,
+    weights: Annotated[Path | None, typer.Option(help="base weights")] = None,
+    batch_size: Annotated[int, typer.Option()] = 64,
+    workers: Annotated[int, typer.Option()] = 0,
+    limit: Annotated[int | None, typer.Option(help="at most this many images per class")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Top-1/top-5 of the base and of each adapter through ONE fused model, checked against each alone."""
+    from adapters import attach_bundle
+    from adapters.training import evaluate_tasks
+    from memory_core import MemvitError
+
+    try:
+        tasks = dict(_task_dir(item) for item in val)
+        engine = _engine(arch, weights)
+        for path in adapter or []:
+            attach_bundle(engine, path)
+        reports = evaluate_tasks(engine, tasks, batch_size=batch_size, workers=workers, limit=limit)
+    except (MemvitError, ValueError) as exc:
+        raise _fail(exc) from None
+    if as_json:
+        typer.echo(json.dumps([_report_dict(r) for r in reports], indent=2))
+    else:
+        typer.echo(f"{'task':24} {'images':>7} {'top-1':>7} {'top-5':>7} {'alone top-1':>12}  unchanged")
+        for r in reports:
+            alone = "-" if r.alone is None else f"{r.alone.top1:.4f}"
+            typer.echo(
+                f"{r.task:24} {r.fused.images:7d} {r.fused.top1:7.4f} {r.fused.top5:7.4f} {alone:>12}  "
+                f"{'yes' if r.unchanged else 'NO'} (max logit diff {r.max_logit_diff:.2e})"
+            )
+    if not all(r.unchanged for r in reports):
+        raise typer.Exit(code=1)
+
+
+def _task_dir(item: str) -> tuple[str, Path]:
+    task, sep, folder = item.partition("=")
+    if not sep or not task or not folder:
+        raise ValueError(f"--val expects TASK=DIR, got {item!r}")
+    return task, Path(folder)
+
+
+def _report_dict(r) -> dict:
+    return {
+        "task": r.task,
+        "images": r.fused.images,
+        "top1": r.fused.top1,
+        "top5": r.fused.top5,
+        "alone_top1": None if r.alone is None else r.alone.top1,
+        "max_logit_diff": r.max_logit_diff,
+        "unchanged": r.unchanged,
+    }
 
 
 if __name__ == "__main__":

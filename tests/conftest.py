@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import random
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
+from safetensors.torch import save_file
 
 from memory_core import AdapterWeights, BaseModel, MemoryViT, create_base
 
@@ -101,3 +105,34 @@ def deit_tiny_path() -> Path:
     if not DEIT_TINY.is_file():
         pytest.skip(f"real DeiT-Tiny weights not found at {DEIT_TINY} (../shared/data is absent)")
     return DEIT_TINY
+
+
+COLOURS = {"red": (200, 40, 40), "green": (40, 180, 60), "blue": (40, 60, 200)}
+
+
+def make_folder(root: Path, per_class: int = 10, seed: int = 0, size: int = 32) -> Path:
+    """Three classes of noisy colour blobs at random places: easy, but not trivially constant."""
+    rng = random.Random(seed)
+    for name, (r, g, b) in COLOURS.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            image = Image.new("RGB", (size, size), tuple(rng.randint(90, 160) for _ in range(3)))
+            x, y = rng.randint(0, size // 2), rng.randint(0, size // 2)
+            jitter = [rng.randint(-30, 30) for _ in range(3)]
+            blob = Image.new("RGB", (size // 2, size // 2), (r + jitter[0], g + jitter[1], b + jitter[2]))
+            image.paste(blob, (x, y))
+            image.save(root / name / f"{i:03d}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory) -> Path:
+    return make_folder(tmp_path_factory.mktemp("colours") / "train", per_class=16)
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("base") / "tiny.safetensors"
+    meta = {"arch": "vit_tiny_patch16_224", "model_kwargs": json.dumps(TINY)}
+    save_file(tiny_base().model.state_dict(), str(path), metadata=meta)
+    return path

@@ -1,0 +1,150 @@
+"""Top-1/top-5 accuracy through the fused model, per task, and the check that fusing changes nothing.
+
+``evaluate_tasks`` runs each task's validation folder through ONE engine with every adapter loaded
+and scores that task's logits; it then runs the same images through a set holding only that adapter
+(and its ancestors) and checks that the predictions are the same: an adapter's accuracy must not
+depend on which other adapters are served with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from memory_core import BASE_TASK, AdapterSet, AdapterWeights, MemoryViT, PreparedAdapter
+
+from ..preprocess import Transform, eval_transform
+from .data import DataError, ImageDataset, Samples, scan_folder
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    top1: float
+    top5: float
+    images: int
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    task: str
+    fused: Accuracy
+    alone: Accuracy | None  # None for the base task (it is never affected by adapters)
+    max_logit_diff: float  # fused vs alone
+    same_predictions: bool
+
+    @property
+    def unchanged(self) -> bool:
+        return self.same_predictions and (self.alone is None or self.alone.top1 == self.fused.top1)
+
+
+def _count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    k = min(5, logits.shape[-1])
+    top = logits.topk(k, dim=-1).indices
+    return int((top[:, 0] == labels).sum()), int((top == labels[:, None]).any(-1).sum())
+
+
+def _loader(samples: Samples, transform: Transform, batch_size: int, workers: int) -> DataLoader:
+    return DataLoader(ImageDataset(samples, transform), batch_size=batch_size, num_workers=workers)
+
+
+@torch.inference_mode()
+def evaluate_set(
+    engine: MemoryViT,
+    weights: AdapterWeights,
+    samples: Samples,
+    transform: Transform,
+    *,
+    batch_size: int = 64,
+    workers: int = 0,
+    parent: PreparedAdapter | None = None,
+) -> Accuracy:
+    """Accuracy of one adapter (with its parent, if any) on labelled samples."""
+    adapter_set = AdapterSet(((parent,) if parent else ()) + (engine.prepare(weights),))
+    top1 = top5 = 0
+    for images, labels in _loader(samples, transform, batch_size, workers):
+        c1, c5 = _count(engine(images, adapter_set).adapters[weights.name], labels)
+        top1, top5 = top1 + c1, top5 + c5
+    return Accuracy(top1 / len(samples), top5 / len(samples), len(samples))
+
+
+def _label_map(task: str, samples: Samples, labels: Sequence[str]) -> torch.Tensor:
+    """Folder class index -> the task head's row, matching folder names to label names.
+
+    A label matches a folder if it equals it or starts with it and a space (ImageNet's
+    "n01440764 tench, Tinca tinca" matches folder "n01440764").
+    """
+    rows = []
+    for name in samples.classes:
+        hits = [i for i, label in enumerate(labels) if label == name or label.startswith(name + " ")]
+        if len(hits) != 1:
+            raise DataError(
+                f"{task}: folder class {name!r} matches {len(hits)} of the task's labels, expected 1"
+            )
+        rows.append(hits[0])
+    return torch.tensor(rows)
+
+
+@torch.inference_mode()
+def evaluate_tasks(
+    engine: MemoryViT,
+    val_dirs: dict[str, str | Path],
+    *,
+    batch_size: int = 64,
+    workers: int = 0,
+    limit: int | None = None,
+) -> list[TaskReport]:
+    """Score each task ("base" or an adapter name) on its folder, through the engine's live set."""
+    live = engine.adapters
+    transform = eval_transform(engine)
+    reports = []
+    for task, folder in val_dirs.items():
+        if task == BASE_TASK:
+            labels = engine.labels or tuple(f"class_{i}" for i in range(engine.spec.num_classes))
+        else:
+            labels = live[task].weights.labels or ()
+        samples = (
+            scan_folder(folder, classes=None, check_images=True) if limit is None else _limited(folder, limit)
+        )
+        rows = _label_map(task, samples, labels)
+        alone_set = (
+            None if task == BASE_TASK else AdapterSet(tuple(live[n] for n in reversed(live.lineage(task))))
+        )
+        fused = [0, 0]
+        alone = [0, 0]
+        max_diff, same = 0.0, True
+        for images, folder_labels in _loader(samples, transform, batch_size, workers):
+            target = rows[folder_labels]
+            out = engine(images, live)
+            logits = out.base if task == BASE_TASK else out.adapters[task]
+            fused = [a + b for a, b in zip(fused, _count(logits, target), strict=True)]
+            if alone_set is not None:
+                solo = engine(images, alone_set).adapters[task]
+                alone = [a + b for a, b in zip(alone, _count(solo, target), strict=True)]
+                max_diff = max(max_diff, (solo - logits).abs().max().item())
+                same = same and bool((solo.argmax(-1) == logits.argmax(-1)).all())
+        n = len(samples)
+        reports.append(
+            TaskReport(
+                task=task,
+                fused=Accuracy(fused[0] / n, fused[1] / n, n),
+                alone=None if alone_set is None else Accuracy(alone[0] / n, alone[1] / n, n),
+                max_logit_diff=max_diff,
+                same_predictions=same,
+            )
+        )
+    return reports
+
+
+def _limited(folder: str | Path, limit: int) -> Samples:
+    """The first ``limit`` images per class (sorted), for quick evaluations."""
+    samples = scan_folder(folder, check_images=False)
+    keep, seen = [], {}
+    for i, label in enumerate(samples.labels):
+        if seen.get(label, 0) < limit:
+            keep.append(i)
+            seen[label] = seen.get(label, 0) + 1
+    return samples.subset(keep)
