@@ -8,7 +8,8 @@ Random weights (timing does not depend on them). Each configuration is timed in 
 ratios, so slow drifts of a shared machine cancel. "separate" is K+1 plain timm passes run one after
 the other (a lower bound for K+1 separately fine-tuned models, which would also carry memory).
 Peak memory is the high-water mark of tensor allocations during one pass (torch profiler), that is
-activations, not weights.
+activations, not weights. Like ``memvit``'s entry points, it pins glibc's malloc thresholds
+(memory_core/runtime.py) unless ``--default-malloc`` is given.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memory_core import AdapterWeights, DenseMemoryViT, MemoryViT, flop_ratio, uniform_adapters
+from memory_core.runtime import tune_malloc
 
 
 @dataclass
@@ -187,7 +189,8 @@ def environment(args: argparse.Namespace) -> str:
         pass
     return (
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, {os.cpu_count()} CPUs, "
-        f"batch {args.batch}, fp32, {args.rounds} rounds, adapter heads of {args.classes} classes"
+        f"batch {args.batch}, fp32, {args.rounds} rounds, adapter heads of {args.classes} classes, "
+        f"{args.malloc}"
     )
 
 
@@ -201,7 +204,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--classes", type=int, default=1000, help="adapter head rows (DESIGN 4: 1000)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-dense", action="store_true", help="skip the dense-mask oracle")
+    parser.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds alone")
     args = parser.parse_args(argv)
+    args.malloc = "glibc defaults" if args.default_malloc or not tune_malloc() else "heap-pinned malloc"
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -170,7 +170,9 @@ def test_bad_settings_are_refused(overrides, match, image_folder) -> None:
 def test_gradient_clipping_bounds_every_step(image_folder, tiny_weights) -> None:
     # With the gradient norm clipped to 1e-8, SGD (lr 0.1, momentum 0.9) moves no parameter by more
     # than lr * clip * (1 + 0.9 + 0.81) over 3 steps; unclipped, the head alone moves by far more.
-    clipped = train_adapter(_engine(tiny_weights), _config(image_folder, steps=3, clip_grad=1e-8), progress=False)
+    clipped = train_adapter(
+        _engine(tiny_weights), _config(image_folder, steps=3, clip_grad=1e-8), progress=False
+    )
     assert clipped.bundle.weights.head_weight.abs().max() < 0.1 * 1e-8 * 2.71 + 1e-12
     free = train_adapter(_engine(tiny_weights), _config(image_folder, steps=3, clip_grad=1e3), progress=False)
     assert free.bundle.weights.head_weight.abs().max() > 1e-4
