@@ -67,7 +67,11 @@ def attention_mask(num_base: int, adapters: Sequence[AdapterWeights]) -> Tensor:
 
 
 class DenseMemoryViT:
-    """Base model plus adapters, computed densely. ``__call__(x) -> (base_logits, {name: logits})``."""
+    """Base model plus adapters, computed densely. ``__call__(x) -> (base_logits, {name: logits})``.
+
+    Differentiable when the adapters' tensors require gradients: that is the "back-propagate through
+    the whole masked model" baseline of the training benchmark.
+    """
 
     def __init__(
         self, base: VisionTransformer, adapters: Sequence[AdapterWeights], *, trim_memory: bool = False
@@ -103,7 +107,6 @@ class DenseMemoryViT:
             [a.memory_norm == "norm1" for a in self.adapters for _ in range(a.num_memory)], dtype=torch.bool
         ).to(like["device"])  # (sum m,)
 
-    @torch.no_grad()
     def __call__(self, images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         base = self.base
         images = images.to(base.cls_token.dtype)

@@ -106,6 +106,7 @@ def train(
     weight_decay: Annotated[float, typer.Option()] = 0.0,
     warmup_fraction: Annotated[float, typer.Option(help="share of steps for linear warm-up")] = 0.05,
     clip_grad: Annotated[float, typer.Option(help="gradient-norm clip")] = 1.0,
+    hflip: Annotated[float, typer.Option(help="horizontal-flip probability (0 for digits, text)")] = 0.5,
     seed: Annotated[int, typer.Option()] = 0,
     workers: Annotated[int, typer.Option(help="data-loading processes")] = 0,
     checkpoint: Annotated[Path | None, typer.Option(help="checkpoint file (default: OUT.ckpt)")] = None,
@@ -135,6 +136,7 @@ def train(
         weight_decay=weight_decay,
         warmup_fraction=warmup_fraction,
         clip_grad=clip_grad,
+        hflip=hflip,
         seed=seed,
         workers=workers,
     )

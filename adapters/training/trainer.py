@@ -61,6 +61,7 @@ class TrainConfig:
     warmup_fraction: float = 0.05
     clip_grad: float = 1.0
     crop_scale: tuple[float, float] = (0.35, 1.0)
+    hflip: float = 0.5  # 0 for tasks where a mirror image changes the answer (digits, orientation)
     seed: int = 0
     workers: int = 0
     eval_batch_size: int = 64
@@ -154,7 +155,9 @@ def train_adapter(
         step, losses = _load_checkpoint(checkpoint, engine, config, adapter, optimizer, schedule)
         log.info("resuming %s at step %d of %d", config.name, step, total)
 
-    dataset = ImageDataset(train_samples, train_transform(engine, scale=config.crop_scale), seed=config.seed)
+    dataset = ImageDataset(
+        train_samples, train_transform(engine, scale=config.crop_scale, hflip=config.hflip), seed=config.seed
+    )
     loader = DataLoader(
         dataset,
         batch_size=config.batch_size,

@@ -60,6 +60,7 @@ def test_missing_file(tmp_path) -> None:
         create_base("vit_tiny_patch16_224", weights=tmp_path / "nope.safetensors")
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_garbage_file(tmp_path) -> None:
     path = tmp_path / "junk.safetensors"
     path.write_bytes(b"this is not a tensor file at all")

