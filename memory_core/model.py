@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,11 +26,13 @@ from .adapter import AdapterWeights
 from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
 from .attention import merged_block, project_memory, split_block
 from .base_model import BaseModel, create_base
-from .errors import InputError
+from .errors import AdapterShapeError, InputError
 from .fingerprint import state_fingerprint
 from .spec import ViTSpec
 
 log = logging.getLogger(__name__)
+
+Commit = Callable[["AdapterSet"], None]
 
 
 @dataclass(frozen=True)
@@ -156,23 +158,46 @@ class MemoryViT(nn.Module):
         pairs = [project_memory(block, memory[i], memory_norm) for i, block in enumerate(self.base.blocks)]
         return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
-    def add_adapter(self, weights: AdapterWeights, *, replace: bool = False) -> AdapterSet:
-        """Make ``weights`` live (atomically). Returns the new set; on error the live set is unchanged."""
+    def add_adapter(
+        self, weights: AdapterWeights, *, replace: bool = False, commit: Commit | None = None
+    ) -> AdapterSet:
+        """Make ``weights`` live (atomically). Returns the new set; on error the live set is unchanged.
+
+        ``commit(new_set)`` runs after every check and before the swap, under the write lock: use it to
+        persist the change (write the bundle to a store); if it raises, nothing is swapped.
+        """
         prepared = self.prepare(weights)
         with self._write_lock:
-            return self._swap(self._adapters.with_adapter(prepared, replace=replace))
+            return self._swap(self._adapters.with_adapter(prepared, replace=replace), commit)
 
-    def remove_adapter(self, name: str) -> AdapterSet:
+    def remove_adapter(self, name: str, *, commit: Commit | None = None) -> AdapterSet:
         with self._write_lock:
-            return self._swap(self._adapters.without(name))
+            return self._swap(self._adapters.without(name), commit)
 
-    def set_adapters(self, adapters: Iterable[AdapterWeights]) -> AdapterSet:
+    def set_adapters(self, adapters: Iterable[AdapterWeights], *, commit: Commit | None = None) -> AdapterSet:
         """Replace the whole live set at once (parents must come before their extensions)."""
         prepared = tuple(self.prepare(w) for w in adapters)
         with self._write_lock:
-            return self._swap(AdapterSet(prepared))
+            return self._swap(AdapterSet(prepared), commit)
 
-    def _swap(self, new: AdapterSet) -> AdapterSet:
+    def install(self, adapter_set: AdapterSet, *, commit: Commit | None = None) -> AdapterSet:
+        """Make a set built elsewhere live, e.g. from prepared adapters a store keeps between changes.
+
+        Its adapters must have been prepared by this engine, on its current device and dtype.
+        """
+        for adapter in adapter_set:
+            if adapter.cls.device != self.device or adapter.cls.dtype != self.dtype:
+                raise AdapterShapeError(
+                    f"adapter {adapter.name!r} was prepared for {adapter.cls.device}/{adapter.cls.dtype}, "
+                    f"the engine runs {self.device}/{self.dtype}; prepare it with this engine",
+                    field="name",
+                )
+        with self._write_lock:
+            return self._swap(adapter_set, commit)
+
+    def _swap(self, new: AdapterSet, commit: Commit | None = None) -> AdapterSet:
+        if commit is not None:
+            commit(new)
         self._adapters = new  # one reference assignment: passes in flight keep the old set
         log.info("adapter set v%d live: %s", new.version, list(new.names))
         return new

@@ -74,6 +74,50 @@ def inspect(bundle: Annotated[Path, typer.Argument(help="adapter bundle (.safete
     typer.echo(json.dumps(description, indent=2))
 
 
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="bind address (MEMVIT_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (MEMVIT_PORT)")] = None,
+    model: Annotated[str | None, typer.Option(help="timm architecture (MEMVIT_MODEL)")] = None,
+    weights: Annotated[Path | None, typer.Option(help="base weights (MEMVIT_WEIGHTS)")] = None,
+    adapter_store: Annotated[
+        Path | None, typer.Option(help="adapter directory (MEMVIT_ADAPTER_STORE)")
+    ] = None,
+) -> None:
+    """Serve the HTTP API. Settings come from MEMVIT_* variables; with none, the embedded demo."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from .app import create_app, preflight
+    from .settings import Settings
+
+    overrides = {
+        "host": host,
+        "port": port,
+        "model": model,
+        "weights": weights,
+        "adapter_store": adapter_store,
+    }
+    try:
+        settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+        preflight(settings)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"MEMVIT_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        raise _fail(ValueError(f"invalid settings: {problems}")) from None
+    except (ValueError, OSError) as exc:
+        raise _fail(exc) from None
+    logging.getLogger().setLevel(settings.log_level.upper())
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+    )
+
+
 def _engine(arch: str | None, weights: Path | None):
     from memory_core import MemoryViT
 

@@ -123,3 +123,23 @@ def test_moving_the_engine_re_prepares_adapters() -> None:
     engine.to(torch.float64)
     assert engine.adapters.stack.layers[0].keys.dtype == torch.float64
     assert max_diff(engine(x.double()).adapters["a"], before) <= 1e-5
+
+
+def test_commit_runs_before_the_swap_and_can_veto_it(engine) -> None:
+    seen = []
+    new = engine.add_adapter(random_adapter("a", engine), commit=lambda s: seen.append(s.names))
+    assert seen == [("a",)] and engine.adapters is new
+    live = engine.adapters
+
+    def refuse(_):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        engine.add_adapter(random_adapter("b", engine), commit=refuse)
+    with pytest.raises(OSError, match="disk full"):
+        engine.remove_adapter("a", commit=refuse)
+    assert engine.adapters is live
+    calls = []
+    with pytest.raises(DuplicateAdapterError):  # checks come first: commit never runs for a bad change
+        engine.add_adapter(random_adapter("a", engine), commit=calls.append)
+    assert calls == []

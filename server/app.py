@@ -1,0 +1,187 @@
+"""The FastAPI application: built by ``create_app(settings)``, loaded in the background.
+
+Start-up order: the server answers at once (``/healthz`` 200, ``/readyz`` 503); a background task
+loads the base model and every valid bundle in the store, then starts the batcher and the store
+poller and flips ready. If loading fails, the error is logged in one line and the process stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from fastapi import FastAPI
+
+from memory_core import MemoryViT
+
+from .adapter_service import AdapterService
+from .batching import DynamicBatcher
+from .errors import install_error_handlers
+from .images import ImageDecoder
+from .metrics import Metrics, MetricsMiddleware
+from .routers import adapters, classify, health
+from .settings import Settings, get_settings
+from .state import Runtime
+from .store import AdapterStore
+
+log = logging.getLogger("memvit.server")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("MEMVIT_DEVICE=cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def build_engine(settings: Settings) -> MemoryViT:
+    """The base model the settings describe (the embedded demo when none is configured)."""
+    device, dtype = resolve_device(settings.device), DTYPES[settings.dtype]
+    if settings.uses_demo:
+        from .demo import BASE_WEIGHTS
+
+        return MemoryViT.from_timm(weights=BASE_WEIGHTS, device=device, dtype=dtype)
+    labels = None
+    if settings.labels_file is not None:
+        labels = tuple(line.strip() for line in settings.labels_file.read_text().splitlines() if line.strip())
+    return MemoryViT.from_timm(
+        settings.model, weights=settings.weights, labels=labels, device=device, dtype=dtype
+    )
+
+
+def preflight(settings: Settings) -> None:
+    """Cheap checks that turn misconfiguration into one clear line before the server starts."""
+    if settings.weights is not None and not settings.weights.is_file():
+        raise ValueError(f"MEMVIT_WEIGHTS: weights file not found: {settings.weights}")
+    if settings.labels_file is not None and not settings.labels_file.is_file():
+        raise ValueError(f"MEMVIT_LABELS_FILE: file not found: {settings.labels_file}")
+    if settings.uses_demo:
+        from .demo import BASE_WEIGHTS
+
+        if not BASE_WEIGHTS.is_file():
+            raise ValueError(f"no model configured and the embedded demo is missing ({BASE_WEIGHTS})")
+    resolve_device(settings.device)
+    AdapterStore(settings.adapter_store)  # creates it, or fails if it cannot be written
+
+
+def _seed_demo_store(settings: Settings, store: AdapterStore) -> None:
+    """With the demo model and an empty store, start from the demo's adapters."""
+    from .demo import demo_adapters
+
+    if settings.uses_demo and not store.scan():
+        for path in demo_adapters():
+            target = store.path(path.stem)
+            if not target.exists():
+                target.write_bytes(path.read_bytes())
+        log.info("seeded the empty adapter store %s with the demo adapters", store.root)
+
+
+def _load(runtime: Runtime) -> None:
+    settings = runtime.settings
+    engine = build_engine(settings)
+    store = AdapterStore(settings.adapter_store)
+    store.clean_temp_files()
+    _seed_demo_store(settings, store)
+    service = AdapterService(engine, store, max_bundle_bytes=settings.max_bundle_bytes)
+    service.sync()
+    for name, reason in service.invalid.items():
+        log.warning("adapter store: %s is invalid and was not loaded: %s", name, reason)
+    runtime.engine, runtime.adapters = engine, service
+    runtime.decoder = ImageDecoder(
+        engine, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels
+    )
+
+
+async def _start(runtime: Runtime) -> None:
+    settings = runtime.settings
+    try:
+        await asyncio.to_thread(_load, runtime)
+    except Exception as exc:  # configuration or weights problems: say so in one line and stop
+        log.error("cannot start: %s", exc)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    runtime.batcher = DynamicBatcher(
+        runtime.engine,
+        max_batch=settings.max_batch,
+        max_wait=settings.max_wait_ms / 1000,
+        max_queue=settings.max_queue,
+        metrics=runtime.metrics,
+    )
+    await runtime.batcher.start()
+    runtime.tasks.append(asyncio.create_task(_poll_store(runtime), name="store-poller"))
+    _update_gauges(runtime)
+    runtime.ready = True
+    runtime.metrics.ready.set(1)
+    spec = runtime.engine.spec
+    log.info(
+        "ready: %s (%s) on %s/%s, %d adapters, store %s",
+        spec.arch, runtime.engine.source, runtime.engine.device, runtime.engine.dtype,
+        len(runtime.engine.adapters), settings.adapter_store,
+    )  # fmt: skip
+
+
+async def _poll_store(runtime: Runtime) -> None:
+    while True:
+        await asyncio.sleep(runtime.settings.store_poll_seconds)
+        try:
+            await asyncio.to_thread(runtime.adapters.sync)
+            _update_gauges(runtime)
+        except Exception:  # a bad poll must not end polling
+            log.exception("adapter store poll failed")
+
+
+def _update_gauges(runtime: Runtime) -> None:
+    live = runtime.engine.adapters
+    runtime.metrics.adapters_loaded.set(len(live))
+    runtime.metrics.adapter_set_version.set(live.version)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime: Runtime = app.state.runtime
+        if settings.admin_token is None:
+            log.warning(
+                "!!! MEMVIT_ADMIN_TOKEN is not set: anyone who can reach this port can add and delete "
+                "adapters. Set it for any deployment beyond a laptop. !!!"
+            )
+        starter = asyncio.create_task(_start(runtime), name="loader")
+        runtime.tasks.append(starter)
+        yield
+        for task in runtime.tasks:
+            task.cancel()
+        for task in runtime.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if runtime.batcher is not None:
+            await runtime.batcher.stop()
+        runtime.decode_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(
+        title="memvit",
+        summary="One frozen ViT plus learnable-memory adapters, served as one fused forward pass.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    metrics = Metrics()
+    app.state.runtime = Runtime(
+        settings=settings,
+        metrics=metrics,
+        decode_pool=ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode"),
+    )
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    install_error_handlers(app)
+    app.include_router(classify.router)
+    app.include_router(adapters.router)
+    app.include_router(health.router)
+    return app

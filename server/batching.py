@@ -1,0 +1,149 @@
+"""Dynamic batching: concurrent requests gathered into one fused pass, run off the event loop.
+
+A request's images wait in a queue; one gatherer task takes the first waiting request, then more
+until ``max_batch`` images or ``max_wait`` seconds, and hands the batch to a single inference
+thread. Each batch reads the engine's adapter set once, so every request in it is answered by that
+one snapshot. A full queue refuses new work at once (503 + Retry-After) instead of growing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from memory_core import AdapterSet, MemoryViT
+
+from .errors import OverloadedError
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """One request's share of a fused pass: logits per task, and the snapshot that produced them."""
+
+    base: Tensor  # (n, C_0)
+    adapters: dict[str, Tensor]  # name -> (n, C_k)
+    adapter_set: AdapterSet
+
+
+@dataclass
+class _Job:
+    images: Tensor  # (n, C, H, W)
+    future: asyncio.Future
+    enqueued: float
+
+
+class DynamicBatcher:
+    def __init__(
+        self, engine: MemoryViT, *, max_batch: int, max_wait: float, max_queue: int, metrics: Metrics
+    ) -> None:
+        self.engine = engine
+        self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
+        self.metrics = metrics
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._waiting = 0  # images queued, not yet in a pass
+        self._carry: _Job | None = None  # a job that did not fit the previous batch
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused-pass")
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._gather_forever(), name="batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    async def submit(self, images: Tensor) -> BatchResult:
+        """Queue ``images`` (n, C, H, W) for the next pass and wait for their logits."""
+        n = images.shape[0]
+        if self._waiting + n > self.max_queue:
+            self.metrics.rejected.inc()
+            raise OverloadedError(
+                f"server busy: {self._waiting} images already queued (limit {self.max_queue}); retry shortly"
+            )
+        future = asyncio.get_running_loop().create_future()
+        self._waiting += n
+        self.metrics.queue_depth.set(self._waiting)
+        self._queue.put_nowait(_Job(images, future, time.perf_counter()))
+        return await future
+
+    async def _gather_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [self._carry or await self._queue.get()]
+            self._carry = None
+            size = batch[0].images.shape[0]
+            deadline = loop.time() + self.max_wait
+            while size < self.max_batch:
+                try:
+                    job = self._queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        break
+                    try:
+                        job = await asyncio.wait_for(self._queue.get(), remaining)
+                    except TimeoutError:
+                        break
+                if size + job.images.shape[0] > self.max_batch:
+                    self._carry = job
+                    break
+                batch.append(job)
+                size += job.images.shape[0]
+            await self._run(batch, size, loop)
+
+    async def _run(self, batch: list[_Job], size: int, loop: asyncio.AbstractEventLoop) -> None:
+        adapter_set = self.engine.adapters  # one snapshot for the whole batch
+        images = torch.cat([job.images for job in batch]) if len(batch) > 1 else batch[0].images
+        self.metrics.batch_size.observe(size)
+        started = time.perf_counter()
+        try:
+            out = await loop.run_in_executor(self._executor, self._forward, images, adapter_set)
+        except Exception as exc:  # never leave a client hanging
+            log.exception("fused pass failed")
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            return
+        finally:
+            self._waiting -= size
+            self.metrics.queue_depth.set(self._waiting)
+        self.metrics.fused_pass_seconds.observe(time.perf_counter() - started)
+        start = 0
+        for job in batch:
+            n = job.images.shape[0]
+            if not job.future.done():  # the client may have gone away
+                job.future.set_result(
+                    BatchResult(
+                        base=out.base[start : start + n],
+                        adapters={name: t[start : start + n] for name, t in out.adapters.items()},
+                        adapter_set=adapter_set,
+                    )
+                )
+            start += n
+
+    def _forward(self, images: Tensor, adapter_set: AdapterSet):
+        with torch.inference_mode():
+            out = self.engine(images.to(self.engine.device), adapter_set)
+        # Hand back float32 CPU tensors: the event loop only slices them and picks the top k.
+        return type(out)(
+            base=out.base.float().cpu(),
+            adapters={k: v.float().cpu() for k, v in out.adapters.items()},
+            adapter_set=adapter_set,
+        )

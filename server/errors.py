@@ -1,0 +1,166 @@
+"""Every domain error and its HTTP status, in one place. Responses are ``{"error": {...}}`` JSON.
+
+Handlers never let an exception escape as a 500 with a traceback: a named error maps to its 4xx/503,
+a request that fails validation to 422 with the field, anything else to a logged 500 that says only
+"internal error".
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from adapters import BaseMismatchError, BundleError
+from adapters.training import DataError
+from memory_core import (
+    AdapterInUseError,
+    AdapterShapeError,
+    DuplicateAdapterError,
+    InputError,
+    MemvitError,
+    MissingParentError,
+    UnknownAdapterError,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(MemvitError):
+    """An error of the HTTP layer. ``status`` is its HTTP status; ``headers()`` go on the response."""
+
+    status = 400
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def headers(self) -> dict[str, str] | None:
+        return None
+
+
+class EmptyImageError(ServiceError):
+    status = 400
+
+
+class NotAnImageError(ServiceError):
+    status = 415
+
+
+class UnsupportedMediaTypeError(ServiceError):
+    status = 415
+
+
+class BrokenImageError(ServiceError):
+    status = 400
+
+
+class ImageTooLargeError(ServiceError):
+    status = 413
+
+
+class TooManyImagesError(ServiceError):
+    status = 413
+
+
+class UnknownTaskError(ServiceError):
+    status = 422
+
+
+class BundleTooLargeError(ServiceError):
+    status = 413
+
+
+class NotAuthenticatedError(ServiceError):
+    status = 401
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class ForbiddenError(ServiceError):
+    status = 403
+
+
+class NotReadyError(ServiceError):
+    status = 503
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
+class OverloadedError(ServiceError):
+    status = 503
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+# Engine and bundle errors, most specific first.
+DOMAIN_STATUS: list[tuple[type[Exception], int]] = [
+    (DuplicateAdapterError, 409),
+    (AdapterInUseError, 409),
+    (MissingParentError, 409),
+    (UnknownAdapterError, 404),
+    (BaseMismatchError, 422),
+    (BundleError, 422),
+    (AdapterShapeError, 422),
+    (InputError, 422),
+    (DataError, 422),
+]
+
+
+def status_of(exc: Exception) -> int:
+    if isinstance(exc, ServiceError):
+        return exc.status
+    for kind, status in DOMAIN_STATUS:
+        if isinstance(exc, kind):
+            return status
+    return 500
+
+
+def error_body(exc: Exception, status: int) -> dict:
+    body = {"type": type(exc).__name__, "message": str(exc) if status < 500 else "internal error"}
+    field = getattr(exc, "field", None)
+    if field and status < 500:
+        body["field"] = field
+    return {"error": body}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MemvitError)
+    async def _domain(request: Request, exc: MemvitError) -> JSONResponse:
+        status = status_of(exc)
+        if status >= 500:
+            log.exception("unexpected %s on %s", type(exc).__name__, request.url.path, exc_info=exc)
+        headers = exc.headers() if isinstance(exc, ServiceError) else None
+        return JSONResponse(error_body(exc, status), status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err.get("loc", ()) if part not in ("body", "query"))
+            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        field = next((str(e["loc"][-1]) for e in exc.errors() if e.get("loc")), None)
+        body = {"error": {"type": "RequestValidationError", "message": "; ".join(problems), "field": field}}
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        body = {"error": {"type": "HTTPException", "message": str(exc.detail)}}
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return JSONResponse(
+            {"error": {"type": "InternalError", "message": "internal error"}}, status_code=500
+        )

@@ -1,0 +1,69 @@
+"""Prometheus metrics, one registry per app (so several apps in one process never collide)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "memvit_requests_total", "HTTP requests", ["route", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "memvit_request_seconds", "HTTP request latency", ["route"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "memvit_batch_images", "images per fused pass", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
+        )
+        self.fused_pass_seconds = Histogram(
+            "memvit_fused_pass_seconds", "time of one fused pass", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge("memvit_queue_images", "images waiting for a fused pass", registry=r)
+        self.rejected = Counter(
+            "memvit_rejected_total", "requests refused because the queue was full", registry=r
+        )
+        self.adapters_loaded = Gauge("memvit_adapters_loaded", "adapters in the live set", registry=r)
+        self.adapter_set_version = Gauge(
+            "memvit_adapter_set_version", "version of the live adapter set", registry=r
+        )
+        self.ready = Gauge("memvit_ready", "1 once the model and the adapter store are loaded", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts requests by route template (not raw path: bounded label values) and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(template, scope["method"], str(status)).inc()
+            self.metrics.latency.labels(template).observe(time.perf_counter() - started)

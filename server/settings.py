@@ -1,0 +1,58 @@
+"""Service settings, read once from the environment (prefix ``MEMVIT_``) or a ``.env`` file.
+
+With nothing set, the service serves the embedded demo (``server/demo/``) on 127.0.0.1:8000 with an
+adapter store in ``./adapter-store``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MEMVIT_", env_file=".env", extra="ignore")
+
+    # The base model. Neither set: the embedded demo. `weights` alone: a self-describing safetensors
+    # file (metadata names the architecture); `model` alone: random weights (for tests only).
+    model: str | None = Field(None, description="timm architecture of the base model")
+    weights: Path | None = Field(None, description="local .safetensors/.pth weights of the base")
+    labels_file: Path | None = Field(None, description="one class name per line, for the base task")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    adapter_store: Path = Field(Path("adapter-store"), description="directory of adapter bundles")
+    store_poll_seconds: float = Field(2.0, gt=0, description="how often to look for other replicas' changes")
+
+    max_batch: int = Field(32, ge=1, description="images per fused pass")
+    max_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits for more requests")
+    max_queue: int = Field(256, ge=1, description="images waiting before requests get 503")
+    decode_workers: int = Field(2, ge=1, description="threads decoding and preprocessing images")
+    max_images_per_request: int = Field(16, ge=1)
+
+    max_image_bytes: int = Field(20 * 1024 * 1024, ge=1, description="upload cap per image")
+    max_image_pixels: int = Field(40_000_000, ge=1, description="decompression-bomb guard")
+    max_bundle_bytes: int = Field(64 * 1024 * 1024, ge=1, description="upload cap per adapter bundle")
+    admin_token: SecretStr | None = Field(None, description="Bearer token for POST/DELETE /adapters")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("admin_token")
+    @classmethod
+    def _empty_token_is_none(cls, value: SecretStr | None) -> SecretStr | None:
+        return value if value is None or value.get_secret_value() else None
+
+    @property
+    def uses_demo(self) -> bool:
+        return self.model is None and self.weights is None
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,187 @@
+"""Every endpoint against a real uvicorn server, and every bad request: a clear 4xx, nothing lost."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+from adapters.preprocess import eval_transform, to_rgb
+from memory_core import MemoryViT
+from tests.adapters.test_bundle import BAD
+from tests.server.conftest import TOKEN, photo
+
+
+def jpeg(colour=(200, 30, 30), size=(48, 40)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def post_image(client, *images: bytes, **params) -> httpx.Response:
+    files = [("image", (f"img{i}.jpg", data, "image/jpeg")) for i, data in enumerate(images)]
+    return client.post("/classify", files=files, params=params)
+
+
+def register(client, bundle_bytes: bytes, **params) -> httpx.Response:
+    return client.post("/adapters", files={"bundle": ("b.safetensors", bundle_bytes)}, params=params)
+
+
+def snapshot(client, store) -> tuple:
+    """What must not change after a refused request: the live set and the store's files and bytes."""
+    live = client.get("/adapters").json()["adapter_set"]
+    files = {p.name: p.read_bytes() for p in sorted(store.glob("*"))}
+    return live, files
+
+
+def test_health_ready_metrics_docs(client) -> None:
+    assert client.get("/healthz").json() == {"status": "alive", "detail": None}
+    assert client.get("/readyz").status_code == 200
+    assert "/classify" in client.get("/openapi.json").json()["paths"]
+    assert client.get("/docs").status_code == 200
+    post_image(client, jpeg())
+    text = client.get("/metrics").text
+    for metric in (
+        "memvit_requests_total",
+        "memvit_request_seconds_bucket",
+        "memvit_batch_images_bucket",
+        "memvit_queue_images",
+        "memvit_adapters_loaded",
+        "memvit_fused_pass_seconds_bucket",
+    ):
+        assert metric in text, metric
+    assert 'route="/classify"' in text
+
+
+def test_classify_one_and_many_with_filters(client, make_bundle) -> None:
+    assert register(client, make_bundle("colours", m=2, classes=3).to_bytes()).status_code == 201
+    r = post_image(client, jpeg())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["adapter_set"]["adapters"] == ["colours"]
+    (result,) = body["results"]
+    assert set(result["tasks"]) == {"base", "colours"}
+    assert len(result["tasks"]["base"]["predictions"]) == 5
+    assert result["tasks"]["colours"]["predictions"][0]["label"].startswith("colours-")
+    probs = [p["probability"] for p in result["tasks"]["colours"]["predictions"]]
+    assert probs == sorted(probs, reverse=True) and abs(sum(probs) - 1) < 1e-5  # 3 classes: all of them
+
+    r = post_image(
+        client, jpeg(), jpeg((0, 0, 255)), jpeg((0, 255, 0)), top_k=2, tasks="colours", logits=True
+    )
+    body = r.json()
+    assert [x["image"] for x in body["results"]] == ["img0.jpg", "img1.jpg", "img2.jpg"]
+    for result in body["results"]:
+        assert list(result["tasks"]) == ["colours"]
+        assert len(result["tasks"]["colours"]["predictions"]) == 2
+        assert len(result["tasks"]["colours"]["logits"]) == 3
+    r = client.post(
+        "/classify",
+        files=[("image", ("a.jpg", jpeg(), "image/jpeg"))],
+        params=[("tasks", "base"), ("tasks", "colours")],
+    )
+    assert list(r.json()["results"][0]["tasks"]) == ["base", "colours"]
+
+
+def test_preprocessing_matches_memvit_eval(client, tiny_weights) -> None:
+    data = photo("hopper_orientation_6.jpg")
+    served = post_image(client, data, logits=True).json()["results"][0]["tasks"]["base"]["logits"]
+    engine = MemoryViT.from_timm(weights=str(tiny_weights))
+    x = eval_transform(engine)(to_rgb(Image.open(io.BytesIO(data))))
+    with torch.no_grad():
+        local = engine(x[None]).base[0]
+    assert torch.allclose(torch.tensor(served), local, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make_request,status,message",
+    [
+        (lambda c: post_image(c, photo("truncated_image.png")), 400, "truncated"),
+        (lambda c: post_image(c, b""), 400, "the file is empty"),
+        (lambda c: post_image(c, b"GIF89a but not really"), 400, "a damaged or truncated GIF file"),
+        (lambda c: post_image(c, photo("hopper.png")[:100]), 400, "a damaged or truncated PNG file"),
+        (lambda c: post_image(c, b"just some text, no image here"), 415, "not an image"),
+        (lambda c: post_image(c, jpeg(), tasks="nope"), 422, "unknown task(s) ['nope']"),
+        (lambda c: post_image(c, jpeg(), top_k=0), 422, "top_k"),
+        (lambda c: post_image(c, *[jpeg()] * 17), 413, "17 images in one request; the limit is 16"),
+        (lambda c: c.post("/classify", json={"image": "x"}), 415, "expected a multipart/form-data upload"),
+        (lambda c: c.post("/classify", files={"picture": ("a.jpg", jpeg())}), 422, "image: Field required"),
+        (lambda c: c.get("/classify"), 405, "Method Not Allowed"),
+        (lambda c: c.get("/nowhere"), 404, "Not Found"),
+    ],
+)
+def test_bad_classify_requests(client, store, make_request, status, message) -> None:
+    before = snapshot(client, store)
+    r = make_request(client)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+    assert client.get("/readyz").status_code == 200
+    assert snapshot(client, store) == before
+
+
+def test_register_describe_replace_delete(client, store, make_bundle) -> None:
+    r = register(client, make_bundle("pets", m=1, classes=4).to_bytes())
+    assert r.status_code == 201 and r.json()["replaced"] is False
+    assert r.json()["adapter"]["memory_tokens"] == 1 and (store / "pets.safetensors").is_file()
+    assert client.get("/adapters/pets").json()["num_classes"] == 4
+    r = register(client, make_bundle("pets", m=3, classes=4, seed=1).to_bytes())
+    assert r.status_code == 409 and "already loaded" in r.json()["error"]["message"]
+    r = register(client, make_bundle("pets", m=3, classes=4, seed=1).to_bytes(), replace=True)
+    assert r.status_code == 201 and r.json()["replaced"] is True
+    assert client.get("/adapters/pets").json()["memory_tokens"] == 3
+    assert register(client, make_bundle("kid", m=1, parent="pets").to_bytes()).status_code == 201
+    r = client.delete("/adapters/pets")
+    assert r.status_code == 409 and "extend it" in r.json()["error"]["message"]
+    assert client.delete("/adapters/kid").status_code == 200
+    r = client.delete("/adapters/pets")
+    assert r.status_code == 200 and r.json()["adapter_set"]["adapters"] == []
+    assert not (store / "pets.safetensors").exists()
+    assert client.get("/adapters/pets").status_code == 404
+    assert client.delete("/adapters/pets").status_code == 404
+    assert client.get("/adapters/..%2Fetc").status_code in (404, 422)
+    assert client.get("/adapters/Bad Name").status_code == 422
+
+
+def test_admin_token_is_required(server, make_bundle, store) -> None:
+    data = make_bundle("locked").to_bytes()
+    with httpx.Client(base_url=server) as anonymous:
+        r = anonymous.post("/adapters", files={"bundle": ("b", data)})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = anonymous.post(
+            "/adapters", files={"bundle": ("b", data)}, headers={"Authorization": "Bearer nope"}
+        )
+        assert r.status_code == 403
+        r = anonymous.delete("/adapters/locked", headers={"Authorization": "Basic " + TOKEN})
+        assert r.status_code == 401
+        assert anonymous.get("/adapters").status_code == 200  # reading needs no token
+    assert list(store.glob("*.safetensors")) == []
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_every_bad_bundle_is_refused_and_nothing_changes(client, store, make_bundle, case) -> None:
+    assert register(client, make_bundle("first", m=2).to_bytes()).status_code == 201
+    make, _, message = BAD[case]
+    data = make(make_bundle("new", m=3, classes=5))
+    before = snapshot(client, store)
+    r = register(client, data)
+    assert 400 <= r.status_code < 500, r.text
+    assert r.status_code == (409 if case in ("missing parent", "duplicate name") else 422)
+    assert message in r.json()["error"]["message"]
+    assert snapshot(client, store) == before
+    assert client.get("/readyz").status_code == 200
+    assert list(store.glob(".*")) == []  # no temp file left behind
+
+
+def test_bundle_upload_limits(tiny_weights, store, make_bundle) -> None:
+    from server.settings import Settings
+    from tests.server.conftest import free_port, running_server
+
+    settings = Settings(weights=tiny_weights, adapter_store=store, port=free_port(), max_bundle_bytes=1000)
+    with running_server(settings) as url, httpx.Client(base_url=url) as client:
+        r = register(client, make_bundle("big", m=5).to_bytes())
+        assert r.status_code == 413 and "1000-byte upload limit" in r.json()["error"]["message"]
+        r = client.post("/adapters", json={"bundle": "x"})
+        assert r.status_code == 415

@@ -1,0 +1,88 @@
+"""Decoding uploads: every real format file in ../shared/data/photos/formats/, and every bad one."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from adapters.preprocess import to_rgb
+from memory_core import MemoryViT
+from server.errors import BrokenImageError, EmptyImageError, ImageTooLargeError, NotAnImageError
+from server.images import ImageDecoder
+from tests.server.conftest import photo
+
+GOOD = [
+    "exif-72dpi-int.jpg", "flower.jpg", "flower.webp", "flower2.jpg", "frozenpond.mpo", "hopper.bmp",
+    "hopper.gif", "hopper.jpg", "hopper.png", "hopper.tif", "hopper.webp", "hopper_16bit_qtables.jpg",
+    "hopper_gray.jpg", "hopper_orientation_6.jpg", "icc_profile_big.jpg", "iss634.webp",
+    "pil_sample_cmyk.jpg", "sugarshack.mpo", "xmp_test.jpg",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_weights) -> ImageDecoder:
+    engine = MemoryViT.from_timm(weights=str(tiny_weights))
+    return ImageDecoder(engine, max_bytes=5_000_000, max_pixels=4_000_000)
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_every_supported_format_decodes(decoder, name) -> None:
+    x = decoder(photo(name), name)
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and torch.isfinite(x).all()
+
+
+def test_exif_orientation_is_applied() -> None:
+    upright = np.asarray(Image.open(io.BytesIO(photo("hopper.jpg"))).convert("RGB"), dtype=float)
+    tagged = Image.open(io.BytesIO(photo("hopper_orientation_6.jpg")))
+    assert np.abs(np.asarray(to_rgb(tagged), dtype=float) - upright).mean() < 10  # JPEG noise only
+    assert np.abs(np.asarray(tagged.convert("RGB"), dtype=float) - upright).mean() > 50
+
+
+def test_modes_become_rgb() -> None:
+    for name in ("pil_sample_cmyk.jpg", "hopper_gray.jpg", "hopper.gif", "iss634.webp"):
+        assert to_rgb(Image.open(io.BytesIO(photo(name)))).mode == "RGB", name
+    rgba = Image.new("RGBA", (4, 4), (255, 0, 0, 0))  # fully transparent red: flattened onto white
+    assert to_rgb(rgba).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_animation_uses_the_first_frame(decoder) -> None:
+    frames = [Image.new("RGB", (32, 32), c) for c in ((255, 0, 0), (0, 0, 255))]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:])
+    first = decoder(buf.getvalue())
+    buf2 = io.BytesIO()
+    frames[0].save(buf2, format="PNG")
+    assert torch.allclose(first, decoder(buf2.getvalue()), atol=0.05)
+
+
+def test_bad_uploads(decoder) -> None:
+    with pytest.raises(EmptyImageError, match="the file is empty"):
+        decoder(b"", "empty.jpg")
+    with pytest.raises(NotAnImageError, match="not an image in a supported format"):
+        decoder(b"%PDF-1.4 not an image", "doc.pdf")
+    with pytest.raises(BrokenImageError, match="truncated"):
+        decoder(photo("truncated_image.png"), "truncated_image.png")
+    whole = photo("flower.jpg")
+    with pytest.raises(BrokenImageError, match="damaged or truncated"):
+        decoder(whole[: len(whole) // 2], "half.jpg")
+    with pytest.raises(ImageTooLargeError, match="over the 5000000-byte limit"):
+        decoder(b"\xff" * 5_000_001, "big.jpg")
+
+
+def test_pixel_cap_stops_decompression_bombs(decoder) -> None:
+    # 3000 x 3000 of one colour compresses to a few kB but would decode to 27 MB: refused from the header.
+    buf = io.BytesIO()
+    Image.new("L", (3000, 3000)).save(buf, format="PNG")
+    assert len(buf.getvalue()) < 100_000
+    with pytest.raises(ImageTooLargeError, match="9000000 pixels is over the 4000000-pixel limit"):
+        decoder(buf.getvalue(), "bomb.png")
+
+
+def test_eps_is_never_handed_to_ghostscript(decoder) -> None:
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    with pytest.raises(NotAnImageError):
+        decoder(eps, "x.eps")
