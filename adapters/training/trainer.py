@@ -56,6 +56,7 @@ class TrainConfig:
     steps: int | None = None  # overrides epochs
     batch_size: int = 32
     lr: float = 0.05
+    token_lr_scale: float = 1.0  # lr multiplier for the class token and memory (prompt-like inputs)
     momentum: float = 0.9
     weight_decay: float = 0.0
     warmup_fraction: float = 0.05
@@ -140,8 +141,12 @@ def train_adapter(
         generator=generator,
     )
     params = [p for p in adapter.parameters() if p.requires_grad]
+    tokens = [p for p in (adapter.cls_token, adapter.memory) if p.requires_grad]
+    groups = [{"params": list(adapter.head.parameters())}]
+    if tokens:
+        groups.append({"params": tokens, "lr": config.lr * config.token_lr_scale})
     optimizer = torch.optim.SGD(
-        params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
     per_epoch = math.ceil(len(train_samples) / config.batch_size)
     total = config.steps or max(1, round(config.epochs * per_epoch))

@@ -1,0 +1,215 @@
+"""The HTTP service under load, against the raw fused model, in one run.
+
+    python benchmarks/serve.py                      # ~4 minutes on 2 CPU cores
+
+1. Raw: the fused model in-process (8 adapters loaded) on preprocessed images at batch sizes
+   1..32; its best images/s is the ceiling the server is measured against.
+2. Server: ``memvit serve`` (a separate process, the same weights and 8 adapters in its store);
+   1, 8 and 32 concurrent clients each post real photos (../shared/data/photos/natural/, one per
+   request) for a fixed time; throughput, p50 and p99 latency.
+3. Hot registration: 32 clients again, while another client registers and deletes a 9th adapter
+   in a loop; p99 against step 2's 32-client p99.
+The load generator (asyncio + httpx) runs on the same machine, so it takes CPU from the server:
+the ratios are conservative. DeiT-Tiny real weights are used when ../shared/data has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adapters import bundle_for, save_bundle
+from adapters.preprocess import eval_transform, to_rgb
+from memory_core import AdapterWeights, MemoryViT
+from memory_core.runtime import tune_malloc
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+DEIT = SHARED / "deit_tiny" / "deit_tiny_patch16_224.pipevit_mat_in1k.safetensors"
+
+
+def adapters_for(engine: MemoryViT, k: int, m: int = 1) -> list[AdapterWeights]:
+    spec, g = engine.spec, torch.Generator().manual_seed(0)
+    cls_token = engine.base.cls_token.detach().reshape(-1)
+    return [
+        AdapterWeights(
+            name=f"task-{i}",
+            memory=0.02 * torch.randn(spec.depth, m, spec.width, generator=g),
+            cls_token=cls_token.clone(),
+            head_weight=0.02 * torch.randn(100, spec.width, generator=g),
+            head_bias=torch.zeros(100),
+        )
+        for i in range(k)
+    ]
+
+
+def raw_throughput(engine: MemoryViT, images: list[bytes], seconds: float) -> dict[int, float]:
+    transform = eval_transform(engine)
+    x = torch.stack([transform(to_rgb(Image.open(io.BytesIO(d)))) for d in images])
+    out = {}
+    with torch.inference_mode():
+        for batch in (1, 4, 8, 16, 32):
+            xb = x[torch.arange(batch) % len(x)]
+            engine(xb)
+            done, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                engine(xb)
+                done += batch
+            out[batch] = done / (time.perf_counter() - start)
+    return out
+
+
+async def load(url: str, images: list[bytes], clients: int, seconds: float, stop_admin=None) -> dict:
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    deadline = time.perf_counter() + seconds
+
+    async def client(i: int) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            n = i
+            while time.perf_counter() < deadline:
+                data = images[n % len(images)]
+                n += 1
+                start = time.perf_counter()
+                r = await http.post("/classify", files={"image": ("p.jpg", data)}, params={"top_k": 1})
+                latencies.append(time.perf_counter() - start)
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    elapsed = time.perf_counter() - start
+    if stop_admin is not None:
+        stop_admin.set()
+    q = statistics.quantiles(latencies, n=100)
+    return {
+        "clients": clients,
+        "requests": len(latencies),
+        "throughput": len(latencies) / elapsed,
+        "p50_ms": 1e3 * statistics.median(latencies),
+        "p99_ms": 1e3 * q[98],
+        "statuses": statuses,
+    }
+
+
+async def admin_loop(url: str, bundle_bytes: bytes, stop: asyncio.Event, counts: dict) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        while not stop.is_set():
+            r = await http.post("/adapters", files={"bundle": ("b", bundle_bytes)}, params={"replace": True})
+            counts[r.status_code] = counts.get(r.status_code, 0) + 1
+            await asyncio.sleep(0.25)
+            r = await http.delete("/adapters/hot")
+            counts[r.status_code] = counts.get(r.status_code, 0) + 1
+            await asyncio.sleep(0.25)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=20.0, help="per load phase")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--max-wait-ms", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    tune_malloc()
+    photos = sorted((SHARED / "photos" / "natural").iterdir())
+    images = [p.read_bytes() for p in photos]
+    engine = (
+        MemoryViT.from_timm(weights=str(DEIT))
+        if DEIT.is_file()
+        else MemoryViT.from_timm("deit_tiny_patch16_224")
+    )
+    adapters = adapters_for(engine, 9)
+    engine.set_adapters(adapters[:8])
+
+    raw = raw_throughput(engine, images, seconds=4.0)
+    best_batch = max(raw, key=raw.get)
+    print(
+        f"{engine.spec.arch} ({engine.source}), 8 adapters, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {len(images)} photos"
+    )
+    print("| raw fused pass, batch | " + " | ".join(str(b) for b in raw) + " |")
+    print("|---|" + "--:|" * len(raw))
+    print("| images/s | " + " | ".join(f"{v:.1f}" for v in raw.values()) + " |\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp) / "store"
+        store.mkdir()
+        for w in adapters[:8]:
+            save_bundle(bundle_for(w, engine), store / f"{w.name}.safetensors")
+        hot = AdapterWeights(
+            "hot", adapters[8].memory, adapters[8].cls_token, adapters[8].head_weight, adapters[8].head_bias
+        )
+        hot_bytes = bundle_for(hot, engine).to_bytes()
+        port = 18000 + os.getpid() % 1000
+        env = {
+            **os.environ,
+            "MEMVIT_ADAPTER_STORE": str(store),
+            "MEMVIT_PORT": str(port),
+            "MEMVIT_MAX_BATCH": str(args.max_batch),
+            "MEMVIT_MAX_WAIT_MS": str(args.max_wait_ms),
+            "MEMVIT_LOG_LEVEL": "warning",
+        }
+        if DEIT.is_file():
+            env["MEMVIT_WEIGHTS"] = str(DEIT)
+        else:
+            env["MEMVIT_MODEL"] = "deit_tiny_patch16_224"
+        server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve"], cwd=REPO, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(600):
+                try:
+                    if httpx.get(f"{url}/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            asyncio.run(load(url, images, 8, 3.0))  # warm-up
+            rows = [asyncio.run(load(url, images, c, args.seconds)) for c in (1, 8, 32)]
+
+            async def with_registrations() -> tuple[dict, dict]:
+                stop, counts = asyncio.Event(), {}
+                admin = asyncio.create_task(admin_loop(url, hot_bytes, stop, counts))
+                row = await load(url, images, 32, args.seconds, stop_admin=stop)
+                await admin
+                return row, counts
+
+            hot_row, admin_counts = asyncio.run(with_registrations())
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+    print("| clients | requests | images/s | p50 ms | p99 ms | statuses |\n|--:|--:|--:|--:|--:|---|")
+    for r in [*rows, hot_row]:
+        label = f"{r['clients']}" + (" + hot registration" if r is hot_row else "")
+        print(
+            f"| {label} | {r['requests']} | {r['throughput']:.1f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} "
+            f"| {r['statuses']} |"
+        )
+    best = raw[best_batch]
+    share = rows[2]["throughput"] / best
+    p99_rise = hot_row["p99_ms"] / rows[2]["p99_ms"] - 1
+    print(
+        f"\nserver throughput at 32 clients / raw best (batch {best_batch}, {best:.1f} images/s): "
+        f"{share:.1%} "
+        f"({'ok' if share >= 0.85 else 'MISS'}, target >= 85%)"
+    )
+    print(
+        f"p99 with registrations running ({admin_counts}): {p99_rise:+.1%} "
+        f"({'ok' if p99_rise <= 0.20 else 'MISS'}, target <= +20%)"
+    )
+
+
+if __name__ == "__main__":
+    main()
