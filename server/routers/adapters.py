@@ -19,18 +19,7 @@ Name = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="adapter na
 
 
 def _info(bundle: AdapterBundle) -> AdapterInfo:
-    d = bundle.describe()
-    return AdapterInfo(
-        name=d["name"],
-        parent=d["parent"],
-        memory_tokens=d["memory_tokens"],
-        memory_norm=d["memory_norm"],
-        num_classes=d["num_classes"],
-        labels=d["labels"],
-        base_model=d["base_model"],
-        base_fingerprint=d["base_fingerprint"],
-        training=d["training"],
-    )
+    return AdapterInfo.model_validate(bundle.describe())  # extra keys (layers, width) are ignored
 
 
 def _set_info(adapter_set: AdapterSet) -> AdapterSetInfo:
