@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--token-lr-scale", type=float, default=1.0, help="lr multiplier, class token + memory"
+    )
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
             name = f"{dataset}-{regime.replace(' + ', '-').replace(' ', '-')}"
             config = TrainConfig(
                 name=name, train_dir=str(train_dir), val_dir=str(val_dir), steps=args.steps,
-                batch_size=args.batch_size, lr=args.lr, seed=args.seed, workers=args.workers, **overrides,
+                batch_size=args.batch_size, lr=args.lr, token_lr_scale=args.token_lr_scale, seed=args.seed,
+                workers=args.workers, **overrides,
             )  # fmt: skip
             result = train_adapter(engine, config, out=bundles / f"{name}.safetensors", progress=False)
             results.setdefault(dataset, {})[regime] = {
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(
         f"\n{args.train_per_class} training and {args.val_per_class} validation images per class, "
-        f"{args.steps} steps of batch {args.batch_size}, lr {args.lr}, seed {args.seed}\n"
+        f"{args.steps} steps of batch {args.batch_size}, lr {args.lr} "
+        f"(x{args.token_lr_scale} for class token and memory), seed {args.seed}\n"
     )
     print("| regime | " + " | ".join(f"{d} top-1" for d in data) + " |")
     print("|---|" + "--:|" * len(data))

@@ -43,6 +43,13 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    @field_validator("model", "weights", "labels_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # `MEMVIT_WEIGHTS=` (as docker compose passes an unset variable) means "not configured",
+        # not the current directory.
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("admin_token")
     @classmethod
     def _empty_token_is_none(cls, value: SecretStr | None) -> SecretStr | None:

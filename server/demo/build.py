@@ -54,7 +54,8 @@ log = logging.getLogger("memvit.demo")
 
 def _to_input(images: np.ndarray) -> torch.Tensor:
     """uint8 (N, 28, 28) -> normalised float (N, 3, 28, 28)."""
-    x = torch.from_numpy(images).float().div_(255.0).sub_(0.5).div_(0.5)
+    x = torch.tensor(images).float()  # copies: the IDX arrays are read-only views
+    x = x.div_(255.0).sub_(0.5).div_(0.5)
     return x[:, None].expand(-1, 3, -1, -1).contiguous()
 
 

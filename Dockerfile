@@ -1,0 +1,52 @@
+# memvit: one frozen ViT plus hot-loaded memory adapters, served as one fused pass.
+#
+#   docker build -t memvit .                      # python:3.11-slim-bookworm from a registry
+#   docker/smoke.sh                               # offline: local stand-in base + local wheelhouse
+#
+# With nothing configured the container serves the embedded demo; mount a self-describing base at
+# /models and set MEMVIT_WEIGHTS to serve your own. Adapters live in the /data/adapters volume.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------------------------------------
+FROM ${BASE_IMAGE} AS build
+# Build-time pip settings only (a mirror, or a wheelhouse served over HTTP as docker/smoke.sh does);
+# an ARG that is not passed is not set, and none of them reaches the runtime stage.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
+ARG PIP_TRUSTED_HOST
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv /opt/venv
+WORKDIR /src
+# Dependencies first, from the lock, so that a code change does not reinstall torch.
+COPY docker/requirements.txt docker/requirements.txt
+RUN /opt/venv/bin/pip install -r docker/requirements.txt
+COPY pyproject.toml README.md ./
+COPY memory_core memory_core
+COPY adapters adapters
+COPY server server
+RUN /opt/venv/bin/pip install --no-deps . \
+    && /opt/venv/bin/python -c "from server.demo import BASE_WEIGHTS; assert BASE_WEIGHTS.is_file(), BASE_WEIGHTS"
+
+# ---------------------------------------------------------------------------------------------
+FROM ${BASE_IMAGE}
+RUN groupadd --system --gid 10001 memvit \
+    && useradd --system --uid 10001 --gid memvit --home-dir /home/memvit --create-home memvit \
+    && mkdir -p /data/adapters /models \
+    && chown memvit:memvit /data/adapters
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    MEMVIT_HOST=0.0.0.0 \
+    MEMVIT_PORT=8000 \
+    MEMVIT_ADAPTER_STORE=/data/adapters
+USER 10001:10001
+WORKDIR /home/memvit
+VOLUME ["/data/adapters", "/models"]
+EXPOSE 8000
+# Healthy means ready: model loaded and adapter store read (GET /readyz answers 200).
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('MEMVIT_PORT', '8000'), timeout=4)"]
+CMD ["memvit", "serve"]

