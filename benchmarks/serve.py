@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters import bundle_for, save_bundle
 from adapters.preprocess import eval_transform, to_rgb
-from memory_core import AdapterWeights, MemoryViT
+from memory_core import AdapterWeights, MemoryViT, save_base
 from memory_core.runtime import tune_malloc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,19 +73,35 @@ def raw_throughput(engine: MemoryViT, images: list[bytes], seconds: float) -> di
     return out
 
 
+def multipart_bodies(images: list[bytes]) -> tuple[str, list[bytes]]:
+    """One pre-encoded ``image`` upload per photo, so the load generator spends little CPU per request."""
+    boundary = "memvit-bench-boundary"
+    bodies = [
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="p{i}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + data
+        + f"\r\n--{boundary}--\r\n".encode()
+        for i, data in enumerate(images)
+    ]
+    return f"multipart/form-data; boundary={boundary}", bodies
+
+
 async def load(url: str, images: list[bytes], clients: int, seconds: float, stop_admin=None) -> dict:
     latencies: list[float] = []
     statuses: dict[int, int] = {}
+    content_type, bodies = multipart_bodies(images)
     deadline = time.perf_counter() + seconds
 
     async def client(i: int) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             n = i
             while time.perf_counter() < deadline:
-                data = images[n % len(images)]
+                body = bodies[n % len(bodies)]
                 n += 1
                 start = time.perf_counter()
-                r = await http.post("/classify", files={"image": ("p.jpg", data)}, params={"top_k": 1})
+                r = await http.post("/classify?top_k=1", content=body, headers={"content-type": content_type})
                 latencies.append(time.perf_counter() - start)
                 statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
 
@@ -121,15 +137,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="per load phase")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=10.0)
+    parser.add_argument(
+        "--arch",
+        default="deit_tiny_patch16_224",
+        help="timm architecture; DeiT-Tiny uses the real weights when present, others random init",
+    )
     args = parser.parse_args(argv)
     tune_malloc()
     photos = sorted((SHARED / "photos" / "natural").iterdir())
     images = [p.read_bytes() for p in photos]
-    engine = (
-        MemoryViT.from_timm(weights=str(DEIT))
-        if DEIT.is_file()
-        else MemoryViT.from_timm("deit_tiny_patch16_224")
-    )
+    real_weights = args.arch == "deit_tiny_patch16_224" and DEIT.is_file()
+    engine = MemoryViT.from_timm(weights=str(DEIT)) if real_weights else MemoryViT.from_timm(args.arch)
     adapters = adapters_for(engine, 9)
     engine.set_adapters(adapters[:8])
 
@@ -161,10 +179,12 @@ def main(argv: list[str] | None = None) -> None:
             "MEMVIT_MAX_WAIT_MS": str(args.max_wait_ms),
             "MEMVIT_LOG_LEVEL": "warning",
         }
-        if DEIT.is_file():
+        if real_weights:
             env["MEMVIT_WEIGHTS"] = str(DEIT)
-        else:
-            env["MEMVIT_MODEL"] = "deit_tiny_patch16_224"
+        else:  # the server builds the same random-init model: the same seed, the same fingerprint
+            weights = Path(tmp) / "base.safetensors"
+            save_base(engine.base, weights, arch=args.arch)
+            env["MEMVIT_WEIGHTS"] = str(weights)
         server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve"], cwd=REPO, env=env)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -6,7 +6,7 @@ file-format code lives here: bundles are ``adapters/``, HTTP is ``server/``.
 
 from .adapter import BASE_TASK, MEMORY_NORMS, NAME_PATTERN, AdapterWeights, check_name
 from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
-from .base_model import BaseModel, create_base, read_weights_metadata
+from .base_model import BaseModel, create_base, read_weights_metadata, save_base
 from .errors import (
     AdapterError,
     AdapterInUseError,
@@ -58,6 +58,7 @@ __all__ = [
     "flop_ratio",
     "fused_flops",
     "read_weights_metadata",
+    "save_base",
     "state_fingerprint",
     "uniform_adapters",
 ]

@@ -18,6 +18,7 @@ from typing import Any
 import timm
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from timm.models.vision_transformer import VisionTransformer
 
 from .errors import UnsupportedModelError, WeightsError
@@ -35,6 +36,35 @@ class BaseModel:
     labels: tuple[str, ...] | None = None
     source: str = "random"  # the weights file, "timm-pretrained" or "random"
     data_config: dict[str, Any] | None = None  # preprocessing overrides (mean, std, interpolation, crop_pct)
+
+
+def save_base(
+    model: torch.nn.Module,
+    path: str | Path,
+    *,
+    arch: str,
+    model_kwargs: dict[str, Any] | None = None,
+    labels: tuple[str, ...] | list[str] | None = None,
+    data_config: dict[str, Any] | None = None,
+    extra: dict[str, str] | None = None,
+) -> Path:
+    """Write ``model``'s weights as a self-describing safetensors file that ``create_base`` reads alone.
+
+    ``extra`` adds free-form string metadata (provenance, accuracy); the reserved keys win over it.
+    """
+    check_supported(model)
+    meta = dict(extra or {})
+    meta["arch"] = arch
+    if model_kwargs:
+        meta["model_kwargs"] = json.dumps(model_kwargs)
+    if labels is not None:
+        meta["labels"] = json.dumps(list(labels))
+    if data_config:
+        meta["data_config"] = json.dumps(data_config)
+    path = Path(path)
+    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    save_file(state, str(path), metadata=meta)
+    return path
 
 
 def read_weights_metadata(path: str | Path) -> dict[str, str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -12,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save_file
 
-from memory_core import AdapterWeights, BaseModel, MemoryViT, create_base
+from memory_core import AdapterWeights, BaseModel, MemoryViT, create_base, save_base
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MEMVIT_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -133,6 +131,4 @@ def image_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_weights(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("base") / "tiny.safetensors"
-    meta = {"arch": "vit_tiny_patch16_224", "model_kwargs": json.dumps(TINY)}
-    save_file(tiny_base().model.state_dict(), str(path), metadata=meta)
-    return path
+    return save_base(tiny_base().model, path, arch="vit_tiny_patch16_224", model_kwargs=TINY)

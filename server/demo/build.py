@@ -28,11 +28,10 @@ import numpy as np
 import timm
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from adapters.training import TrainConfig, train_adapter
 from adapters.training.sources import DIGITS, FASHION_MNIST_CLASSES, arrays_to_folder, fashion_mnist_split
-from memory_core import MemoryViT
+from memory_core import MemoryViT, save_base
 from memory_core.runtime import tune_malloc
 
 HERE = Path(__file__).resolve().parent
@@ -142,14 +141,14 @@ def main(argv: list[str] | None = None) -> None:
     log.info("base test accuracy %.4f", base_accuracy)
     args.out.mkdir(parents=True, exist_ok=True)
     base_path = args.out / "base.safetensors"
-    save_file(
-        {k: v.contiguous() for k, v in model.state_dict().items()},
-        str(base_path),
-        metadata={
-            "arch": ARCH,
-            "model_kwargs": json.dumps(MODEL_KWARGS),
-            "labels": json.dumps(list(FASHION_MNIST_CLASSES)),
-            "data_config": json.dumps(DATA_CONFIG),
+    save_base(
+        model,
+        base_path,
+        arch=ARCH,
+        model_kwargs=MODEL_KWARGS,
+        labels=FASHION_MNIST_CLASSES,
+        data_config=DATA_CONFIG,
+        extra={
             "trained_on": "Fashion-MNIST train (60,000 images)",
             "test_accuracy": f"{base_accuracy:.4f}",
         },

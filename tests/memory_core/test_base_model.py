@@ -16,6 +16,7 @@ from memory_core import (
     UnsupportedModelError,
     WeightsError,
     create_base,
+    save_base,
     state_fingerprint,
 )
 from tests.conftest import TINY, images, max_diff, tiny_base
@@ -124,3 +125,31 @@ def test_real_deit_tiny_loads_from_its_file(deit_tiny_path) -> None:
     base = create_base(weights=deit_tiny_path)
     assert base.arch == "deit_tiny_patch16_224"
     assert base.model.num_classes == 1000
+
+
+def test_save_base_round_trips_weights_labels_and_preprocessing(tmp_path) -> None:
+    base = tiny_base()
+    data_config = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "crop_pct": 1.0}
+    path = save_base(
+        base.model,
+        tmp_path / "base.safetensors",
+        arch="vit_tiny_patch16_224",
+        model_kwargs=TINY,
+        labels=tuple("abcdefg"),
+        data_config=data_config,
+        extra={"trained_on": "nothing", "arch": "ignored: reserved keys win"},
+    )
+    engine = MemoryViT.from_timm(weights=str(path))
+    assert engine.spec.arch == "vit_tiny_patch16_224" and engine.labels == tuple("abcdefg")
+    assert engine.fingerprint == state_fingerprint(base.model.state_dict())
+    assert tuple(engine.data_config()["mean"]) == (0.5, 0.5, 0.5) and engine.data_config()["crop_pct"] == 1.0
+    x = images(engine)
+    assert max_diff(engine(x).base, base.model(x)) == 0.0
+
+
+def test_save_base_refuses_a_model_that_cannot_host_adapters(tmp_path) -> None:
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, class_token=False,
+                              global_pool="avg", embed_dim=32, depth=1, num_heads=2)  # fmt: skip
+    with pytest.raises(UnsupportedModelError):
+        save_base(model, tmp_path / "x.safetensors", arch="vit_tiny_patch16_224")
+    assert not (tmp_path / "x.safetensors").exists()
