@@ -65,12 +65,14 @@ def running_server(settings: Settings) -> Iterator[str]:
 class ServerProcess:
     """``memvit serve`` as a child process, for restarts and SIGKILL."""
 
-    def __init__(self, weights: Path, store: Path, **env: str) -> None:
+    def __init__(self, weights: Path | None, store: Path, **env: str) -> None:
+        """``weights=None``: no model configured, so the server serves the embedded demo."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        inherited = {k: v for k, v in os.environ.items() if k not in ("MEMVIT_WEIGHTS", "MEMVIT_MODEL")}
         self.env = {
-            **os.environ,
-            "MEMVIT_WEIGHTS": str(weights),
+            **inherited,
+            **({"MEMVIT_WEIGHTS": str(weights)} if weights is not None else {}),
             "MEMVIT_ADAPTER_STORE": str(store),
             "MEMVIT_PORT": str(self.port),
             "MEMVIT_STORE_POLL_SECONDS": "0.2",

@@ -1,0 +1,84 @@
+"""The embedded demo: small, described by its manifest, accurate, and what `memvit serve` serves when
+nothing is configured."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from adapters import read_bundle
+from adapters.preprocess import eval_transform
+from server.demo import ADAPTERS_DIR, BASE_WEIGHTS, DEMO_DIR, demo_adapters, load_demo
+from tests.server.conftest import ServerProcess
+
+pytestmark = pytest.mark.skipif(
+    not BASE_WEIGHTS.is_file(), reason="the demo is not built (python -m server.demo.build)"
+)
+MANIFEST = json.loads((DEMO_DIR / "MANIFEST.json").read_text()) if BASE_WEIGHTS.is_file() else {}
+FASHION = "/usr/share/datasets/fashion-mnist"
+
+
+def test_files_are_small_and_match_the_manifest() -> None:
+    files = [BASE_WEIGHTS, *demo_adapters()]
+    assert {p.name for p in files} == set(MANIFEST["sizes_bytes"])
+    for path in files:
+        assert path.stat().st_size == MANIFEST["sizes_bytes"][path.name], f"{path.name} differs from MANIFEST"
+    assert sum(p.stat().st_size for p in files) < 5 * 2**20
+
+
+def test_adapters_are_memory_adapters_of_this_base() -> None:
+    engine = load_demo()
+    assert set(engine.adapters.names) == {"digits", "orientation"}
+    for path in demo_adapters():
+        bundle = read_bundle(path)
+        assert bundle.weights.memory.shape[1] >= 1, "the demo shows memory tokens"
+        assert bundle.base_fingerprint == engine.fingerprint
+        recorded = MANIFEST[bundle.weights.name]["val_top1"]
+        assert bundle.training["val_accuracy"]["top1"] == pytest.approx(recorded)
+    assert MANIFEST["base"]["test_accuracy"] > 0.8
+    assert MANIFEST["digits"]["val_top1"] > 0.8 and MANIFEST["orientation"]["val_top1"] > 0.8
+
+
+def test_base_accuracy_reproduces_on_fashion_mnist() -> None:
+    from adapters.training.sources import fashion_mnist_split
+
+    try:
+        images, labels = fashion_mnist_split("t10k", root=FASHION)
+    except FileNotFoundError:
+        pytest.skip(f"Fashion-MNIST not installed ({FASHION}: apt-get install dataset-fashion-mnist)")
+    engine = load_demo()
+    transform = eval_transform(engine)
+    # Through the served path: PNG bytes -> the base's own preprocessing -> one fused pass.
+    x = torch.stack([transform(Image.fromarray(img).convert("RGB")) for img in images[:2000]])
+    with torch.inference_mode():
+        predicted = torch.cat([engine(x[i : i + 500]).base.argmax(-1) for i in range(0, len(x), 500)])
+    accuracy = float((predicted.numpy() == labels[:2000]).mean())
+    assert accuracy == pytest.approx(MANIFEST["base"]["test_accuracy"], abs=0.03)
+
+
+def test_serve_with_nothing_configured_serves_the_demo(tmp_path) -> None:
+    server = ServerProcess(None, tmp_path / "store").start()
+    try:
+        assert httpx.get(f"{server.url}/readyz").status_code == 200
+        listed = httpx.get(f"{server.url}/adapters").json()
+        assert [a["name"] for a in listed["adapters"]] == ["digits", "orientation"]
+        # The empty store was seeded with the demo's bundles.
+        assert sorted(p.name for p in (tmp_path / "store").glob("*.safetensors")) == [
+            p.name for p in demo_adapters()
+        ]
+        png = io.BytesIO()
+        Image.fromarray(np.tri(28, dtype=np.uint8) * 255).save(png, format="PNG")
+        r = httpx.post(f"{server.url}/classify", files={"image": ("x.png", png.getvalue())})
+        assert r.status_code == 200, r.text
+        tasks = r.json()["results"][0]["tasks"]
+        assert set(tasks) == {"base", "digits", "orientation"}
+        assert {p["label"] for p in tasks["digits"]["predictions"]} <= {str(d) for d in range(10)}
+    finally:
+        server.stop()
+    assert ADAPTERS_DIR.is_dir()
