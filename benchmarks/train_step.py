@@ -1,6 +1,6 @@
 """Cost of one adapter training step, against a fused inference pass and against dense back-prop.
 
-    python benchmarks/train_step.py                  # ViT-B/32, batch 32, ~3 minutes on 2 CPU cores
+    python benchmarks/train_step.py                  # ViT-B/32, batch 32, ~2 minutes on 2 CPU cores
 
 In interleaved rounds, on the same batch:
 - infer: one fused inference pass with the adapter loaded (torch.inference_mode);
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--memory", type=int, default=5)
     parser.add_argument("--classes", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args(argv)
     tune_malloc()
     torch.manual_seed(0)

@@ -2,8 +2,10 @@
 
 A request's images wait in a queue; one gatherer task takes the first waiting request, then more
 until ``max_batch`` images or ``max_wait`` seconds, and hands the batch to a single inference
-thread. Each batch reads the engine's adapter set once, so every request in it is answered by that
-one snapshot. A full queue refuses new work at once (503 + Retry-After) instead of growing.
+thread. It only waits for requests that are on their way (announced with ``expecting`` while their
+images decode): a lone request runs at once instead of sitting out ``max_wait`` for nobody. Each
+batch reads the engine's adapter set once, so every request in it is answered by that one snapshot.
+A full queue refuses new work at once (503 + Retry-After) instead of growing.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class DynamicBatcher:
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._waiting = 0  # images queued, not yet in a pass
         self._carry: _Job | None = None  # a job that did not fit the previous batch
+        self._expected = 0  # images still decoding that will be submitted soon
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused-pass")
         self._task: asyncio.Task | None = None
 
@@ -68,6 +71,15 @@ class DynamicBatcher:
     @property
     def waiting(self) -> int:
         return self._waiting
+
+    @contextlib.contextmanager
+    def expecting(self, n: int):
+        """Announce ``n`` images about to be submitted (wrap their decoding), so a batch waits for them."""
+        self._expected += n
+        try:
+            yield
+        finally:
+            self._expected -= n
 
     async def submit(self, images: Tensor) -> BatchResult:
         """Queue ``images`` (n, C, H, W) for the next pass and wait for their logits."""
@@ -95,7 +107,7 @@ class DynamicBatcher:
                     job = self._queue.get_nowait()
                 except asyncio.QueueEmpty:
                     remaining = deadline - loop.time()
-                    if remaining <= 0:
+                    if remaining <= 0 or self._expected == 0:  # nothing is on its way
                         break
                     try:
                         job = await asyncio.wait_for(self._queue.get(), remaining)

@@ -41,12 +41,15 @@ async def classify(
     _check_tasks(wanted, runtime.engine.adapters)  # fail fast, before decoding anything
     loop = asyncio.get_running_loop()
     names, pixels = [], []
-    for i, upload in enumerate(image):
-        name = upload.filename or f"image-{i}"
-        data = await _read_capped(upload, settings.max_image_bytes, name)
-        names.append(name)
-        pixels.append(loop.run_in_executor(runtime.decode_pool, runtime.decoder, data, name))
-    batch = torch.stack(await asyncio.gather(*pixels))
+    with runtime.batcher.expecting(len(image)):  # a batch forming now may wait for these images
+        for i, upload in enumerate(image):
+            name = upload.filename or f"image-{i}"
+            data = await _read_capped(upload, settings.max_image_bytes, name)
+            names.append(name)
+            pixels.append(loop.run_in_executor(runtime.decode_pool, runtime.decoder, data, name))
+        batch = torch.stack(await asyncio.gather(*pixels))
+    # No await between leaving `expecting` and `submit` queueing the job: the gatherer sees one or
+    # the other, never neither.
     result = await runtime.batcher.submit(batch)
     _check_tasks(wanted, result.adapter_set)  # an adapter may have been removed meanwhile
     return _response(runtime, result, names, wanted, top_k, logits)
