@@ -75,7 +75,7 @@ mkdir -p "$WHEELHOUSE"
 python3 -c 'import platform, sys; assert sys.version_info[:2] == (3, 11) and platform.machine() == "x86_64"' \
     || fail "the wheelhouse needs a host python3.11 on x86_64 (the image's interpreter)"
 python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
-    -r docker/requirements.txt "setuptools>=70.1" -d "$WHEELHOUSE" 2>&1 | { grep -v 'is ignored' || true; }
+    -r docker/requirements.txt "setuptools>=77" -d "$WHEELHOUSE" 2>&1 | { grep -v 'is ignored' || true; }
 [[ -n "$(ls "$WHEELHOUSE"/torch-*.whl 2>/dev/null)" ]] || fail "the wheelhouse has no torch wheel"
 python3 -m http.server --bind 127.0.0.1 --directory "$WHEELHOUSE" "$WHEEL_PORT" >/dev/null 2>&1 &
 PIDS+=($!)
