@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         if real_weights:
             env["MEMVIT_WEIGHTS"] = str(DEIT)
-        else:  # the server builds the same random-init model: the same seed, the same fingerprint
+        else:  # random init: hand the server these very weights, so both measure the same model
             weights = Path(tmp) / "base.safetensors"
             save_base(engine.base, weights, arch=args.arch)
             env["MEMVIT_WEIGHTS"] = str(weights)

@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
                 "memory_tokens": memory,
                 "val_top1": result.val.top1,
             }
-    manifest["seconds"] = round(time.perf_counter() - started)
+    manifest["seconds"] = round(time.perf_counter() - started)  # this run: adapters only with --reuse-base
+    manifest["base_reused"] = args.reuse_base
     manifest["sizes_bytes"] = {p.name: p.stat().st_size for p in [base_path, *sorted(adapters_dir.glob("*"))]}
     (args.out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log.info("demo written to %s in %.0f s", args.out, time.perf_counter() - started)

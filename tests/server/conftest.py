@@ -46,11 +46,10 @@ def wait_ready(url: str, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def running_server(settings: Settings) -> Iterator[str]:
-    """uvicorn serving ``create_app(settings)`` in a thread; yields the base URL once ready."""
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning")
-    )
+def running_server(settings: Settings, app=None) -> Iterator[str]:
+    """uvicorn serving ``app`` (default ``create_app(settings)``) in a thread; yields the URL once ready."""
+    app = app if app is not None else create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{settings.port}"

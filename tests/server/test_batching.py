@@ -4,13 +4,19 @@ request does not wait for company that is not coming."""
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 
+import httpx
 import torch
+from PIL import Image
 
+from server.app import create_app
 from server.batching import DynamicBatcher
 from server.metrics import Metrics
+from server.settings import Settings
 from tests.conftest import images
+from tests.server.conftest import free_port, running_server
 
 
 def _batcher(engine, max_wait: float) -> tuple[DynamicBatcher, list[int]]:
@@ -61,3 +67,39 @@ def test_announced_requests_join_the_batch(engine) -> None:
             await batcher.stop()
 
     assert asyncio.run(main()) == [3]
+
+
+def test_over_http_a_request_still_decoding_joins_the_batch(tiny_weights, tmp_path) -> None:
+    """The route announces images while they decode: a fast request waits for a slow one in flight."""
+    settings = Settings(
+        weights=tiny_weights, adapter_store=tmp_path / "store", port=free_port(), max_wait_ms=3000
+    )
+    app = create_app(settings)
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(png, format="PNG")
+
+    async def clients(url: str) -> float:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            start = time.perf_counter()
+            slow = asyncio.create_task(http.post("/classify", files={"image": ("slow.png", png.getvalue())}))
+            await asyncio.sleep(0.1)  # the slow one is decoding when the fast one arrives
+            fast = await http.post("/classify", files={"image": ("fast.png", png.getvalue())})
+            assert fast.status_code == 200 and (await slow).status_code == 200
+            return time.perf_counter() - start
+
+    with running_server(settings, app) as url:
+        runtime = app.state.runtime
+        decode = runtime.decoder
+
+        def slow_decoder(data: bytes, name: str = "image"):
+            if name == "slow.png":
+                time.sleep(0.5)
+            return decode(data, name)
+
+        runtime.decoder = slow_decoder
+        elapsed = asyncio.run(clients(url))
+        batches = runtime.metrics.batch_size.collect()[0].samples
+    count = next(s.value for s in batches if s.name.endswith("_count"))
+    images_seen = next(s.value for s in batches if s.name.endswith("_sum"))
+    assert (count, images_seen) == (1, 2), "the fast request should have waited for the slow one"
+    assert elapsed < 2.5, "and no longer than the slow one took to arrive (max_wait is 3 s)"

@@ -15,7 +15,7 @@ from PIL import Image
 
 from adapters import read_bundle
 from adapters.preprocess import eval_transform
-from server.demo import ADAPTERS_DIR, BASE_WEIGHTS, DEMO_DIR, demo_adapters, load_demo
+from server.demo import BASE_WEIGHTS, DEMO_DIR, demo_adapters, load_demo
 from tests.server.conftest import ServerProcess
 
 pytestmark = pytest.mark.skipif(
@@ -83,4 +83,3 @@ def test_serve_with_nothing_configured_serves_the_demo(tmp_path) -> None:
         assert {p["label"] for p in tasks["digits"]["predictions"]} <= {str(d) for d in range(10)}
     finally:
         server.stop()
-    assert ADAPTERS_DIR.is_dir()
