@@ -98,3 +98,15 @@ def test_train_reports_bad_folders_in_one_line(tmp_path, tiny_weights) -> None:
     )
     assert result.exit_code == 2
     assert "error: image folder not found" in result.output
+
+
+def test_every_command_pins_malloc_before_running(monkeypatch) -> None:
+    # The server's fused passes lose ~20% at batch 32 with glibc's default mmap threshold: every
+    # command (serve, train, eval included) must pin it, as the benchmarks' raw passes do.
+    import memory_core.runtime
+
+    calls = []
+    monkeypatch.setattr(memory_core.runtime, "tune_malloc", lambda: calls.append(1) or True)
+    result = runner.invoke(app, ["info", "deit_tiny_patch16_224"])
+    assert result.exit_code == 0, result.output
+    assert calls == [1]
