@@ -185,3 +185,37 @@ def test_bundle_upload_limits(tiny_weights, store, make_bundle) -> None:
         assert r.status_code == 413 and "1000-byte upload limit" in r.json()["error"]["message"]
         r = client.post("/adapters", json={"bundle": "x"})
         assert r.status_code == 415
+
+
+def test_every_real_format_classifies_over_http(client) -> None:
+    from tests.server.test_images import GOOD
+
+    for i in range(0, len(GOOD), 8):  # a batch per request: 19 files, at most 16 images a request
+        names = GOOD[i : i + 8]
+        files = [("image", (name, photo(name), "application/octet-stream")) for name in names]
+        r = client.post("/classify", files=files, params={"top_k": 1})
+        assert r.status_code == 200, r.text
+        assert [x["image"] for x in r.json()["results"]] == names
+
+
+def test_image_byte_and_pixel_caps_over_http(tiny_weights, store) -> None:
+    from server.settings import Settings
+    from tests.server.conftest import free_port, running_server
+
+    settings = Settings(
+        weights=tiny_weights,
+        adapter_store=store,
+        port=free_port(),
+        max_image_bytes=50_000,
+        max_image_pixels=1_000_000,
+    )
+    bomb = io.BytesIO()
+    Image.new("L", (2000, 2000)).save(bomb, format="PNG")  # ~8 kB on the wire, 4 Mpx once decoded
+    with running_server(settings) as url, httpx.Client(base_url=url) as client:
+        r = post_image(client, photo("xmp_test.jpg"))  # 1.8 MB
+        assert r.status_code == 413 and "over the 50000-byte upload limit" in r.json()["error"]["message"]
+        r = post_image(client, bomb.getvalue())
+        assert r.status_code == 413
+        assert "4000000 pixels is over the 1000000-pixel limit" in r.json()["error"]["message"]
+        assert post_image(client, jpeg()).status_code == 200  # still serving
+        assert client.get("/readyz").status_code == 200
