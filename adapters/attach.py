@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memory_core import AdapterSet, MemoryViT
+from memory_core import AdapterSet, AdapterShapeError, MemoryViT
 
 from .bundle import AdapterBundle
 from .errors import BaseMismatchError
@@ -12,22 +12,21 @@ from .reader import read_bundle
 
 
 def check_compatible(bundle: AdapterBundle, engine: MemoryViT) -> None:
-    """Raise ``BaseMismatchError`` unless ``bundle`` was made for the base ``engine`` serves."""
+    """Raise ``BaseMismatchError`` unless ``bundle`` was made for the base ``engine`` serves.
+
+    The bundle names its base (architecture and fingerprint); the adapter's depth and width are
+    ``AdapterWeights.check_fits``'s to judge.
+    """
     spec, w = engine.spec, bundle.weights
     if bundle.base_model != spec.arch:
         raise BaseMismatchError(
             f"adapter {w.name!r} was trained on {bundle.base_model}, this model is {spec.arch}",
             field="base_model",
         )
-    if w.depth != spec.depth:
-        raise BaseMismatchError(
-            f"adapter {w.name!r} has memory for {w.depth} layers, {spec.arch} has {spec.depth}",
-            field="memory",
-        )
-    if w.width != spec.width:
-        raise BaseMismatchError(
-            f"adapter {w.name!r} has width {w.width}, {spec.arch} has width {spec.width}", field="cls_token"
-        )
+    try:
+        w.check_fits(spec)
+    except AdapterShapeError as exc:
+        raise BaseMismatchError(str(exc), field=exc.field) from exc
     if bundle.base_fingerprint != engine.fingerprint:
         raise BaseMismatchError(
             f"adapter {w.name!r} was trained on other {spec.arch} weights "

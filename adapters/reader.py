@@ -1,8 +1,12 @@
-"""Reading a bundle strictly: every check of DESIGN 3, each failure a named error naming the field.
+"""Reading a bundle: parse the safetensors container, then map its fields onto ``AdapterWeights``.
 
-The safetensors header is parsed here before safetensors touches the bytes, so a file that is not
-safetensors at all, one that is truncated and one that is merely not a memvit bundle each get their
-own message. Nothing here ever unpickles anything.
+This module checks only what belongs to the container and the format: the header's structure, the
+format tag, which metadata keys and tensors exist, that the fingerprint looks like one, that JSON
+fields parse. Every rule about the adapter itself (name, parent, memory placement, labels, shapes,
+finite values) is ``AdapterWeights``'s, and its errors are re-raised here as ``BundleError``s naming
+the bundle's field. The header is parsed before safetensors touches the bytes, so a file that is not
+safetensors at all, a truncated one and one that is merely not a memvit bundle each get their own
+message. Nothing here ever unpickles anything.
 """
 
 from __future__ import annotations
@@ -13,12 +17,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load
 
-from memory_core import BASE_TASK, MEMORY_NORMS, NAME_PATTERN, AdapterWeights
-from memory_core.errors import AdapterShapeError
+from memory_core import AdapterWeights
+from memory_core.errors import InvalidAdapterError
 
 from .bundle import FORMAT, OPTIONAL_METADATA, REQUIRED_METADATA, TENSOR_LAYOUT, AdapterBundle
 from .errors import BundleFormatError, BundleMetadataError, BundleTensorError
@@ -26,10 +29,50 @@ from .errors import BundleFormatError, BundleMetadataError, BundleTensorError
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a bundle header lists 4 tensors; anything huge is not one
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
+# AdapterWeights attribute -> the bundle's tensor name.
+_TENSOR_NAMES = {
+    "memory": "memory",
+    "cls_token": "cls_token",
+    "head_weight": "head.weight",
+    "head_bias": "head.bias",
+}
 
 
 def read_bundle(source: str | Path | bytes, *, max_bytes: int | None = None) -> AdapterBundle:
     """Parse and validate a bundle from a path or bytes. Raises a ``BundleError`` subclass."""
+    data, where = _read(source, max_bytes)
+    header = _parse_header(data, where)
+    meta = _check_metadata(header.pop("__metadata__", None), where)
+    _check_tensor_entries(header, where)
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, TypeError, OverflowError) as exc:  # offsets overlap, misaligned...
+        raise BundleFormatError(f"{where}: not a valid safetensors file ({exc})") from exc
+    try:
+        weights = AdapterWeights(
+            name=meta["name"],
+            memory=tensors["memory"].float(),
+            cls_token=tensors["cls_token"].float(),
+            head_weight=tensors["head.weight"].float(),
+            head_bias=tensors["head.bias"].float(),
+            memory_norm=meta["memory_norm"],
+            parent=meta.get("parent"),
+            labels=tuple(meta["labels"]),
+        )
+    except InvalidAdapterError as exc:
+        field = _TENSOR_NAMES.get(exc.field or "", exc.field)
+        kind = BundleTensorError if field in TENSOR_LAYOUT else BundleMetadataError
+        message = str(exc).replace("head_weight", "head.weight").replace("head_bias", "head.bias")
+        raise kind(f"{where}: {message}", field=field) from exc
+    return AdapterBundle(
+        weights=weights,
+        base_model=meta["base_model"],
+        base_fingerprint=meta["base_fingerprint"],
+        training=meta.get("training"),
+    )
+
+
+def _read(source: str | Path | bytes, max_bytes: int | None) -> tuple[bytes, str]:
     if isinstance(source, bytes | bytearray | memoryview):
         data, where = bytes(source), "bundle"
     else:
@@ -44,49 +87,11 @@ def read_bundle(source: str | Path | bytes, *, max_bytes: int | None = None) -> 
         where = path.name
     if max_bytes is not None and len(data) > max_bytes:
         raise BundleFormatError(f"{where}: {len(data)} bytes is over the {max_bytes}-byte limit")
-
-    header = _parse_header(data, where)
-    meta = _check_metadata(header.pop("__metadata__", None), where)
-    _check_tensor_entries(header, where)
-    try:
-        tensors = load(data)
-    except SafetensorError as exc:  # offsets overlap, misaligned, ...: checked above, but be safe
-        raise BundleFormatError(f"{where}: not a valid safetensors file ({exc})") from exc
-
-    for key, t in tensors.items():
-        if not torch.isfinite(t).all():
-            raise BundleTensorError(f"{where}: tensor {key!r} contains NaN or inf", field=key)
-    tensors = {k: t.float() for k, t in tensors.items()}
-    labels = meta["labels"]
-    rows = tensors["head.weight"].shape[0] if tensors["head.weight"].ndim == 2 else None
-    if rows is not None and len(labels) != rows:
-        raise BundleMetadataError(
-            f"{where}: {len(labels)} labels for a head of {rows} classes (head.weight has {rows} rows)",
-            field="labels",
-        )
-    try:
-        weights = AdapterWeights(
-            name=meta["name"],
-            memory=tensors["memory"],
-            cls_token=tensors["cls_token"],
-            head_weight=tensors["head.weight"],
-            head_bias=tensors["head.bias"],
-            memory_norm=meta["memory_norm"],
-            parent=meta.get("parent"),
-            labels=tuple(labels),
-        )
-    except AdapterShapeError as exc:  # shapes that do not fit each other
-        field = {"head_weight": "head.weight", "head_bias": "head.bias"}.get(exc.field, exc.field)
-        raise BundleTensorError(f"{where}: {exc}", field=field) from exc
-    return AdapterBundle(
-        weights=weights,
-        base_model=meta["base_model"],
-        base_fingerprint=meta["base_fingerprint"],
-        training=meta.get("training"),
-    )
+    return data, where
 
 
 def _parse_header(data: bytes, where: str) -> dict[str, Any]:
+    """The JSON header, with every tensor entry's structure checked (dtype, shape, two offsets)."""
     not_st = f"{where}: not a safetensors file"
     if len(data) < 8:
         raise BundleFormatError(f"{not_st} ({len(data)} bytes is too short for a header)")
@@ -99,21 +104,38 @@ def _parse_header(data: bytes, where: str) -> dict[str, Any]:
         )
     try:
         header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise BundleFormatError(f"{not_st} (its header is not JSON)") from None
     if not isinstance(header, dict):
         raise BundleFormatError(f"{not_st} (its header is not a JSON object)")
-    ends = [
-        e["data_offsets"][1]
-        for k, e in header.items()
-        if k != "__metadata__" and isinstance(e, dict) and isinstance(e.get("data_offsets"), list)
-    ]
     have = len(data) - 8 - n
-    if ends and max(ends) > have:
-        raise BundleFormatError(
-            f"{where}: truncated: tensors need {max(ends)} bytes of data, the file has {have}"
-        )
+    for key, entry in header.items():
+        if key != "__metadata__":
+            _check_entry(key, entry, have, where)
     return header
+
+
+def _check_entry(key: str, entry: Any, have: int, where: str) -> None:
+    bad = f"{where}: tensor {key!r} has a malformed header entry"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise BundleFormatError(f"{bad} (expected dtype, shape and data_offsets)", field=key)
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(entry["dtype"], str):
+        raise BundleFormatError(f"{bad} (dtype is not a string)", field=key)
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise BundleFormatError(f"{bad} (shape is not a list of non-negative integers)", field=key)
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise BundleFormatError(f"{bad} (data_offsets is not two non-negative integers)", field=key)
+    if offsets[0] > offsets[1]:
+        raise BundleFormatError(f"{bad} (data_offsets end before they begin)", field=key)
+    if offsets[1] > have:
+        raise BundleFormatError(
+            f"{where}: truncated: tensors need {offsets[1]} bytes of data, the file has {have}"
+        )
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 2**63  # not bool, not float
 
 
 def _check_metadata(meta: Any, where: str) -> dict[str, Any]:
@@ -126,33 +148,18 @@ def _check_metadata(meta: Any, where: str) -> dict[str, Any]:
     for key in REQUIRED_METADATA:
         if not isinstance(meta.get(key), str) or not meta[key]:
             raise BundleMetadataError(f"{where}: metadata {key!r} is missing or empty", field=key)
-    unknown = sorted(set(meta) - set(REQUIRED_METADATA) - set(OPTIONAL_METADATA))
+    unknown = sorted(set(meta) - set(REQUIRED_METADATA) - set(OPTIONAL_METADATA), key=str)
     if unknown:
-        raise BundleMetadataError(f"{where}: unknown metadata keys {unknown}", field=unknown[0])
-    out: dict[str, Any] = dict(meta)
-    for key in ("name", "parent"):
-        if key in meta:
-            value = meta[key]
-            if not NAME_PATTERN.fullmatch(value) or value == BASE_TASK:
-                raise BundleMetadataError(
-                    f"{where}: invalid {key} {value!r}: use 1-64 characters from a-z, 0-9, '.', '_', '-', "
-                    f"starting with a letter or digit (and not {BASE_TASK!r})",
-                    field=key,
-                )
-    if meta.get("parent") == meta["name"]:
-        raise BundleMetadataError(f"{where}: adapter {meta['name']!r} names itself as parent", field="parent")
-    if meta["memory_norm"] not in MEMORY_NORMS:
-        raise BundleMetadataError(
-            f"{where}: memory_norm must be one of {list(MEMORY_NORMS)}, got {meta['memory_norm']!r}",
-            field="memory_norm",
-        )
+        raise BundleMetadataError(f"{where}: unknown metadata keys {unknown}", field=str(unknown[0]))
+    for key in OPTIONAL_METADATA:
+        if key in meta and not isinstance(meta[key], str):
+            raise BundleMetadataError(f"{where}: metadata {key!r} must be a string", field=key)
     if not _FINGERPRINT.fullmatch(meta["base_fingerprint"]):
         raise BundleMetadataError(
             f"{where}: base_fingerprint is not a sha256 hex digest", field="base_fingerprint"
         )
+    out: dict[str, Any] = dict(meta)
     out["labels"] = _json(meta, "labels", where, list)
-    if not all(isinstance(x, str) for x in out["labels"]):
-        raise BundleMetadataError(f"{where}: labels must be a JSON list of strings", field="labels")
     if "training" in meta:
         out["training"] = _json(meta, "training", where, dict)
     return out
@@ -161,7 +168,7 @@ def _check_metadata(meta: Any, where: str) -> dict[str, Any]:
 def _json(meta: dict[str, str], key: str, where: str, kind: type) -> Any:
     try:
         value = json.loads(meta[key])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise BundleMetadataError(f"{where}: metadata {key!r} is not valid JSON", field=key) from None
     if not isinstance(value, kind):
         raise BundleMetadataError(f"{where}: metadata {key!r} must be a JSON {kind.__name__}", field=key)
@@ -175,10 +182,9 @@ def _check_tensor_entries(header: dict[str, Any], where: str) -> None:
     for key, entry in header.items():
         if key not in TENSOR_LAYOUT:
             raise BundleTensorError(f"{where}: unexpected tensor {key!r}", field=key)
-        dtype = entry.get("dtype") if isinstance(entry, dict) else None
-        if dtype not in FLOAT_DTYPES:
+        if entry["dtype"] not in FLOAT_DTYPES:
             raise BundleTensorError(
-                f"{where}: tensor {key!r} has dtype {dtype}; expected a floating-point dtype "
+                f"{where}: tensor {key!r} has dtype {entry['dtype']}; expected a floating-point dtype "
                 f"({', '.join(sorted(FLOAT_DTYPES))})",
                 field=key,
             )

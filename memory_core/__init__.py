@@ -4,7 +4,7 @@ Sandler et al., "Fine-tuning Image Transformers using Learnable Memory" (CVPR 20
 file-format code lives here: bundles are ``adapters/``, HTTP is ``server/``.
 """
 
-from .adapter import BASE_TASK, MEMORY_NORMS, NAME_PATTERN, AdapterWeights, check_name
+from .adapter import BASE_TASK, MEMORY_NORMS, NAME_PATTERN, AdapterWeights, check_memory_norm, check_name
 from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
 from .base_model import BaseModel, create_base, read_weights_metadata, save_base
 from .errors import (
@@ -13,6 +13,7 @@ from .errors import (
     AdapterShapeError,
     DuplicateAdapterError,
     InputError,
+    InvalidAdapterError,
     MemvitError,
     MissingParentError,
     UnknownAdapterError,
@@ -41,6 +42,7 @@ __all__ = [
     "DuplicateAdapterError",
     "FusedOutput",
     "InputError",
+    "InvalidAdapterError",
     "MemoryViT",
     "MemvitError",
     "MissingParentError",
@@ -52,6 +54,7 @@ __all__ = [
     "adapter_flops",
     "attention_mask",
     "base_flops",
+    "check_memory_norm",
     "check_name",
     "check_supported",
     "create_base",

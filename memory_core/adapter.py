@@ -1,8 +1,11 @@
 """One adapter's learned parameters: per-layer memory, a class token and a head.
 
-``AdapterWeights`` is the in-memory form of a bundle (the file format lives in ``adapters/``). It is
-immutable and checks that its tensors fit together when built; ``check_fits`` checks that they fit a
-given base model. Both run before anything is copied into a live adapter set.
+``AdapterWeights`` is the in-memory form of a bundle (the file format lives in ``adapters/``) and the
+one place where an adapter is validated: its name, parent, memory placement, labels, and tensors
+that must fit each other and be finite are all checked when it is built, whatever built it (the
+bundle reader, the trainer, a test). ``check_fits`` adds the checks that need the base model (depth
+and width). Both run before anything is copied into a live adapter set; a new bundle format only
+has to map its fields onto this class.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .errors import AdapterShapeError
+from .errors import AdapterShapeError, InvalidAdapterError
 from .spec import ViTSpec
 
 MemoryNorm = Literal["norm1", "none"]
@@ -27,16 +30,35 @@ BASE_TASK = "base"
 
 MEMORY_INIT_STD = 0.02  # the paper's N(0, 0.02) initialisation of memory tokens
 
+# (attribute, expected rank, layout) of every tensor, in the order they are checked.
+TENSORS: tuple[tuple[str, int, str], ...] = (
+    ("memory", 3, "(layers, memory tokens, width)"),
+    ("cls_token", 1, "(width,)"),
+    ("head_weight", 2, "(classes, width)"),
+    ("head_bias", 1, "(classes,)"),
+)
 
-def check_name(name: str) -> None:
+
+def check_name(name: object, *, field: str = "name") -> None:
+    """Raise ``InvalidAdapterError`` unless ``name`` can name an adapter (URL-, file- and JSON-safe)."""
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise AdapterShapeError(
-            f"invalid adapter name {name!r}: use 1-64 characters from a-z, 0-9, '.', '_', '-', "
+        raise InvalidAdapterError(
+            f"invalid {field} {name!r}: use 1-64 characters from a-z, 0-9, '.', '_', '-', "
             "starting with a letter or digit",
-            field="name",
+            field=field,
         )
     if name == BASE_TASK:
-        raise AdapterShapeError(f"the name {BASE_TASK!r} is reserved for the base model's task", field="name")
+        raise InvalidAdapterError(
+            f"invalid {field} {name!r}: it is reserved for the base model's task", field=field
+        )
+
+
+def check_memory_norm(value: object) -> None:
+    """Raise ``InvalidAdapterError`` unless ``value`` is a known memory placement (docs/design.md §1.2)."""
+    if value not in MEMORY_NORMS:
+        raise InvalidAdapterError(
+            f"memory_norm must be one of {list(MEMORY_NORMS)}, got {value!r}", field="memory_norm"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,23 +78,32 @@ class AdapterWeights:
     def __post_init__(self) -> None:
         check_name(self.name)
         if self.parent is not None:
-            check_name(self.parent)
+            check_name(self.parent, field="parent")
             if self.parent == self.name:
-                raise AdapterShapeError(f"adapter {self.name!r} names itself as its parent", field="parent")
-        if self.memory_norm not in MEMORY_NORMS:
-            raise AdapterShapeError(
-                f"memory_norm must be one of {MEMORY_NORMS}, got {self.memory_norm!r}", field="memory_norm"
-            )
-        for key in ("memory", "cls_token", "head_weight", "head_bias"):
+                raise InvalidAdapterError(f"adapter {self.name!r} names itself as its parent", field="parent")
+        check_memory_norm(self.memory_norm)
+        self._check_tensors()
+        if self.labels is not None:
+            if not isinstance(self.labels, tuple) or not all(isinstance(x, str) for x in self.labels):
+                raise InvalidAdapterError("labels must be a tuple of strings", field="labels")
+            if len(self.labels) != self.num_classes:
+                raise InvalidAdapterError(
+                    f"{len(self.labels)} labels for a head of {self.num_classes} classes "
+                    f"(head_weight has {self.num_classes} rows)",
+                    field="labels",
+                )
+
+    def _check_tensors(self) -> None:
+        for key, ndim, layout in TENSORS:
             t = getattr(self, key)
             if not isinstance(t, Tensor):
                 raise AdapterShapeError(f"{key} must be a tensor, got {type(t).__name__}", field=key)
             if not t.is_floating_point():
                 raise AdapterShapeError(f"{key} must be a floating-point tensor, got {t.dtype}", field=key)
-        _expect_dims(self.memory, 3, "memory", "(layers, memory tokens, width)")
-        _expect_dims(self.cls_token, 1, "cls_token", "(width,)")
-        _expect_dims(self.head_weight, 2, "head_weight", "(classes, width)")
-        _expect_dims(self.head_bias, 1, "head_bias", "(classes,)")
+            if t.ndim != ndim:
+                raise AdapterShapeError(
+                    f"{key} must be {ndim}-D {layout}, got shape {tuple(t.shape)}", field=key
+                )
         width = self.cls_token.shape[0]
         if self.memory.shape[2] != width:
             raise AdapterShapeError(
@@ -89,10 +120,10 @@ class AdapterWeights:
                 f"but head weight has {self.head_weight.shape[0]}",
                 field="head_bias",
             )
-        if self.labels is not None and len(self.labels) != self.num_classes:
-            raise AdapterShapeError(
-                f"{len(self.labels)} labels for a head of {self.num_classes} classes", field="labels"
-            )
+        with torch.no_grad():
+            for key, _, _ in TENSORS:
+                if not torch.isfinite(getattr(self, key)).all():
+                    raise InvalidAdapterError(f"{key!r} contains NaN or inf", field=key)
 
     @property
     def depth(self) -> int:
@@ -110,18 +141,21 @@ class AdapterWeights:
     def num_classes(self) -> int:
         return self.head_weight.shape[0]
 
+    @property
+    def requires_grad(self) -> bool:
+        """True while some tensor is being trained (``prepare`` then keeps the autograd graph)."""
+        return any(getattr(self, key).requires_grad for key, _, _ in TENSORS)
+
     def check_fits(self, spec: ViTSpec) -> None:
         """Raise ``AdapterShapeError`` unless this adapter has the base's depth and width."""
         if self.depth != spec.depth:
             raise AdapterShapeError(
-                f"adapter {self.name!r} has memory for {self.depth} layers but the base "
-                f"{spec.arch} has {spec.depth}",
+                f"adapter {self.name!r} has memory for {self.depth} layers, {spec.arch} has {spec.depth}",
                 field="memory",
             )
         if self.width != spec.width:
             raise AdapterShapeError(
-                f"adapter {self.name!r} has width {self.width} "
-                f"but the base {spec.arch} has width {spec.width}",
+                f"adapter {self.name!r} has width {self.width}, {spec.arch} has width {spec.width}",
                 field="cls_token",
             )
 
@@ -139,13 +173,17 @@ class AdapterWeights:
         labels: tuple[str, ...] | None = None,
         generator: torch.Generator | None = None,
     ) -> AdapterWeights:
-        """A fresh adapter as the paper starts one: memory ~ N(0, 0.02), class token copied from the
-        base's (zeros if not given), a zero-initialised head."""
+        """A fresh adapter as the paper starts one: memory ~ N(0, 0.02), the class token copied from
+        ``cls_token`` (the base's; zeros if not given), a zero head (uniform predictions at step 0)."""
         if num_memory < 0 or num_classes < 1:
-            raise AdapterShapeError("need num_memory >= 0 and num_classes >= 1")
+            raise AdapterShapeError(
+                f"need num_memory >= 0 and num_classes >= 1, got {num_memory} and {num_classes}"
+            )
         memory = torch.randn(spec.depth, num_memory, spec.width, generator=generator) * MEMORY_INIT_STD
         token = (
-            torch.zeros(spec.width) if cls_token is None else cls_token.detach().float().reshape(-1).clone()
+            torch.zeros(spec.width)
+            if cls_token is None
+            else cls_token.detach().float().reshape(-1).cpu().clone()
         )
         return cls(
             name=name,
@@ -157,8 +195,3 @@ class AdapterWeights:
             parent=parent,
             labels=labels,
         )
-
-
-def _expect_dims(t: Tensor, ndim: int, key: str, layout: str) -> None:
-    if t.ndim != ndim:
-        raise AdapterShapeError(f"{key} must be {ndim}-D {layout}, got shape {tuple(t.shape)}", field=key)

@@ -28,7 +28,12 @@ class AdapterError(MemvitError):
         self.field = field
 
 
-class AdapterShapeError(AdapterError):
+class InvalidAdapterError(AdapterError):
+    """An adapter's own fields are invalid: name, parent, memory_norm, labels, or tensors that do not fit
+    each other or hold NaN/inf. Raised by ``AdapterWeights``, the one place that checks them."""
+
+
+class AdapterShapeError(InvalidAdapterError):
     """An adapter's tensors do not fit each other or the base model (depth, width, head)."""
 
 

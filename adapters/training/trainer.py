@@ -1,7 +1,7 @@
 """Fine-tune one adapter against a frozen base: the paper's recipe, resumable, reproducible.
 
 SGD with momentum, gradient-norm clipping, linear warm-up then cosine decay stepped per optimiser
-step. The base runs without autograd (DESIGN 2.3): only the class-token path is recorded, so a step
+step. The base runs without autograd (docs/design.md §2.3): only the class-token path is recorded, so a step
 costs about one inference pass. The result is a ``memvit.adapter/1`` bundle whose ``training``
 metadata records the data, the steps, the hyper-parameters and the validation accuracy.
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from memory_core import MEMORY_NORMS, AdapterError, MemoryViT, MemvitError, check_name
+from memory_core import AdapterError, MemoryViT, MemvitError, check_memory_norm, check_name
 
 from ..attach import check_compatible
 from ..bundle import AdapterBundle, bundle_for, save_bundle, write_atomic
@@ -69,12 +69,12 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Fail before any data is scanned; the rules themselves are AdapterWeights's.
         try:
             check_name(self.name)
+            check_memory_norm(self.memory_norm)
         except AdapterError as exc:
             raise TrainingError(str(exc)) from None
-        if self.memory_norm not in MEMORY_NORMS:
-            raise TrainingError(f"memory_norm must be one of {list(MEMORY_NORMS)}, got {self.memory_norm!r}")
         if self.memory_tokens < 0:
             raise TrainingError(f"memory tokens must be >= 0, got {self.memory_tokens}")
         if self.head_only:

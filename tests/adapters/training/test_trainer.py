@@ -156,7 +156,7 @@ def test_bad_folders_get_clear_errors(tmp_path, tiny_weights) -> None:
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        (dict(name="Bad Name"), "invalid adapter name"),
+        (dict(name="Bad Name"), "invalid name"),
         (dict(memory_norm="post"), "memory_norm must be one of"),
         (dict(memory_tokens=-1), "memory tokens must be >= 0"),
         (dict(lr=0.0), "need lr > 0"),
