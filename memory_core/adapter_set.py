@@ -29,22 +29,20 @@ _versions = itertools.count(1)
 
 @dataclass(frozen=True, eq=False)
 class PreparedAdapter:
-    """An adapter made ready for one engine: tensors on its device and dtype, memory projected."""
+    """An adapter made ready for one engine: tensors on its device and dtype, memory projected.
 
-    weights: AdapterWeights  # as given, kept to describe the adapter and to re-prepare it
+    Built by ``MemoryViT.prepare`` for serving and for training alike (while training, the tensors
+    carry the autograd graph back to the parameters).
+    """
+
+    name: str
+    parent: str | None
+    weights: AdapterWeights  # as given: describes the adapter, and re-prepares it on a move
     cls: Tensor  # (D,) class token plus the base class token's position embedding
-    memory_keys: Tensor  # (L, H, m, d), constants: they do not depend on the image (DESIGN 2.2)
+    memory_keys: Tensor  # (L, H, m, d), constants: they do not depend on the image (docs/design.md §2.2)
     memory_values: Tensor  # (L, H, m, d)
     head_weight: Tensor  # (C, D)
     head_bias: Tensor  # (C,)
-
-    @property
-    def name(self) -> str:
-        return self.weights.name
-
-    @property
-    def parent(self) -> str | None:
-        return self.weights.parent
 
 
 @dataclass(frozen=True)
@@ -58,10 +56,7 @@ class AdapterStack:
     @property
     def requires_grad(self) -> bool:
         """True when some tensor of the stack is being trained."""
-        tensors = [
-            self.cls,
-            *(t for layer in self.layers for t in (layer.keys, layer.values) if t is not None),
-        ]
+        tensors = [self.cls, *(t for layer in self.layers for t in (layer.keys, layer.values))]
         tensors += [t for head in self.heads for t in head]
         return any(t.requires_grad for t in tensors)
 
@@ -158,27 +153,26 @@ def _build_stack(adapters: tuple[PreparedAdapter, ...], lineages: list[list[int]
     K = len(adapters)
     L, H, _, d = first.memory_keys.shape
     # Each adapter sees its own memory and, in extension mode, its ancestors'. Memory is constant,
-    # so the ancestors' memory is simply folded into the adapter's own key/value list here.
+    # so the ancestors' memory is simply folded into the adapter's own key/value list here. With no
+    # memory anywhere P is 0 and the memory terms of attention are empty: no special case needed.
     visible = [sum(adapters[j].memory_keys.shape[2] for j in chain) for chain in lineages]
     P = max(visible)
-    keys = values = mem_bias = None
-    if P > 0:
-        keys = torch.zeros(L, K, H, P, d, device=device, dtype=dtype)
-        values = torch.zeros_like(keys)
-        for k, chain in enumerate(lineages):
+    keys = torch.zeros(L, K, H, P, d, device=device, dtype=dtype)
+    values = torch.zeros_like(keys)
+    for k, chain in enumerate(lineages):
+        if visible[k]:
             keys[:, k, :, : visible[k]] = torch.cat([adapters[j].memory_keys for j in chain], dim=2)
             values[:, k, :, : visible[k]] = torch.cat([adapters[j].memory_values for j in chain], dim=2)
-        if min(visible) < P:
-            mem_bias = _padding_bias(visible, P, device, dtype)
-    lineage = lineage_bias = None
+    mem_bias = _padding_bias(visible, P, device, dtype)  # (K, P): -inf on padding
+    # Class tokens each one attends to, itself first; shorter lineages are padded with their own
+    # index under a -inf bias. In concatenation mode this is just (K, 1) = itself.
     A = max(len(chain) for chain in lineages)
-    if A > 1:
-        lineage = torch.tensor([chain + [chain[0]] * (A - len(chain)) for chain in lineages], device=device)
-        lineage_bias = _padding_bias([len(chain) for chain in lineages], A, device, dtype)
+    lineage = torch.tensor([chain + [chain[0]] * (A - len(chain)) for chain in lineages], device=device)
+    lineage_bias = _padding_bias([len(chain) for chain in lineages], A, device, dtype)
     layers = tuple(
         LayerMemory(
-            keys=None if keys is None else keys[layer],
-            values=None if values is None else values[layer],
+            keys=keys[layer],
+            values=values[layer],
             bias=mem_bias,
             lineage=lineage,
             lineage_bias=lineage_bias,

@@ -1,10 +1,10 @@
 """One transformer block, split into the base tokens' path and the adapter class tokens' path.
 
-DESIGN 2.1: the base tokens X go through the timm block exactly as timm computes it (same modules,
+The base tokens X go through the timm block exactly as timm computes it (same modules,
 same ops, same attention kernel), which also yields their keys and values. The K adapter class
 tokens C go through the same per-token modules; only their attention differs: class token k
 attends over the shared base keys, the class tokens of its own lineage (itself, plus its ancestors
-in extension mode) and its memory, whose keys and values are constants (DESIGN 2.2).
+in extension mode) and its memory, whose keys and values are constants (docs/design.md §2).
 
 Nothing here allocates a (T+K) x (T+K) mask, and the base path never sees adapter tokens, which is
 what keeps the base logits bit-for-bit timm's.
@@ -26,15 +26,16 @@ class LayerMemory:
     """What adapter class tokens attend to besides the base tokens, for one layer.
 
     ``keys``/``values`` hold each adapter's visible memory (its own, plus its ancestors' in extension
-    mode), padded to the longest with ``bias`` = -inf on padding. ``lineage`` lists, per adapter,
-    the class tokens it attends to (itself first); None means "itself only" (concatenation mode).
+    mode), padded to the longest with ``bias`` = -inf on padding; P is 0 when no adapter has memory.
+    ``lineage`` lists, per adapter, the class tokens it attends to (itself first, then its ancestors),
+    padded with ``lineage_bias`` = -inf; in concatenation mode A is 1 and each row is just itself.
     """
 
-    keys: Tensor | None  # (K, H, P, d) or None when no adapter has memory
-    values: Tensor | None  # (K, H, P, d)
-    bias: Tensor | None  # (K, P) additive 0 / -inf, or None when nothing is padded
-    lineage: Tensor | None  # (K, A) long indices into the K class tokens
-    lineage_bias: Tensor | None  # (K, A) additive 0 / -inf
+    keys: Tensor  # (K, H, P, d)
+    values: Tensor  # (K, H, P, d)
+    bias: Tensor  # (K, P) additive 0 / -inf
+    lineage: Tensor  # (K, A) long indices into the K class tokens
+    lineage_bias: Tensor  # (K, A) additive 0 / -inf
 
 
 def project_qkv(attn: Attention, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -78,29 +79,27 @@ def adapter_attention(
     One softmax per class token over [base keys ; lineage class-token keys ; memory keys].
     Returns (B, H, K, d).
     """
-    T = k_x.shape[2]
+    T, A = k_x.shape[2], memory.lineage.shape[1]
     q = q_c * attn.scale
-    scores = [q @ k_x.transpose(-2, -1)]  # (B, H, K, T): every class token reads every base token
-    if memory.lineage is None:
-        # Concatenation mode: each class token sees only itself among the class tokens.
-        k_l, v_l = k_c.unsqueeze(3), v_c.unsqueeze(3)  # (B, H, K, 1, d)
-        scores.append((q * k_c).sum(-1, keepdim=True))  # (B, H, K, 1)
-    else:
-        # Extension mode: also its ancestors' class tokens, computed in this same pass.
-        k_l, v_l = k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]  # (B, H, K, A, d)
-        scores.append((q.unsqueeze(3) * k_l).sum(-1) + memory.lineage_bias)  # (B, H, K, A)
-    if memory.keys is not None:
-        s_mem = torch.einsum("bhkd,khpd->bhkp", q, memory.keys)  # (B, H, K, P)
-        scores.append(s_mem if memory.bias is None else s_mem + memory.bias)
-    # Softmax in float32 whatever the model's dtype: bf16 scores over ~200 keys lose too much.
-    probs = torch.cat(scores, dim=-1).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    k_l, v_l = k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]  # (B, H, K, A, d): own lineage
+    scores = torch.cat(
+        [
+            q @ k_x.transpose(-2, -1),  # (B, H, K, T): every class token reads every base token
+            (q.unsqueeze(3) * k_l).sum(-1) + memory.lineage_bias,  # (B, H, K, A)
+            torch.einsum("bhkd,khpd->bhkp", q, memory.keys) + memory.bias,  # (B, H, K, P)
+        ],
+        dim=-1,
+    )
+    # Softmax in at least float32: bf16 scores over ~200 keys lose too much, and a float64 engine
+    # should be float64-accurate.
+    probs = scores.softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     probs = attn.attn_drop(probs)
-    p_x = probs[..., :T]
-    p_l = probs[..., T : T + k_l.shape[3]]
-    out = p_x @ v_x + (p_l.unsqueeze(-1) * v_l).sum(3)  # (B, H, K, d)
-    if memory.values is not None:
-        out = out + torch.einsum("bhkp,khpd->bhkd", probs[..., T + k_l.shape[3] :], memory.values)
-    return out
+    p_x, p_l, p_m = probs[..., :T], probs[..., T : T + A], probs[..., T + A :]
+    return (
+        p_x @ v_x  # (B, H, K, d)
+        + (p_l.unsqueeze(-1) * v_l).sum(3)
+        + torch.einsum("bhkp,khpd->bhkd", p_m, memory.values)
+    )
 
 
 def _finish(block: Block, x: Tensor, h: Tensor, o: Tensor) -> Tensor:
@@ -148,7 +147,7 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
 def split_block(block: Block, x: Tensor, c: Tensor, memory: LayerMemory) -> tuple[Tensor, Tensor]:
     """Base tokens x (B, T, D) and adapter class tokens c (B, K, D) through one block, apart.
 
-    The training path (DESIGN 2.3): x never meets a tensor that needs gradients, so autograd records
+    The training path (docs/design.md §2.3): x never meets a tensor that needs gradients, so autograd records
     only the class-token rows and back-propagation costs about one inference pass.
     """
     h_x = block.norm1(x)

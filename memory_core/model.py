@@ -5,14 +5,16 @@
 ``forward_features`` runs the base tokens through every block exactly as timm does, and the K
 adapter class tokens alongside them (``attention.py``); ``forward_head`` applies the base's own head
 to the base tokens and each adapter's head to its class token. The live adapters are an immutable
-``AdapterSet``; writers build a new one and swap the reference under a lock, readers never lock.
+``AdapterSet``; ``install`` is the one way to change them (under the engine's one write lock), and
+readers never lock: a pass reads the reference once and keeps that snapshot.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from timm.data import resolve_data_config
 from torch import Tensor, nn
 
-from .adapter import AdapterWeights
+from .adapter import BASE_TASK, AdapterWeights
 from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
 from .attention import merged_block, project_memory, split_block
 from .base_model import BaseModel, create_base
@@ -32,8 +34,6 @@ from .spec import ViTSpec
 
 log = logging.getLogger(__name__)
 
-Commit = Callable[["AdapterSet"], None]
-
 
 @dataclass(frozen=True)
 class FusedOutput:
@@ -42,6 +42,30 @@ class FusedOutput:
     base: Tensor  # (B, C_0): the base model's own task
     adapters: dict[str, Tensor]  # name -> (B, C_k), in the set's order
     adapter_set: AdapterSet
+
+    def __len__(self) -> int:
+        return self.base.shape[0]
+
+    def __getitem__(self, rows: slice) -> FusedOutput:
+        """The same tasks for a slice of the images (e.g. one request's share of a batch)."""
+        if not isinstance(rows, slice):
+            raise TypeError(f"FusedOutput takes a slice of images, got {type(rows).__name__}")
+        return FusedOutput(
+            base=self.base[rows],
+            adapters={name: t[rows] for name, t in self.adapters.items()},
+            adapter_set=self.adapter_set,
+        )
+
+    def logits(self) -> dict[str, Tensor]:
+        """Every task's logits by task name, the base task first."""
+        return {BASE_TASK: self.base, **self.adapters}
+
+    def to(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> FusedOutput:
+        return FusedOutput(
+            base=self.base.to(device, dtype),
+            adapters={name: t.to(device, dtype) for name, t in self.adapters.items()},
+            adapter_set=self.adapter_set,
+        )
 
 
 class MemoryViT(nn.Module):
@@ -104,8 +128,8 @@ class MemoryViT(nn.Module):
         # .to()/.cuda()/.half() land here: move the base, then re-prepare the adapters on it.
         super()._apply(fn, recurse)
         if getattr(self, "_adapters", None) is not None and len(self._adapters):
-            with self._write_lock:
-                self._adapters = AdapterSet(tuple(self.prepare(a.weights) for a in self._adapters))
+            with self.exclusive() as live:
+                self.install(AdapterSet(tuple(self.prepare(a.weights) for a in live)))
         return self
 
     def train(self, mode: bool = True) -> MemoryViT:
@@ -134,20 +158,27 @@ class MemoryViT(nn.Module):
             return torch.zeros(self.spec.width, device=self.device, dtype=self.dtype)
         return base.pos_embed[0, 0]
 
-    @torch.no_grad()
     def prepare(self, weights: AdapterWeights) -> PreparedAdapter:
-        """Check ``weights`` against the base and precompute what serving needs. Changes nothing."""
+        """Check ``weights`` against the base and precompute what the fused pass needs. Changes nothing.
+
+        Serving and training share it: when some tensor of ``weights`` requires grad (an adapter being
+        trained) and grad mode is on, the prepared tensors keep the graph back to the parameters, so
+        the loss reaches the memory through its projected keys and values.
+        """
         weights.check_fits(self.spec)
         like = {"device": self.device, "dtype": self.dtype}
-        keys, values = self.project_memory(weights.memory.to(**like), weights.memory_norm)
-        return PreparedAdapter(
-            weights=weights,
-            cls=weights.cls_token.to(**like) + self.class_position(),
-            memory_keys=keys,
-            memory_values=values,
-            head_weight=weights.head_weight.to(**like),
-            head_bias=weights.head_bias.to(**like),
-        )
+        with torch.set_grad_enabled(torch.is_grad_enabled() and weights.requires_grad):
+            keys, values = self.project_memory(weights.memory.to(**like), weights.memory_norm)
+            return PreparedAdapter(
+                name=weights.name,
+                parent=weights.parent,
+                weights=weights,
+                cls=weights.cls_token.to(**like) + self.class_position(),
+                memory_keys=keys,
+                memory_values=values,
+                head_weight=weights.head_weight.to(**like),
+                head_bias=weights.head_bias.to(**like),
+            )
 
     def project_memory(self, memory: Tensor, memory_norm: str) -> tuple[Tensor, Tensor]:
         """Memory (L, m, D) -> keys and values (L, H, m, d) through each block's norm1/qkv."""
@@ -158,32 +189,21 @@ class MemoryViT(nn.Module):
         pairs = [project_memory(block, memory[i], memory_norm) for i, block in enumerate(self.base.blocks)]
         return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
-    def add_adapter(
-        self, weights: AdapterWeights, *, replace: bool = False, commit: Commit | None = None
-    ) -> AdapterSet:
-        """Make ``weights`` live (atomically). Returns the new set; on error the live set is unchanged.
+    @contextmanager
+    def exclusive(self) -> Iterator[AdapterSet]:
+        """Hold the write lock and yield the live set: read, derive, persist and ``install`` atomically.
 
-        ``commit(new_set)`` runs after every check and before the swap, under the write lock: use it to
-        persist the change (write the bundle to a store); if it raises, nothing is swapped.
+        The one lock that orders every change to the live set (the adapter service runs its store
+        writes under it too). Re-entrant. Passes never take it.
         """
-        prepared = self.prepare(weights)
         with self._write_lock:
-            return self._swap(self._adapters.with_adapter(prepared, replace=replace), commit)
+            yield self._adapters
 
-    def remove_adapter(self, name: str, *, commit: Commit | None = None) -> AdapterSet:
-        with self._write_lock:
-            return self._swap(self._adapters.without(name), commit)
+    def install(self, adapter_set: AdapterSet) -> AdapterSet:
+        """Make ``adapter_set`` live: the one way the live set changes. Returns it.
 
-    def set_adapters(self, adapters: Iterable[AdapterWeights], *, commit: Commit | None = None) -> AdapterSet:
-        """Replace the whole live set at once (parents must come before their extensions)."""
-        prepared = tuple(self.prepare(w) for w in adapters)
-        with self._write_lock:
-            return self._swap(AdapterSet(prepared), commit)
-
-    def install(self, adapter_set: AdapterSet, *, commit: Commit | None = None) -> AdapterSet:
-        """Make a set built elsewhere live, e.g. from prepared adapters a store keeps between changes.
-
-        Its adapters must have been prepared by this engine, on its current device and dtype.
+        Its adapters must have been prepared by this engine, on its current device and dtype. Passes
+        in flight keep the set they started with; every later pass sees the new one.
         """
         for adapter in adapter_set:
             if adapter.cls.device != self.device or adapter.cls.dtype != self.dtype:
@@ -193,14 +213,24 @@ class MemoryViT(nn.Module):
                     field="name",
                 )
         with self._write_lock:
-            return self._swap(adapter_set, commit)
+            self._adapters = adapter_set  # one reference assignment
+        log.info("adapter set v%d live: %s", adapter_set.version, list(adapter_set.names))
+        return adapter_set
 
-    def _swap(self, new: AdapterSet, commit: Commit | None = None) -> AdapterSet:
-        if commit is not None:
-            commit(new)
-        self._adapters = new  # one reference assignment: passes in flight keep the old set
-        log.info("adapter set v%d live: %s", new.version, list(new.names))
-        return new
+    # Conveniences over ``install``: each derives the new set from the live one under the lock.
+    def add_adapter(self, weights: AdapterWeights, *, replace: bool = False) -> AdapterSet:
+        """Make ``weights`` live. Returns the new set; on any error the live set is unchanged."""
+        prepared = self.prepare(weights)
+        with self.exclusive() as live:
+            return self.install(live.with_adapter(prepared, replace=replace))
+
+    def remove_adapter(self, name: str) -> AdapterSet:
+        with self.exclusive() as live:
+            return self.install(live.without(name))
+
+    def set_adapters(self, adapters: Iterable[AdapterWeights]) -> AdapterSet:
+        """Replace the whole live set at once (parents must come before their extensions)."""
+        return self.install(AdapterSet(tuple(self.prepare(w) for w in adapters)))
 
     # -- the fused pass ------------------------------------------------------------------------
     def forward(self, x: Tensor, adapter_set: AdapterSet | None = None, *, path: str = "auto") -> FusedOutput:
@@ -216,7 +246,7 @@ class MemoryViT(nn.Module):
 
         ``path``: "merged" runs base and class-token rows through each linear layer together (fastest
         for inference); "split" keeps them apart so that autograd records only the class-token rows
-        (training, DESIGN 2.3); "auto" picks split exactly when gradients will flow into the stack.
+        (training, docs/design.md §2.3); "auto" picks split exactly when gradients will flow into the stack.
         """
         self._check_input(x)
         base = self.base

@@ -1,7 +1,8 @@
 """Keeps the engine's live adapter set equal to the valid bundles in the store.
 
-Local changes (POST/DELETE) validate completely, then persist, then swap, all under one lock, so a
-failure at any step leaves both the store and the live set as they were. Changes made by other
+Local changes (POST/DELETE) validate completely, then persist, then swap, all under the engine's one
+write lock (``MemoryViT.exclusive``), so a failure at any step leaves both the store and the live set
+as they were, and no other writer can slip in between. Changes made by other
 replicas sharing the store are picked up by ``sync``, which a background task calls every few
 seconds (and every local change calls first). Invalid files are reported, never loaded, never fatal.
 """
@@ -9,7 +10,6 @@ seconds (and every local change calls first). Invalid files are reported, never 
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 
 from adapters import AdapterBundle, check_compatible, read_bundle
@@ -32,7 +32,6 @@ class AdapterService:
         self.engine = engine
         self.store = store
         self.max_bundle_bytes = max_bundle_bytes
-        self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}  # valid bundles, as last read from the store
         self._seen: dict[str, FileState] = {}  # every bundle file at the last sync, valid or not
         self.invalid: dict[str, str] = {}  # file name -> why it is not loaded
@@ -49,7 +48,7 @@ class AdapterService:
         bundle = read_bundle(data, max_bytes=self.max_bundle_bytes)
         check_compatible(bundle, self.engine)
         prepared = self.engine.prepare(bundle.weights)
-        with self._lock:
+        with self.engine.exclusive():
             self._sync_locked()  # another replica may have just added this bundle's parent
             new_set = self.engine.adapters.with_adapter(prepared, replace=replace)  # conflicts raise here
             state = self.store.write(bundle, replace=replace)
@@ -61,7 +60,7 @@ class AdapterService:
         return bundle, live
 
     def delete(self, name: str) -> AdapterSet:
-        with self._lock:
+        with self.engine.exclusive():
             self._sync_locked()
             new_set = self.engine.adapters.without(name)  # unknown or still extended: raises here
             self.store.delete(name)
@@ -73,7 +72,7 @@ class AdapterService:
 
     def sync(self) -> bool:
         """Bring the live set in line with the store. Returns True if it changed."""
-        with self._lock:
+        with self.engine.exclusive():
             return self._sync_locked()
 
     def _sync_locked(self) -> bool:

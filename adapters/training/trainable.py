@@ -1,4 +1,4 @@
-"""An adapter being trained: its parameters, and the fused-pass stack built from them each step.
+"""An adapter being trained: its parameters, and the adapter set built from them each step.
 
 Which parameters learn is the regime (the paper's Table 2 rows):
 
@@ -6,8 +6,10 @@ Which parameters learn is the regime (the paper's Table 2 rows):
     class token + head    the class token and the head (``memory_tokens = 0``)
     memory N              the class token, N memory tokens per layer and the head
 
-In extension mode the parent adapter is part of the stack, frozen, and the new class token also
-attends to the parent's class token and memory, exactly as it will when served.
+The parameters start from ``AdapterWeights.initialise`` (the paper's initialisation) and go through
+``MemoryViT.prepare`` on every step exactly as a served adapter does, so training sees the pass it
+will be served with. In extension mode the parent adapter is part of the set, frozen, and the new
+class token also attends to the parent's class token and memory.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from memory_core import AdapterSet, AdapterStack, AdapterWeights, MemoryViT, PreparedAdapter
-from memory_core.adapter import MEMORY_INIT_STD
+from memory_core import AdapterSet, AdapterWeights, MemoryViT, PreparedAdapter
 
 Regime = Literal["head-only", "class-token", "memory"]
 
@@ -40,20 +41,26 @@ class TrainableAdapter(nn.Module):
         super().__init__()
         if head_only and memory_tokens:
             raise ValueError("head-only training has no memory tokens; use memory_tokens=0")
-        if memory_tokens < 0:
-            raise ValueError(f"memory_tokens must be >= 0, got {memory_tokens}")
-        spec = engine.spec
+        start = AdapterWeights.initialise(
+            name,
+            engine.spec,
+            num_memory=memory_tokens,
+            num_classes=num_classes,
+            cls_token=engine.base.cls_token,
+            memory_norm=memory_norm,
+            parent=None if parent is None else parent.name,
+            labels=labels,
+            generator=generator,
+        )
         self.engine = [engine]  # a list, so the frozen base is not registered as a submodule
         self.name, self.memory_norm, self.labels = name, memory_norm, labels
         self.parent = parent
-        # The paper starts the new class token from the base's and the memory from N(0, 0.02).
-        base_cls = engine.base.cls_token.detach().reshape(-1).float().cpu()
-        self.cls_token = nn.Parameter(base_cls.clone(), requires_grad=not head_only)
-        memory = torch.randn(spec.depth, memory_tokens, spec.width, generator=generator) * MEMORY_INIT_STD
-        self.memory = nn.Parameter(memory, requires_grad=memory_tokens > 0)
-        self.head = nn.Linear(spec.width, num_classes)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        self.cls_token = nn.Parameter(start.cls_token, requires_grad=not head_only)
+        self.memory = nn.Parameter(start.memory, requires_grad=memory_tokens > 0)
+        self.head = nn.Linear(engine.spec.width, num_classes)
+        with torch.no_grad():
+            self.head.weight.copy_(start.head_weight)
+            self.head.bias.copy_(start.head_bias)
 
     @property
     def regime(self) -> Regime:
@@ -61,55 +68,41 @@ class TrainableAdapter(nn.Module):
             return "head-only"
         return "memory" if self.memory.shape[1] else "class-token"
 
-    def weights(self) -> AdapterWeights:
-        """A detached snapshot, as a bundle stores it."""
+    def _weights(self, tensors: dict[str, Tensor]) -> AdapterWeights:
         return AdapterWeights(
             name=self.name,
-            memory=self.memory.detach().cpu().clone(),
-            cls_token=self.cls_token.detach().cpu().clone(),
-            head_weight=self.head.weight.detach().cpu().clone(),
-            head_bias=self.head.bias.detach().cpu().clone(),
+            **tensors,
             memory_norm=self.memory_norm,
             parent=None if self.parent is None else self.parent.name,
             labels=self.labels,
         )
 
-    def adapter_set(self) -> AdapterSet:
-        """The set this adapter is trained (and validated) in, built from the live parameters.
-
-        The memory keys and values are projected through the frozen blocks with autograd on, so the
-        loss reaches the memory tokens through them.
-        """
-        engine = self.engine[0]
-        like = {"device": engine.device, "dtype": engine.dtype}
-        keys, values = engine.project_memory(self.memory.to(**like), self.memory_norm)
-        prepared = PreparedAdapter(
-            weights=_placeholder(self),
-            cls=self.cls_token.to(**like) + engine.class_position(),
-            memory_keys=keys,
-            memory_values=values,
-            head_weight=self.head.weight.to(**like),
-            head_bias=self.head.bias.to(**like),
+    def live_weights(self) -> AdapterWeights:
+        """The parameters themselves (no copy): what ``prepare`` differentiates through."""
+        return self._weights(
+            dict(
+                memory=self.memory,
+                cls_token=self.cls_token,
+                head_weight=self.head.weight,
+                head_bias=self.head.bias,
+            )
         )
+
+    def weights(self) -> AdapterWeights:
+        """A detached snapshot, as a bundle stores it."""
+        return self._weights(
+            {
+                key: t.detach().cpu().clone()
+                for key, t in vars(self.live_weights()).items()
+                if isinstance(t, Tensor)
+            }
+        )
+
+    def adapter_set(self) -> AdapterSet:
+        """The set this adapter is trained (and validated) in, built from the live parameters."""
+        prepared = self.engine[0].prepare(self.live_weights())
         return AdapterSet((prepared,) if self.parent is None else (self.parent, prepared))
 
     def forward(self, images: Tensor) -> Tensor:
         """Images -> this adapter's logits (B, C), through the fused pass with only this set loaded."""
-        adapter_set = self.adapter_set()
-        stack: AdapterStack = adapter_set.stack
-        _, c = self.engine[0].forward_features(images, stack)
-        weight, bias = stack.heads[-1]
-        return nn.functional.linear(c[:, -1], weight, bias)
-
-
-def _placeholder(adapter: TrainableAdapter) -> AdapterWeights:
-    # AdapterSet only reads name and parent from it; the tensors are the live parameters (no copy).
-    return AdapterWeights(
-        name=adapter.name,
-        memory=adapter.memory,
-        cls_token=adapter.cls_token,
-        head_weight=adapter.head.weight,
-        head_bias=adapter.head.bias,
-        memory_norm=adapter.memory_norm,
-        parent=None if adapter.parent is None else adapter.parent.name,
-    )
+        return self.engine[0](images, self.adapter_set()).adapters[self.name]
