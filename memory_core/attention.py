@@ -4,7 +4,7 @@ The base tokens X go through the timm block exactly as timm computes it (same mo
 same ops, same attention kernel), which also yields their keys and values. The K adapter class
 tokens C go through the same per-token modules; only their attention differs: class token k
 attends over the shared base keys, the class tokens of its own lineage (itself, plus its ancestors
-in extension mode) and its memory, whose keys and values are constants (docs/design.md §2).
+in extension mode) and its memory, whose keys and values are constants (docs/design.md §2.2).
 
 Nothing here allocates a (T+K) x (T+K) mask, and the base path never sees adapter tokens, which is
 what keeps the base logits bit-for-bit timm's.

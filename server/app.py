@@ -25,9 +25,10 @@ from .batching import DynamicBatcher
 from .errors import install_error_handlers
 from .images import ImageDecoder
 from .metrics import Metrics, MetricsMiddleware
+from .pipeline import ClassifyPipeline
 from .routers import adapters, classify, health
 from .settings import Settings, get_settings
-from .state import Runtime
+from .state import AppState, Service
 from .store import AdapterStore
 
 log = logging.getLogger("memvit.server")
@@ -84,88 +85,95 @@ def _seed_demo_store(settings: Settings, store: AdapterStore) -> None:
         log.info("seeded the empty adapter store %s with the demo adapters", store.root)
 
 
-def _load(runtime: Runtime) -> None:
-    settings = runtime.settings
+def _load(settings: Settings) -> tuple[MemoryViT, AdapterService]:
+    """The slow, blocking part of start-up (run in a thread): the model, then every valid bundle."""
     engine = build_engine(settings)
     store = AdapterStore(settings.adapter_store)
     store.clean_temp_files()
     _seed_demo_store(settings, store)
-    service = AdapterService(engine, store, max_bundle_bytes=settings.max_bundle_bytes)
-    service.sync()
-    for name, reason in service.invalid.items():
+    registry = AdapterService(engine, store, max_bundle_bytes=settings.max_bundle_bytes)
+    registry.sync()
+    for name, reason in registry.invalid.items():
         log.warning("adapter store: %s is invalid and was not loaded: %s", name, reason)
-    runtime.engine, runtime.adapters = engine, service
-    runtime.decoder = ImageDecoder(
-        engine, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels
-    )
+    return engine, registry
 
 
-async def _start(runtime: Runtime) -> None:
-    settings = runtime.settings
+async def _start(state: AppState) -> None:
+    settings = state.settings
     try:
-        await asyncio.to_thread(_load, runtime)
+        engine, registry = await asyncio.to_thread(_load, settings)
     except Exception as exc:  # configuration or weights problems: say so in one line and stop
         log.error("cannot start: %s", exc)
         os.kill(os.getpid(), signal.SIGTERM)
         return
-    runtime.batcher = DynamicBatcher(
-        runtime.engine,
+    batcher = DynamicBatcher(
+        engine,
         max_batch=settings.max_batch,
         max_wait=settings.max_wait_ms / 1000,
         max_queue=settings.max_queue,
-        metrics=runtime.metrics,
+        metrics=state.metrics,
     )
-    await runtime.batcher.start()
-    runtime.tasks.append(asyncio.create_task(_poll_store(runtime), name="store-poller"))
-    _update_gauges(runtime)
-    runtime.ready = True
-    runtime.metrics.ready.set(1)
-    spec = runtime.engine.spec
+    await batcher.start()
+    decode_pool = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")
+    decoder = ImageDecoder(engine, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
+    pipeline = ClassifyPipeline(
+        engine,
+        decoder,
+        batcher,
+        decode_pool,
+        max_images=settings.max_images_per_request,
+        max_image_bytes=settings.max_image_bytes,
+    )
+    state.service = Service(engine, registry, pipeline, batcher, decode_pool)
+    state.tasks.append(
+        asyncio.create_task(_poll_store(state.service, settings, state.metrics), name="store-poller")
+    )
+    _update_gauges(state.service, state.metrics)
+    state.metrics.ready.set(1)
+    spec = engine.spec
     log.info(
         "ready: %s (%s) on %s/%s, %d adapters, store %s",
-        spec.arch, runtime.engine.source, runtime.engine.device, runtime.engine.dtype,
-        len(runtime.engine.adapters), settings.adapter_store,
+        spec.arch, engine.source, engine.device, engine.dtype, len(engine.adapters), settings.adapter_store,
     )  # fmt: skip
 
 
-async def _poll_store(runtime: Runtime) -> None:
+async def _poll_store(service: Service, settings: Settings, metrics: Metrics) -> None:
     while True:
-        await asyncio.sleep(runtime.settings.store_poll_seconds)
+        await asyncio.sleep(settings.store_poll_seconds)
         try:
-            await asyncio.to_thread(runtime.adapters.sync)
-            _update_gauges(runtime)
+            await asyncio.to_thread(service.adapters.sync)
+            _update_gauges(service, metrics)
         except Exception:  # a bad poll must not end polling
             log.exception("adapter store poll failed")
 
 
-def _update_gauges(runtime: Runtime) -> None:
-    live = runtime.engine.adapters
-    runtime.metrics.adapters_loaded.set(len(live))
-    runtime.metrics.adapter_set_version.set(live.version)
+def _update_gauges(service: Service, metrics: Metrics) -> None:
+    live = service.engine.adapters
+    metrics.adapters_loaded.set(len(live))
+    metrics.adapter_set_version.set(live.version)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
+    state = AppState(settings=settings, metrics=Metrics())
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime: Runtime = app.state.runtime
         if settings.admin_token is None:
             log.warning(
                 "!!! MEMVIT_ADMIN_TOKEN is not set: anyone who can reach this port can add and delete "
                 "adapters. Set it for any deployment beyond a laptop. !!!"
             )
-        starter = asyncio.create_task(_start(runtime), name="loader")
-        runtime.tasks.append(starter)
+        state.tasks.append(asyncio.create_task(_start(state), name="loader"))
         yield
-        for task in runtime.tasks:
+        for task in state.tasks:
             task.cancel()
-        for task in runtime.tasks:
+        for task in state.tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if runtime.batcher is not None:
-            await runtime.batcher.stop()
-        runtime.decode_pool.shutdown(wait=False, cancel_futures=True)
+        if state.service is not None:
+            await state.service.close()
 
     app = FastAPI(
         title="memvit",
@@ -173,12 +181,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
     )
-    metrics = Metrics()
-    app.state.runtime = Runtime(
-        settings=settings,
-        metrics=metrics,
-        decode_pool=ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode"),
-    )
+    app.state.memvit = state
+    metrics = state.metrics
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     install_error_handlers(app)
     app.include_router(classify.router)

@@ -2,9 +2,9 @@
 
 A request's images wait in a queue; one gatherer task takes the first waiting request, then more
 until ``max_batch`` images or ``max_wait`` seconds, and hands the batch to a single inference
-thread. It only waits for requests that are on their way (announced with ``expecting`` while their
-images decode): a lone request runs at once instead of sitting out ``max_wait`` for nobody. Each
-batch reads the engine's adapter set once, so every request in it is answered by that one snapshot.
+thread. It only waits for requests that are on their way (announced by ``run`` while their images
+decode): a lone request runs at once instead of sitting out ``max_wait`` for nobody. Each batch
+reads the engine's adapter set once, so every request in it is answered by that one snapshot.
 A full queue refuses new work at once (503 + Retry-After) instead of growing.
 """
 
@@ -14,13 +14,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from memory_core import AdapterSet, MemoryViT
+from memory_core import AdapterSet, FusedOutput, MemoryViT
 
 from .errors import OverloadedError
 from .metrics import Metrics
@@ -28,20 +29,10 @@ from .metrics import Metrics
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class BatchResult:
-    """One request's share of a fused pass: logits per task, and the snapshot that produced them."""
-
-    base: Tensor  # (n, C_0)
-    adapters: dict[str, Tensor]  # name -> (n, C_k)
-    adapter_set: AdapterSet
-
-
 @dataclass
 class _Job:
     images: Tensor  # (n, C, H, W)
-    future: asyncio.Future
-    enqueued: float
+    future: asyncio.Future[FusedOutput]
 
 
 class DynamicBatcher:
@@ -54,7 +45,7 @@ class DynamicBatcher:
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._waiting = 0  # images queued, not yet in a pass
         self._carry: _Job | None = None  # a job that did not fit the previous batch
-        self._expected = 0  # images still decoding that will be submitted soon
+        self._expected = 0  # images still decoding that will be queued soon
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused-pass")
         self._task: asyncio.Task | None = None
 
@@ -68,21 +59,22 @@ class DynamicBatcher:
                 await self._task
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    @property
-    def waiting(self) -> int:
-        return self._waiting
+    async def run(self, n: int, images: Awaitable[Tensor]) -> FusedOutput:
+        """Announce ``n`` images, await them (``images`` decodes them), then queue them for the next
+        pass and return their share of its output.
 
-    @contextlib.contextmanager
-    def expecting(self, n: int):
-        """Announce ``n`` images about to be submitted (wrap their decoding), so a batch waits for them."""
+        While ``images`` is awaited a forming batch may wait for these ``n`` images. Leaving that
+        announcement and queueing the job happen with no await in between, so the gatherer always
+        sees one or the other: never a moment where these images are neither expected nor queued.
+        """
         self._expected += n
         try:
-            yield
+            batch = await images  # (n, C, H, W)
         finally:
             self._expected -= n
+        return await self._enqueue(batch)  # _enqueue queues synchronously, then we wait on its future
 
-    async def submit(self, images: Tensor) -> BatchResult:
-        """Queue ``images`` (n, C, H, W) for the next pass and wait for their logits."""
+    def _enqueue(self, images: Tensor) -> asyncio.Future[FusedOutput]:
         n = images.shape[0]
         if self._waiting + n > self.max_queue:
             self.metrics.rejected.inc()
@@ -92,8 +84,8 @@ class DynamicBatcher:
         future = asyncio.get_running_loop().create_future()
         self._waiting += n
         self.metrics.queue_depth.set(self._waiting)
-        self._queue.put_nowait(_Job(images, future, time.perf_counter()))
-        return await future
+        self._queue.put_nowait(_Job(images, future))
+        return future
 
     async def _gather_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -141,21 +133,11 @@ class DynamicBatcher:
         for job in batch:
             n = job.images.shape[0]
             if not job.future.done():  # the client may have gone away
-                job.future.set_result(
-                    BatchResult(
-                        base=out.base[start : start + n],
-                        adapters={name: t[start : start + n] for name, t in out.adapters.items()},
-                        adapter_set=adapter_set,
-                    )
-                )
+                job.future.set_result(out[start : start + n])
             start += n
 
-    def _forward(self, images: Tensor, adapter_set: AdapterSet):
+    def _forward(self, images: Tensor, adapter_set: AdapterSet) -> FusedOutput:
         with torch.inference_mode():
             out = self.engine(images.to(self.engine.device), adapter_set)
         # Hand back float32 CPU tensors: the event loop only slices them and picks the top k.
-        return type(out)(
-            base=out.base.float().cpu(),
-            adapters={k: v.float().cpu() for k, v in out.adapters.items()},
-            adapter_set=adapter_set,
-        )
+        return out.to("cpu", torch.float32)

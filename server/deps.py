@@ -1,4 +1,4 @@
-"""Request dependencies: the runtime, readiness, and the admin token check."""
+"""Request dependencies: narrow views of the service (503 until it is ready) and the admin check."""
 
 from __future__ import annotations
 
@@ -7,32 +7,40 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from memory_core import MemoryViT
+
+from .adapter_service import AdapterService
 from .errors import ForbiddenError, NotAuthenticatedError, NotReadyError, UnsupportedMediaTypeError
-from .state import Runtime
+from .pipeline import ClassifyPipeline
+from .settings import Settings
+from .state import AppState, Service
 
 
-def get_runtime(request: Request) -> Runtime:
-    return request.app.state.runtime
+def get_state(request: Request) -> AppState:
+    return request.app.state.memvit
 
 
-def ready_runtime(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Runtime:
-    if not runtime.ready:
+def get_settings(state: Annotated[AppState, Depends(get_state)]) -> Settings:
+    return state.settings
+
+
+def get_service(state: Annotated[AppState, Depends(get_state)]) -> Service:
+    if state.service is None:
         raise NotReadyError("the model and the adapter store are still loading; retry shortly")
-    return runtime
+    return state.service
 
 
-def require_admin(request: Request, runtime: Annotated[Runtime, Depends(ready_runtime)]) -> Runtime:
+def require_admin(request: Request, settings: Annotated[Settings, Depends(get_settings)]) -> None:
     """POST/DELETE /adapters: a valid ``Authorization: Bearer <token>`` when a token is configured."""
-    token = runtime.settings.admin_token
+    token = settings.admin_token
     if token is None:
-        return runtime
+        return
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not given:
         raise NotAuthenticatedError("this endpoint needs 'Authorization: Bearer <admin token>'")
     if not hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode()):
         raise ForbiddenError("the admin token is not valid")
-    return runtime
 
 
 def require_multipart(request: Request) -> None:
@@ -44,5 +52,20 @@ def require_multipart(request: Request) -> None:
         )
 
 
-RuntimeDep = Annotated[Runtime, Depends(ready_runtime)]
-AdminDep = Annotated[Runtime, Depends(require_admin)]
+def get_engine(service: Annotated[Service, Depends(get_service)]) -> MemoryViT:
+    return service.engine
+
+
+def get_adapters(service: Annotated[Service, Depends(get_service)]) -> AdapterService:
+    return service.adapters
+
+
+def get_pipeline(service: Annotated[Service, Depends(get_service)]) -> ClassifyPipeline:
+    return service.pipeline
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+EngineDep = Annotated[MemoryViT, Depends(get_engine)]
+AdaptersDep = Annotated[AdapterService, Depends(get_adapters)]
+PipelineDep = Annotated[ClassifyPipeline, Depends(get_pipeline)]

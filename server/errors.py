@@ -15,12 +15,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters import BaseMismatchError, BundleError
-from adapters.training import DataError
 from memory_core import (
     AdapterInUseError,
-    AdapterShapeError,
     DuplicateAdapterError,
     InputError,
+    InvalidAdapterError,
     MemvitError,
     MissingParentError,
     UnknownAdapterError,
@@ -95,12 +94,8 @@ class NotReadyError(ServiceError):
 class OverloadedError(ServiceError):
     status = 503
 
-    def __init__(self, message: str, *, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after)}
+        return {"Retry-After": "1"}
 
 
 # Engine and bundle errors, most specific first.
@@ -111,9 +106,8 @@ DOMAIN_STATUS: list[tuple[type[Exception], int]] = [
     (UnknownAdapterError, 404),
     (BaseMismatchError, 422),
     (BundleError, 422),
-    (AdapterShapeError, 422),
+    (InvalidAdapterError, 422),
     (InputError, 422),
-    (DataError, 422),
 ]
 
 

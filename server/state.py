@@ -1,4 +1,10 @@
-"""The per-app runtime state that request handlers reach through ``deps``."""
+"""What request handlers reach through ``deps``: the app's state, and the service once it is ready.
+
+``AppState`` exists from the moment the app is created (settings, metrics, background tasks).
+``Service`` exists only once the model and the adapter store are loaded, and is complete when it
+does: handlers that need it get it through a dependency that answers 503 until then, so no handler
+ever meets a half-built service.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +16,29 @@ from memory_core import MemoryViT
 
 from .adapter_service import AdapterService
 from .batching import DynamicBatcher
-from .images import ImageDecoder
 from .metrics import Metrics
+from .pipeline import ClassifyPipeline
 from .settings import Settings
 
 
-@dataclass
-class Runtime:
-    """Everything a request handler needs; ``ready`` once the model and the store are loaded."""
+@dataclass(frozen=True)
+class Service:
+    """The loaded model, its adapter registry and the /classify pipeline."""
 
+    engine: MemoryViT
+    adapters: AdapterService
+    pipeline: ClassifyPipeline
+    batcher: DynamicBatcher
+    decode_pool: ThreadPoolExecutor
+
+    async def close(self) -> None:
+        await self.batcher.stop()
+        self.decode_pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class AppState:
     settings: Settings
     metrics: Metrics
-    decode_pool: ThreadPoolExecutor
-    engine: MemoryViT | None = None
-    decoder: ImageDecoder | None = None
-    batcher: DynamicBatcher | None = None
-    adapters: AdapterService | None = None
-    ready: bool = False
+    service: Service | None = None  # set once, when loading has finished
     tasks: list[asyncio.Task] = field(default_factory=list)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, File, Path, Query, UploadFile
 from adapters import AdapterBundle
 from memory_core import NAME_PATTERN, AdapterSet
 
-from ..deps import AdminDep, RuntimeDep, require_multipart
+from ..deps import AdaptersDep, EngineDep, SettingsDep, require_admin, require_multipart
 from ..errors import BundleTooLargeError
 from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList, AdapterSetInfo, ErrorResponse
 
@@ -27,19 +27,18 @@ def _set_info(adapter_set: AdapterSet) -> AdapterSetInfo:
 
 
 @router.get("", response_model=AdapterList, summary="Live adapters, and store files that are not loaded")
-def list_adapters(runtime: RuntimeDep) -> AdapterList:
-    service = runtime.adapters
-    live = runtime.engine.adapters
+def list_adapters(engine: EngineDep, registry: AdaptersDep) -> AdapterList:
+    live = engine.adapters
     return AdapterList(
         adapter_set=_set_info(live),
-        adapters=[_info(service.bundle(name)) for name in live.names],
-        invalid=dict(service.invalid),
+        adapters=[_info(registry.bundle(name)) for name in live.names],
+        invalid=dict(registry.invalid),
     )
 
 
 @router.get("/{name}", response_model=AdapterInfo, responses={404: {"model": ErrorResponse}})
-def get_adapter(name: Name, runtime: RuntimeDep) -> AdapterInfo:
-    return _info(runtime.adapters.bundle(name))
+def get_adapter(name: Name, registry: AdaptersDep) -> AdapterInfo:
+    return _info(registry.bundle(name))
 
 
 @router.post(
@@ -48,25 +47,32 @@ def get_adapter(name: Name, runtime: RuntimeDep) -> AdapterInfo:
     status_code=201,
     responses={code: {"model": ErrorResponse} for code in (401, 403, 409, 413, 422)},
     summary="Register an adapter bundle (validated completely, persisted atomically, live at once)",
+    dependencies=[Depends(require_admin), Depends(require_multipart)],
 )
 async def register_adapter(
-    runtime: AdminDep,
-    _: Annotated[None, Depends(require_multipart)],
+    engine: EngineDep,
+    registry: AdaptersDep,
+    settings: SettingsDep,
     bundle: Annotated[UploadFile, File(description="a memvit.adapter/1 safetensors file")],
     replace: Annotated[bool, Query(description="swap out an adapter of the same name")] = False,
 ) -> AdapterCreated:
-    limit = runtime.settings.max_bundle_bytes
+    limit = settings.max_bundle_bytes
     data = await bundle.read(limit + 1)
     if len(data) > limit:
         raise BundleTooLargeError(f"bundle over the {limit}-byte upload limit", field="bundle")
-    existed = runtime.engine.adapters
-    created, live = await asyncio.to_thread(runtime.adapters.register, data, replace=replace)
+    existed = engine.adapters
+    created, live = await asyncio.to_thread(registry.register, data, replace=replace)
     return AdapterCreated(
         adapter=_info(created), adapter_set=_set_info(live), replaced=created.name in existed
     )
 
 
-@router.delete("/{name}", response_model=AdapterDeleted, responses={404: {"model": ErrorResponse}})
-async def delete_adapter(name: Name, runtime: AdminDep) -> AdapterDeleted:
-    live = await asyncio.to_thread(runtime.adapters.delete, name)
+@router.delete(
+    "/{name}",
+    response_model=AdapterDeleted,
+    responses={404: {"model": ErrorResponse}},
+    dependencies=[Depends(require_admin)],
+)
+async def delete_adapter(name: Name, registry: AdaptersDep) -> AdapterDeleted:
+    live = await asyncio.to_thread(registry.delete, name)
     return AdapterDeleted(deleted=name, adapter_set=_set_info(live))

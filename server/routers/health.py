@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..deps import get_runtime
+from ..deps import StateDep
 from ..schemas import Health
-from ..state import Runtime
 
 router = APIRouter(tags=["health"])
 
@@ -26,16 +23,16 @@ def healthz() -> Health:
     summary="The model and the adapter store are loaded",
     responses={503: {"model": Health, "description": "still loading"}},
 )
-def readyz(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Response:
-    if not runtime.ready:
+def readyz(state: StateDep) -> Response:
+    if state.service is None:
         body = Health(status="loading", detail="the model and the adapter store are still loading")
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "1"})
-    live = runtime.engine.adapters
+    live = state.service.engine.adapters
     return JSONResponse(
         Health(status="ready", detail=f"{len(live)} adapters, set v{live.version}").model_dump()
     )
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
-def metrics(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Response:
-    return Response(runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+def metrics(state: StateDep) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -32,13 +32,17 @@ def _batcher(engine, max_wait: float) -> tuple[DynamicBatcher, list[int]]:
     return batcher, sizes
 
 
+async def _ready(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def test_a_lone_request_runs_without_waiting_out_max_wait(engine) -> None:
     async def main() -> float:
         batcher, sizes = _batcher(engine, max_wait=3.0)
         await batcher.start()
         try:
             start = time.perf_counter()
-            result = await batcher.submit(images(engine, 1))
+            result = await batcher.run(1, _ready(images(engine, 1)))
             assert result.base.shape[0] == 1 and sizes == [1]
             return time.perf_counter() - start
         finally:
@@ -54,12 +58,14 @@ def test_announced_requests_join_the_batch(engine) -> None:
         batcher, sizes = _batcher(engine, max_wait=3.0)
         await batcher.start()
         try:
-            with batcher.expecting(2):  # two images still "decoding"
-                first = asyncio.create_task(batcher.submit(x[:1]))
-                await asyncio.sleep(0.3)  # the gatherer holds the first one, waiting for these
-                assert not first.done()
-                second = x[1:]
-            results = await asyncio.gather(first, batcher.submit(second))
+            decoded = asyncio.get_running_loop().create_future()
+            second = asyncio.create_task(batcher.run(2, decoded))  # two images still "decoding"
+            await asyncio.sleep(0.05)
+            first = asyncio.create_task(batcher.run(1, _ready(x[:1])))
+            await asyncio.sleep(0.3)  # the gatherer holds the first one, waiting for these
+            assert not first.done()
+            decoded.set_result(x[1:])
+            results = await asyncio.gather(first, second)
             torch.testing.assert_close(torch.cat([r.base for r in results]), engine(x).base)
             assert results[0].adapter_set is results[1].adapter_set
             return sizes
@@ -88,17 +94,18 @@ def test_over_http_a_request_still_decoding_joins_the_batch(tiny_weights, tmp_pa
             return time.perf_counter() - start
 
     with running_server(settings, app) as url:
-        runtime = app.state.runtime
-        decode = runtime.decoder
+        state = app.state.memvit
+        pipeline = state.service.pipeline
+        decode = pipeline.decoder
 
         def slow_decoder(data: bytes, name: str = "image"):
             if name == "slow.png":
                 time.sleep(0.5)
             return decode(data, name)
 
-        runtime.decoder = slow_decoder
+        pipeline.decoder = slow_decoder
         elapsed = asyncio.run(clients(url))
-        batches = runtime.metrics.batch_size.collect()[0].samples
+        batches = state.metrics.batch_size.collect()[0].samples
     count = next(s.value for s in batches if s.name.endswith("_count"))
     images_seen = next(s.value for s in batches if s.name.endswith("_sum"))
     assert (count, images_seen) == (1, 2), "the fast request should have waited for the slow one"

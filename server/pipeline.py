@@ -1,0 +1,131 @@
+"""POST /classify from uploaded bytes to the response: decode -> batch -> fused pass -> predictions.
+
+One object owns the whole path so that its rules live together:
+- tasks are checked against the live set before anything is decoded (fail fast), and again against
+  the snapshot that answered (an adapter removed meanwhile gives a 422 naming it, never a wrong or
+  missing answer);
+- each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop;
+- the images are announced to the batcher while they decode, so a forming batch waits for them;
+- the response is built from the one snapshot that computed every logit in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
+import torch
+from fastapi import UploadFile
+from torch import Tensor
+
+from memory_core import BASE_TASK, AdapterSet, FusedOutput, MemoryViT
+
+from .batching import DynamicBatcher
+from .errors import ImageTooLargeError, TooManyImagesError, UnknownTaskError
+from .images import ImageDecoder
+from .schemas import AdapterSetInfo, ClassifyResponse, ImageResult, Prediction, TaskResult
+
+
+def parse_tasks(tasks: Sequence[str] | None) -> list[str] | None:
+    """``?tasks=a,b&tasks=c`` -> ["a", "b", "c"]; nothing (or only blanks) means every task."""
+    if not tasks:
+        return None
+    return [t.strip() for item in tasks for t in item.split(",") if t.strip()] or None
+
+
+def check_tasks(wanted: list[str] | None, adapter_set: AdapterSet) -> None:
+    """Raise ``UnknownTaskError`` naming every asked-for task that ``adapter_set`` cannot answer."""
+    if wanted is None:
+        return
+    unknown = [t for t in wanted if t != BASE_TASK and t not in adapter_set]
+    if unknown:
+        known = [BASE_TASK, *adapter_set.names]
+        raise UnknownTaskError(f"unknown task(s) {unknown}; this server has {known}", field="tasks")
+
+
+class ClassifyPipeline:
+    def __init__(
+        self,
+        engine: MemoryViT,
+        decoder: ImageDecoder,
+        batcher: DynamicBatcher,
+        decode_pool: Executor,
+        *,
+        max_images: int,
+        max_image_bytes: int,
+    ) -> None:
+        self.engine = engine
+        self.decoder = decoder
+        self.batcher = batcher
+        self.decode_pool = decode_pool
+        self.max_images = max_images
+        self.max_image_bytes = max_image_bytes
+
+    async def __call__(
+        self, uploads: Sequence[UploadFile], *, tasks: Sequence[str] | None, top_k: int, logits: bool
+    ) -> ClassifyResponse:
+        if len(uploads) > self.max_images:
+            raise TooManyImagesError(
+                f"{len(uploads)} images in one request; the limit is {self.max_images}", field="image"
+            )
+        wanted = parse_tasks(tasks)
+        check_tasks(wanted, self.engine.adapters)  # fail fast, before decoding anything
+        names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
+        out = await self.batcher.run(len(uploads), self._decode(uploads, names))
+        check_tasks(wanted, out.adapter_set)  # an adapter may have been removed meanwhile
+        return self.respond(out, names, wanted, top_k=top_k, logits=logits)
+
+    async def _decode(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
+        """Every upload read (capped), then decoded in the pool -> (n, C, H, W)."""
+        blobs = []
+        for upload, name in zip(uploads, names, strict=True):
+            data = await upload.read(self.max_image_bytes + 1)
+            if len(data) > self.max_image_bytes:
+                raise ImageTooLargeError(
+                    f"{name}: over the {self.max_image_bytes}-byte upload limit", field=name
+                )
+            blobs.append(data)
+        loop = asyncio.get_running_loop()
+        decoded = await asyncio.gather(
+            *(
+                loop.run_in_executor(self.decode_pool, self.decoder, data, name)
+                for data, name in zip(blobs, names, strict=True)
+            ),
+            return_exceptions=True,  # wait for all, so no decode is left running unobserved
+        )
+        for result in decoded:
+            if isinstance(result, BaseException):
+                raise result  # the first bad image names itself
+        return torch.stack(decoded)
+
+    def respond(
+        self, out: FusedOutput, names: list[str], wanted: list[str] | None, *, top_k: int, logits: bool
+    ) -> ClassifyResponse:
+        """Logits of ``len(names)`` images -> the top ``top_k`` labels of each wanted task."""
+        adapter_set = out.adapter_set
+        task_logits = out.logits()
+        labels = {BASE_TASK: self.engine.labels, **{a.name: a.weights.labels for a in adapter_set}}
+        per_task = {}
+        for task in wanted or list(task_logits):
+            values = task_logits[task]  # (n, C)
+            top = values.softmax(-1).topk(min(top_k, values.shape[-1]), dim=-1)
+            per_task[task] = (values, top, labels[task])
+        results = []
+        for i, name in enumerate(names):
+            answers = {}
+            for task, (values, top, task_labels) in per_task.items():
+                predictions = [
+                    Prediction(label=_label(task_labels, int(j)), index=int(j), probability=float(p))
+                    for p, j in zip(top.values[i], top.indices[i], strict=True)
+                ]
+                answers[task] = TaskResult(
+                    predictions=predictions, logits=values[i].tolist() if logits else None
+                )
+            results.append(ImageResult(image=name, tasks=answers))
+        info = AdapterSetInfo(version=adapter_set.version, adapters=list(adapter_set.names))
+        return ClassifyResponse(adapter_set=info, results=results)
+
+
+def _label(labels: tuple[str, ...] | None, index: int) -> str:
+    return labels[index] if labels is not None and index < len(labels) else f"class_{index}"
