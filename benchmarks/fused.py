@@ -1,12 +1,13 @@
 """Fused pass vs the base alone, vs K+1 separate timm passes, vs the dense-mask oracle, in one run.
 
-    python benchmarks/fused.py                       # the issue's grid, ~12 minutes on 2 CPU cores
-    python benchmarks/fused.py --archs deit_tiny_patch16_224 --ks 0,8 --rounds 3   # a quick look
+    python -m benchmarks.fused                       # the issue's grid, ~12 minutes on 2 CPU cores
+    python -m benchmarks.fused --archs deit_tiny_patch16_224 --ks 0,8 --rounds 3   # a quick look
 
-Random weights (timing does not depend on them). Each configuration is timed in interleaved rounds
-(base, fused, dense, trimmed dense, one after the other) and every ratio is the median of per-round
-ratios, so slow drifts of a shared machine cancel. "separate" is K+1 plain timm passes run one after
-the other (a lower bound for K+1 separately fine-tuned models, which would also carry memory).
+Random weights (timing does not depend on them; the adapters come from tests/factories.py). Each
+configuration is timed in interleaved rounds (base, fused, dense, trimmed dense, one after the other)
+and every ratio is the median of per-round ratios, so slow drifts of a shared machine cancel.
+"separate" is K+1 plain timm passes run one after the other (a lower bound for K+1 separately
+fine-tuned models, which would also carry memory).
 Peak memory is the high-water mark of tensor allocations during one pass (torch profiler), that is
 activations, not weights. Like ``memvit``'s entry points, it pins glibc's malloc thresholds
 (memory_core/runtime.py) unless ``--default-malloc`` is given.
@@ -16,23 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler's log lines out of the table
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from memory_core import AdapterWeights, DenseMemoryViT, MemoryViT, flop_ratio, uniform_adapters
-from memory_core.runtime import tune_malloc
+from benchmarks.common import argument_parser, environment, interleaved, median_ratio, pin_malloc, timed
+from memory_core import DenseMemoryViT, MemoryViT, flop_ratio, uniform_adapters
+from tests.factories import random_adapter
 
 
 @dataclass
@@ -65,19 +61,6 @@ class Row:
         return out
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def median_ratio(times: dict[str, list[float]], a: str, b: str) -> float | None:
-    """Median over rounds of time(a) / time(b), both measured in the same round."""
-    if a not in times or b not in times:
-        return None
-    return statistics.median(ta / tb for ta, tb in zip(times[a], times[b], strict=True))
-
-
 def peak_mb(fn: Callable[[], object]) -> float:
     """High-water mark of CPU tensor allocations during ``fn`` (MiB), from the profiler's memory events."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -87,21 +70,6 @@ def peak_mb(fn: Callable[[], object]) -> float:
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return peak / 2**20
-
-
-def make_adapters(engine: MemoryViT, k: int, m: int, classes: int) -> list[AdapterWeights]:
-    spec = engine.spec
-    g = torch.Generator().manual_seed(k * 100 + m)
-    return [
-        AdapterWeights(
-            name=f"a{i}",
-            memory=0.02 * torch.randn(spec.depth, m, spec.width, generator=g),
-            cls_token=0.02 * torch.randn(spec.width, generator=g),
-            head_weight=0.02 * torch.randn(classes, spec.width, generator=g),
-            head_bias=torch.zeros(classes),
-        )
-        for i in range(k)
-    ]
 
 
 def bench_arch(arch: str, ks: list[int], ms: list[int], args: argparse.Namespace) -> list[Row]:
@@ -122,7 +90,10 @@ def bench_arch(arch: str, ks: list[int], ms: list[int], args: argparse.Namespace
 
     for k in ks:
         for m in [None] if k == 0 else ms:
-            adapters = make_adapters(engine, k, m or 0, args.classes)
+            adapters = [
+                random_adapter(f"a{i}", engine, m=m or 0, classes=args.classes, memory_std=0.02)
+                for i in range(k)
+            ]
             engine.set_adapters(adapters)
             fns: dict[str, Callable[[], object]] = {"base": lambda: base(x), "fused": lambda: engine(x)}
             if k > 0 and not args.no_dense:
@@ -130,13 +101,7 @@ def bench_arch(arch: str, ks: list[int], ms: list[int], args: argparse.Namespace
                 trimmed = DenseMemoryViT(base, adapters, trim_memory=True)
                 fns["dense"] = lambda d=dense: d(x)
                 fns["trimmed"] = lambda d=trimmed: d(x)
-            for fn in fns.values():  # warm-up
-                fn()
-            times: dict[str, list[float]] = {name: [] for name in fns}
-            for _ in range(args.rounds):
-                for name, fn in fns.items():
-                    times[name].append(timed(fn))
-
+            times = interleaved(fns, args.rounds)
             fused_s = statistics.median(times["fused"])
             row = Row(
                 arch=arch,
@@ -178,24 +143,8 @@ def format_row(r: Row) -> str:
     )
 
 
-def environment(args: argparse.Namespace) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, {os.cpu_count()} CPUs, "
-        f"batch {args.batch}, fp32, {args.rounds} rounds, adapter heads of {args.classes} classes, "
-        f"{args.malloc}"
-    )
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__file__, __doc__)
     parser.add_argument("--archs", default="vit_base_patch32_224,deit_tiny_patch16_224")
     parser.add_argument("--ks", default="0,1,8,64")
     parser.add_argument("--ms", default="1,5")
@@ -206,13 +155,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-dense", action="store_true", help="skip the dense-mask oracle")
     parser.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds alone")
     args = parser.parse_args(argv)
-    args.malloc = "glibc defaults" if args.default_malloc or not tune_malloc() else "heap-pinned malloc"
+    malloc = pin_malloc(not args.default_malloc)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ks = [int(k) for k in args.ks.split(",")]
     ms = [int(m) for m in args.ms.split(",")]
-    print(environment(args))
+    print(
+        environment(
+            f"batch {args.batch}",
+            "fp32",
+            f"{args.rounds} rounds",
+            f"adapter heads of {args.classes} classes",
+            malloc,
+        )
+    )
     print(HEADER, flush=True)
     with torch.inference_mode():
         for arch in args.archs.split(","):

@@ -1,20 +1,20 @@
 """The paper's Table 2 in miniature, then the concatenation claim, on the real DeiT-Tiny.
 
-    python benchmarks/paper_table.py                 # ~35 minutes on 2 CPU cores
+    python -m benchmarks.paper_table                 # ~35 minutes on 2 CPU cores
 
-1. Fine-tunes DeiT-Tiny (frozen, ImageNet weights from ../shared/data/deit_tiny/) on subsets of
-   CIFAR-10 (../shared/data/cifar10/) and Fashion-MNIST (Debian's dataset-fashion-mnist) in four
+1. Fine-tunes DeiT-Tiny (frozen, ImageNet weights from the shared data's deit_tiny/) on subsets of
+   CIFAR-10 (the shared data's cifar10/) and Fashion-MNIST (Debian's dataset-fashion-mnist) in four
    regimes with the same budget each: head only, class token + head, memory 1, memory 5.
 2. Loads the best adapter of each dataset into ONE engine and checks that the fused pass gives the
    base's ImageNet predictions unchanged (real photos, against plain timm) and both adapters'
    accuracies unchanged (against each adapter alone).
 
-Prints markdown for benchmarks/RESULTS.md.
+The shared data is ../shared/data, or $MEMVIT_SHARED_DATA (benchmarks/common.py). Prints markdown
+for benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -23,23 +23,25 @@ from pathlib import Path
 import timm
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from adapters import attach_bundle
 from adapters.preprocess import eval_transform, to_rgb
 from adapters.training import TrainConfig, evaluate_tasks, train_adapter
-from adapters.training.sources import (
+from benchmarks.common import (
+    CIFAR10,
+    DEIT_TINY,
+    argument_parser,
+    deit_tiny_engine,
+    natural_photos,
+    pin_malloc,
+)
+from benchmarks.datasets import (
     FASHION_MNIST_CLASSES,
     arrays_to_folder,
     cifar_tar_to_folder,
     fashion_mnist_split,
 )
 from memory_core import MemoryViT
-from memory_core.runtime import tune_malloc
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-DEIT = SHARED / "deit_tiny" / "deit_tiny_patch16_224.pipevit_mat_in1k.safetensors"
-LABELS = SHARED / "imagenet_labels" / "synset_words.txt"
 REGIMES = {
     "head only": {"head_only": True},
     "class token + head": {"memory_tokens": 0},
@@ -53,11 +55,9 @@ def prepare_data(root: Path, train_per_class: int, val_per_class: int) -> dict[s
     cifar = root / f"cifar10-{train_per_class}-{val_per_class}"
     if not (cifar / "val").is_dir():
         cifar_tar_to_folder(
-            SHARED / "cifar10" / "cifar10_jpg_train_50k.tar.gz", cifar / "train", per_class=train_per_class
+            CIFAR10 / "cifar10_jpg_train_50k.tar.gz", cifar / "train", per_class=train_per_class
         )
-        cifar_tar_to_folder(
-            SHARED / "cifar10" / "cifar10_jpg_test_10k.tar.gz", cifar / "val", per_class=val_per_class
-        )
+        cifar_tar_to_folder(CIFAR10 / "cifar10_jpg_test_10k.tar.gz", cifar / "val", per_class=val_per_class)
     data["cifar10"] = (cifar / "train", cifar / "val")
     fashion = root / f"fashion-mnist-{train_per_class}-{val_per_class}"
     if not (fashion / "val").is_dir():
@@ -74,10 +74,10 @@ def base_predictions_unchanged(engine: MemoryViT) -> tuple[float, list[str]]:
     from PIL import Image
 
     reference = timm.create_model("deit_tiny_patch16_224", num_classes=1000)
-    reference.load_state_dict(timm.models.load_state_dict(str(DEIT)))
+    reference.load_state_dict(timm.models.load_state_dict(str(DEIT_TINY)))
     reference.eval()
     transform = eval_transform(engine)
-    photos = sorted((SHARED / "photos" / "natural").iterdir())
+    photos = natural_photos()
     x = torch.stack([transform(to_rgb(Image.open(p))) for p in photos])
     with torch.inference_mode():
         fused = engine(x).base
@@ -91,7 +91,7 @@ def base_predictions_unchanged(engine: MemoryViT) -> tuple[float, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__file__, __doc__)
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/memvit-paper"))
     parser.add_argument("--train-per-class", type=int, default=200)
     parser.add_argument("--val-per-class", type=int, default=100)
@@ -104,12 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if not DEIT.is_file():
-        sys.exit(f"needs the real DeiT-Tiny weights at {DEIT}")
-    tune_malloc()
+    if not DEIT_TINY.is_file():
+        sys.exit(f"needs the real DeiT-Tiny weights at {DEIT_TINY} (set MEMVIT_SHARED_DATA)")
+    pin_malloc()
     started = time.perf_counter()
-    labels = tuple(line.strip() for line in LABELS.read_text().splitlines() if line.strip())
-    engine = MemoryViT.from_timm(weights=str(DEIT), labels=labels)
+    engine = deit_tiny_engine(labels=True)
     data = prepare_data(args.data_dir, args.train_per_class, args.val_per_class)
     bundles = args.data_dir / "bundles"
     bundles.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,16 @@
 """The HTTP service under load, against the raw fused model, in one run.
 
-    python benchmarks/serve.py                                            # DeiT-Tiny (real weights), ~5 min
-    python benchmarks/serve.py --arch vit_base_patch32_224 --seconds 30   # DESIGN's ViT-B/32, ~9 min
-    python benchmarks/serve.py --arch vit_base_patch16_224 --seconds 90   # the paper's ViT-B/16, ~25 min
+    python -m benchmarks.serve                                            # DeiT-Tiny (real weights), ~5 min
+    python -m benchmarks.serve --arch vit_base_patch32_224 --seconds 30   # DESIGN's ViT-B/32, ~9 min
+    python -m benchmarks.serve --arch vit_base_patch16_224 --seconds 90   # the paper's ViT-B/16, ~25 min
 
 1. Raw: the fused model in this process (8 adapters loaded) on preprocessed images at batch sizes
    1..64, each measured twice (the sizes in one order, then in reverse) and averaged; the best
    batch size is the one the server is measured against.
-2. Server: ``memvit serve`` (a separate process, the same weights and the same 8 adapters in its
-   store); 1 and 8 closed-loop clients each post real photos (../shared/data/photos/natural/, one
-   per request) for a fixed time: throughput, p50 and p99 latency.
+2. Server: ``memvit serve`` (a separate process started by tests/server/launcher.py, the same
+   weights and the same 8 adapters in its store); 1 and 8 closed-loop clients each post real photos
+   (the shared data's photos/natural/, one per request) for a fixed time: throughput, p50 and p99
+   latency.
 3. Rounds at 32 clients. This machine's speed drifts by 10-20% over minutes (shared host), so the
    server is never compared with a raw figure taken minutes earlier: each round measures raw at the
    best batch size, then 32 clients, then 32 clients while another client registers and deletes a
@@ -19,59 +20,48 @@
 4. Where the CPU goes (Linux): the server's CPU per image (model, decoding, HTTP), the raw model's,
    the decoder's, the load generator's. The decoder shares the cores with the model, which bounds
    the share from above: 1 / (1 + raw images/s x decode CPU s per image / cores).
-DeiT-Tiny uses the real ImageNet weights when ../shared/data has them; other architectures are
-random-init (the cost does not depend on the weights) and handed to the server as a file.
+DeiT-Tiny uses the real ImageNet weights when the shared data (../shared/data or $MEMVIT_SHARED_DATA)
+has them; other architectures are random-init (the cost does not depend on the weights) and handed to
+the server as a file. The adapters are random (tests/factories.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import io
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loadgen import LoadResult, classify_requests, load
-
 from adapters import bundle_for, save_bundle
 from adapters.preprocess import eval_transform, to_rgb
+from benchmarks.common import (
+    DEIT_TINY,
+    argument_parser,
+    deit_tiny_engine,
+    environment,
+    natural_photos,
+    pin_malloc,
+)
+from benchmarks.loadgen import LoadResult, classify_requests, load
 from memory_core import AdapterWeights, MemoryViT, save_base
-from memory_core.runtime import tune_malloc
 from server.images import ImageDecoder
+from server.settings import Settings
+from tests.factories import random_adapter
+from tests.server.launcher import ServerProcess
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
-DEIT = SHARED / "deit_tiny" / "deit_tiny_patch16_224.pipevit_mat_in1k.safetensors"
 BATCHES = (1, 4, 8, 16, 32, 64)
 
 
-def adapters_for(engine: MemoryViT, k: int, m: int = 1) -> list[AdapterWeights]:
-    spec, g = engine.spec, torch.Generator().manual_seed(0)
-    cls_token = engine.base.cls_token.detach().reshape(-1)
-    return [
-        AdapterWeights(
-            name=f"task-{i}",
-            memory=0.02 * torch.randn(spec.depth, m, spec.width, generator=g),
-            cls_token=cls_token.clone(),
-            head_weight=0.02 * torch.randn(100, spec.width, generator=g),
-            head_bias=torch.zeros(100),
-        )
-        for i in range(k)
-    ]
+def adapter(name: str, engine: MemoryViT) -> AdapterWeights:
+    """A random adapter with one memory token and 100 classes."""
+    return random_adapter(name, engine, m=1, classes=100, memory_std=0.02)
 
 
 def raw_rate(engine: MemoryViT, x: torch.Tensor, seconds: float) -> tuple[float, float]:
@@ -106,21 +96,6 @@ def process_cpu(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_server(env: dict[str, str], url: str) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve"], cwd=REPO, env=env)
-    for _ in range(1200):
-        try:
-            if httpx.get(f"{url}/readyz").status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode}")
-        time.sleep(0.1)
-    server.terminate()
-    raise SystemExit("the server did not become ready in 120 s")
-
-
 def row(label: str, r: LoadResult) -> str:
     return (
         f"| {label} | {r.requests} | {r.throughput:.1f} | {r.p50_ms:.0f} | {r.p99_ms:.0f} "
@@ -129,7 +104,7 @@ def row(label: str, r: LoadResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__file__, __doc__)
     parser.add_argument("--seconds", type=float, default=15.0, help="per load phase")
     parser.add_argument("--rounds", type=int, default=3, help="32-client rounds, each bracketed by raw")
     parser.add_argument("--raw-seconds", type=float, default=4.0, help="per raw measurement")
@@ -141,13 +116,12 @@ def main(argv: list[str] | None = None) -> None:
         help="timm architecture; DeiT-Tiny uses the real weights when present, others random init",
     )
     args = parser.parse_args(argv)
-    tune_malloc()  # as `memvit serve` does
-    photos = sorted((SHARED / "photos" / "natural").iterdir())
-    images = [p.read_bytes() for p in photos]
-    real_weights = args.arch == "deit_tiny_patch16_224" and DEIT.is_file()
-    engine = MemoryViT.from_timm(weights=str(DEIT)) if real_weights else MemoryViT.from_timm(args.arch)
-    adapters = adapters_for(engine, 9)
-    engine.set_adapters(adapters[:8])
+    malloc = pin_malloc()  # as `memvit serve` does
+    images = [p.read_bytes() for p in natural_photos()]
+    real_weights = args.arch == "deit_tiny_patch16_224" and DEIT_TINY.is_file()
+    engine = deit_tiny_engine() if real_weights else MemoryViT.from_timm(args.arch)
+    adapters = [adapter(f"task-{i}", engine) for i in range(8)]
+    engine.set_adapters(adapters)
     cores = torch.get_num_threads()
 
     transform = eval_transform(engine)
@@ -160,8 +134,13 @@ def main(argv: list[str] | None = None) -> None:
     sweep = {b: statistics.fmean(p[b] for p in passes) for b in BATCHES}
     best_batch = max(sweep, key=sweep.get)
     print(
-        f"{engine.spec.arch} ({engine.source}), 8 adapters (m=1, 100 classes), torch {torch.__version__}, "
-        f"{cores} threads, {len(images)} photos\n"
+        environment(
+            f"{engine.spec.arch} ({engine.source})",
+            "8 adapters (m=1, 100 classes)",
+            f"{len(images)} photos",
+            malloc,
+        )
+        + "\n"
     )
     print("| raw fused pass, batch | " + " | ".join(str(b) for b in BATCHES) + " |")
     print("|---|" + "--:|" * len(BATCHES))
@@ -171,27 +150,26 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
         store.mkdir()
-        for w in adapters[:8]:
+        for w in adapters:
             save_bundle(bundle_for(w, engine), store / f"{w.name}.safetensors")
-        hot_bundle = bundle_for(dataclasses.replace(adapters[8], name="hot"), engine).to_bytes()
-        port = 18000 + os.getpid() % 1000
-        env = {
-            **os.environ,
-            "MEMVIT_ADAPTER_STORE": str(store),
-            "MEMVIT_PORT": str(port),
-            "MEMVIT_MAX_BATCH": str(args.max_batch),
-            "MEMVIT_MAX_WAIT_MS": str(args.max_wait_ms),
-            "MEMVIT_LOG_LEVEL": "warning",
-            "MEMVIT_ADMIN_TOKEN": "",
-        }
+        hot_bundle = bundle_for(adapter("hot", engine), engine).to_bytes()
         if real_weights:
-            env["MEMVIT_WEIGHTS"] = str(DEIT)
+            weights = DEIT_TINY
         else:  # random init: hand the server these very weights, so both measure the same model
             weights = Path(tmp) / "base.safetensors"
             save_base(engine.base, weights, arch=args.arch)
-            env["MEMVIT_WEIGHTS"] = str(weights)
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(env, url)
+        server = ServerProcess(
+            weights,
+            store,
+            stderr=None,  # the server's warnings go to this terminal
+            MEMVIT_MAX_BATCH=str(args.max_batch),
+            MEMVIT_MAX_WAIT_MS=str(args.max_wait_ms),
+            MEMVIT_LOG_LEVEL="warning",
+            MEMVIT_ADMIN_TOKEN="",
+            # the service's own store poll, not the launcher's quick one for tests
+            MEMVIT_STORE_POLL_SECONDS=str(Settings.model_fields["store_poll_seconds"].default),
+        ).start(timeout=120)
+        port = server.port
         requests = classify_requests("127.0.0.1", port, images)
         try:
             asyncio.run(load("127.0.0.1", port, requests, 8, min(args.seconds, 5.0)))  # warm-up
@@ -209,8 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                 server_cpu = None if cpu0 is None else (cpu1 - cpu0) / plain.completed
                 rounds.append((before, plain, hot_row, after, server_cpu))
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            server.stop()
 
     print("| clients | requests in window | images/s | p50 ms | p99 ms | statuses (all requests) |")
     print("|--:|--:|--:|--:|--:|---|")

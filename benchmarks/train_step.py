@@ -1,6 +1,6 @@
 """Cost of one adapter training step, against a fused inference pass and against dense back-prop.
 
-    python benchmarks/train_step.py                  # ViT-B/32, batch 32, ~2 minutes on 2 CPU cores
+    python -m benchmarks.train_step                  # ViT-B/32, batch 32, ~2 minutes on 2 CPU cores
 
 In interleaved rounds, on the same batch:
 - infer: one fused inference pass with the adapter loaded (torch.inference_mode);
@@ -13,34 +13,25 @@ Ratios are medians of per-round ratios. Targets (issue #3): step <= 1.5 x infer,
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
-import time
-from pathlib import Path
-
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from adapters.training import TrainableAdapter
+from benchmarks.common import argument_parser, environment, interleaved, median_ratio, pin_malloc
 from memory_core import AdapterWeights, DenseMemoryViT, MemoryViT
-from memory_core.runtime import tune_malloc
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__file__, __doc__)
     parser.add_argument("--arch", default="vit_base_patch32_224")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--memory", type=int, default=5)
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args(argv)
-    tune_malloc()
+    malloc = pin_malloc()
     torch.manual_seed(0)
     engine = MemoryViT.from_timm(args.arch)
     x = torch.randn(args.batch, 3, *engine.spec.img_size)
@@ -65,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
 
     def dense_step() -> None:
+        # The adapter's live parameters (adapter.weights() would detach them), so that autograd
+        # reaches them through the dense model.
         weights = AdapterWeights(
             "bench", adapter.memory, adapter.cls_token, adapter.head.weight, adapter.head.bias
         )
@@ -75,27 +68,21 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
-    fns = {"infer": infer, "step": step, "dense": dense_step}
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(args.rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(ta / tb for ta, tb in zip(times[a], times[b], strict=True))
-
+    times = interleaved({"infer": infer, "step": step, "dense": dense_step}, args.rounds)
     print(
-        f"{args.arch}, batch {args.batch}, one adapter with m={args.memory}, {args.classes} classes, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} rounds"
+        environment(
+            args.arch,
+            f"batch {args.batch}",
+            f"one adapter with m={args.memory}",
+            f"{args.classes} classes",
+            f"{args.rounds} rounds",
+            malloc,
+        )
     )
     print("| infer ms | step ms | dense step ms | step / infer | dense step / step |")
     print("|--:|--:|--:|--:|--:|")
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    step_infer, dense_step_ratio = ratio("step", "infer"), ratio("dense", "step")
+    step_infer, dense_step_ratio = median_ratio(times, "step", "infer"), median_ratio(times, "dense", "step")
     print(
         f"| {med['infer']:.0f} | {med['step']:.0f} | {med['dense']:.0f} "
         f"| {step_infer:.3f} | {dense_step_ratio:.2f} |"

@@ -1,13 +1,12 @@
-"""The embedded offline demo: a small Fashion-MNIST ViT and two memory adapters, shipped in the repo.
+"""The embedded offline demo: a small Fashion-MNIST ViT and two memory adapters, shipped in the wheel.
 
-``python -m server.demo.build`` rebuilds the files (see build.py); ``load_demo`` serves them.
+``memvit serve`` with nothing configured serves these files. They are built from a source checkout by
+``python -m benchmarks.build_demo`` (see benchmarks/build_demo.py), which writes them here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-from memory_core import MemoryViT
 
 DEMO_DIR = Path(__file__).resolve().parent
 BASE_WEIGHTS = DEMO_DIR / "base.safetensors"
@@ -16,13 +15,3 @@ ADAPTERS_DIR = DEMO_DIR / "adapters"
 
 def demo_adapters() -> list[Path]:
     return sorted(ADAPTERS_DIR.glob("*.safetensors"))
-
-
-def load_demo() -> MemoryViT:
-    """The demo base with every demo adapter attached."""
-    from adapters import attach_bundle
-
-    engine = MemoryViT.from_timm(weights=BASE_WEIGHTS)
-    for path in demo_adapters():
-        attach_bundle(engine, path)
-    return engine

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from adapters.training import scan_folder
-from adapters.training.sources import arrays_to_folder, cifar_tar_to_folder, fashion_mnist_split, read_idx
+from benchmarks.datasets import arrays_to_folder, cifar_tar_to_folder, fashion_mnist_split, read_idx
 
 
 def _idx(array: np.ndarray) -> bytes:

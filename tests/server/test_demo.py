@@ -13,16 +13,25 @@ import pytest
 import torch
 from PIL import Image
 
-from adapters import read_bundle
+from adapters import attach_bundle, read_bundle
 from adapters.preprocess import eval_transform
-from server.demo import BASE_WEIGHTS, DEMO_DIR, demo_adapters, load_demo
+from memory_core import MemoryViT
+from server.demo import BASE_WEIGHTS, DEMO_DIR, demo_adapters
 from tests.server.conftest import ServerProcess
 
 pytestmark = pytest.mark.skipif(
-    not BASE_WEIGHTS.is_file(), reason="the demo is not built (python -m server.demo.build)"
+    not BASE_WEIGHTS.is_file(), reason="the demo is not built (python -m benchmarks.build_demo)"
 )
 MANIFEST = json.loads((DEMO_DIR / "MANIFEST.json").read_text()) if BASE_WEIGHTS.is_file() else {}
 FASHION = "/usr/share/datasets/fashion-mnist"
+
+
+def load_demo() -> MemoryViT:
+    """The demo base with every demo adapter attached."""
+    engine = MemoryViT.from_timm(weights=BASE_WEIGHTS)
+    for path in demo_adapters():
+        attach_bundle(engine, path)
+    return engine
 
 
 def test_files_are_small_and_match_the_manifest() -> None:
@@ -47,8 +56,22 @@ def test_adapters_are_memory_adapters_of_this_base() -> None:
     assert MANIFEST["digits"]["val_top1"] > 0.6 and MANIFEST["orientation"]["val_top1"] > 0.6
 
 
+def test_metadata_names_datasets_not_build_machine_paths() -> None:
+    """The bundles record where their data came from as a dataset and paths relative to the builder's
+    (temporary) data root, not that root itself."""
+    for path in demo_adapters():
+        training = read_bundle(path).training
+        data = training["data"]
+        assert data["dataset"]
+        for key in ("train_dir", "val_dir"):
+            assert not Path(data[key]).is_absolute() and ".." not in Path(data[key]).parts, data[key]
+        assert training["source"] == "benchmarks/build_demo.py"
+        assert "/tmp" not in json.dumps(training)
+    assert "/tmp" not in (DEMO_DIR / "MANIFEST.json").read_text()
+
+
 def test_base_accuracy_reproduces_on_fashion_mnist() -> None:
-    from adapters.training.sources import fashion_mnist_split
+    from benchmarks.datasets import fashion_mnist_split
 
     try:
         images, labels = fashion_mnist_split("t10k", root=Path(FASHION))

@@ -1,0 +1,119 @@
+"""Starting real servers, for the HTTP tests and benchmarks/serve.py (no pytest needed).
+
+``running_server``: uvicorn serving an app in a thread of this process. ``ServerProcess``: ``memvit
+serve`` as a child process (restarts, SIGKILL, or keeping its CPU apart from the caller's).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from server.app import create_app
+from server.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float = 30.0, process: subprocess.Popen | None = None) -> None:
+    """Until ``GET url/readyz`` answers 200; raises TimeoutError, or RuntimeError if ``process`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server at {url} exited with {process.returncode} before it was ready")
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+@contextmanager
+def running_server(settings: Settings, app=None) -> Iterator[str]:
+    """uvicorn serving ``app`` (default ``create_app(settings)``) in a thread; yields the URL once ready."""
+    app = app if app is not None else create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{settings.port}"
+    try:
+        wait_ready(url)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+class ServerProcess:
+    """``memvit serve`` as a child process on a free port.
+
+    The environment is this process's, less any MEMVIT_WEIGHTS/MEMVIT_MODEL, plus the store, the port,
+    a store poll of 0.2 s (tests of other replicas' changes) and ``env``, which overrides them.
+    ``stderr``: where the server's log goes (``subprocess.PIPE``, the default, keeps it out of test
+    output; ``None`` shares this process's stderr, for long runs that would fill a pipe nobody reads).
+    """
+
+    def __init__(
+        self, weights: Path | None, store: Path, *, stderr: int | None = subprocess.PIPE, **env: str
+    ) -> None:
+        """``weights=None``: no model configured, so the server serves the embedded demo."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stderr = stderr
+        inherited = {k: v for k, v in os.environ.items() if k not in ("MEMVIT_WEIGHTS", "MEMVIT_MODEL")}
+        self.env = {
+            **inherited,
+            **({"MEMVIT_WEIGHTS": str(weights)} if weights is not None else {}),
+            "MEMVIT_ADAPTER_STORE": str(store),
+            "MEMVIT_PORT": str(self.port),
+            "MEMVIT_STORE_POLL_SECONDS": "0.2",
+            **env,
+        }
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self, timeout: float = 60.0) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve"],
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.stderr,
+            text=True,
+        )
+        try:
+            wait_ready(self.url, timeout, self.proc)
+        except (TimeoutError, RuntimeError):
+            self.kill()
+            raise
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
