@@ -7,12 +7,17 @@ memvit inspect my-adapter.safetensors                        # a bundle's metada
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import typing
+from inspect import Parameter, Signature, signature
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from adapters.training.trainer import TrainConfig
 
 app = typer.Typer(
     help="memvit: one frozen ViT plus learnable-memory adapters in one fused pass.", no_args_is_help=True
@@ -122,10 +127,25 @@ def serve(
     )
 
 
-def _engine(arch: str | None, weights: Path | None):
+def _engine(arch: str | None, weights: Path | None, labels: tuple[str, ...] | None = None):
     from memory_core import MemoryViT
 
-    return MemoryViT.from_timm(arch, weights=str(weights) if weights else None)
+    return MemoryViT.from_timm(arch, weights=str(weights) if weights else None, labels=labels)
+
+
+def _read_labels(path: Path) -> tuple[str, ...]:
+    """Class names, one per line, in the head's order (trailing blank lines ignored)."""
+    try:
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except OSError as exc:
+        raise ValueError(f"--labels {path}: {exc.strerror or exc}") from None
+    while lines and not lines[-1]:
+        lines.pop()
+    if not lines:
+        raise ValueError(f"--labels {path}: no class names")
+    if "" in lines:
+        raise ValueError(f"--labels {path}: line {lines.index('') + 1} is empty")
+    return tuple(lines)
 
 
 def _fail(exc: Exception) -> typer.Exit:
@@ -133,70 +153,176 @@ def _fail(exc: Exception) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-@app.command()
-def train(
-    name: Annotated[str, typer.Option(help="the new adapter's name")],
-    train_dir: Annotated[Path, typer.Option(help="training images: DIR/<class>/*.jpg|png")],
+# -- memvit train: its options are TrainConfig's fields -------------------------------------------
+#
+# One option per TrainConfig field (``--kebab-case``; type, default and help from the dataclass), so
+# the command cannot drift from the config; plus the options of the command itself. A ``--config``
+# file (JSON or TOML) gives fields too; an option given on the command line wins over the file.
+
+_CONFIG_PANEL = "Training config (TrainConfig; also from --config)"
+
+
+def _train_command_options(
+    config: Annotated[
+        Path | None,
+        typer.Option(help="JSON or TOML file of TrainConfig fields; options given here override it"),
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="bundle to write (default: NAME.safetensors)")] = None,
     arch: Annotated[str | None, typer.Option(help="timm architecture of the base")] = None,
     weights: Annotated[Path | None, typer.Option(help="base weights (.safetensors/.pth)")] = None,
-    val_dir: Annotated[Path | None, typer.Option(help="validation images (default: a seeded split)")] = None,
-    val_fraction: Annotated[float, typer.Option(help="held-out fraction when no --val-dir")] = 0.1,
-    memory_tokens: Annotated[int, typer.Option(help="memory tokens per layer (0: class token + head)")] = 1,
-    head_only: Annotated[bool, typer.Option(help="train the head alone")] = False,
-    memory_norm: Annotated[str, typer.Option(help="norm1 (paper) or none")] = "norm1",
-    parent: Annotated[Path | None, typer.Option(help="parent bundle: extension mode")] = None,
-    epochs: Annotated[float, typer.Option()] = 5.0,
-    steps: Annotated[int | None, typer.Option(help="optimiser steps (overrides --epochs)")] = None,
-    batch_size: Annotated[int, typer.Option()] = 32,
-    lr: Annotated[float, typer.Option()] = 0.05,
-    momentum: Annotated[float, typer.Option()] = 0.9,
-    weight_decay: Annotated[float, typer.Option()] = 0.0,
-    warmup_fraction: Annotated[float, typer.Option(help="share of steps for linear warm-up")] = 0.05,
-    clip_grad: Annotated[float, typer.Option(help="gradient-norm clip")] = 1.0,
-    hflip: Annotated[float, typer.Option(help="horizontal-flip probability (0 for digits, text)")] = 0.5,
-    seed: Annotated[int, typer.Option()] = 0,
-    workers: Annotated[int, typer.Option(help="data-loading processes")] = 0,
     checkpoint: Annotated[Path | None, typer.Option(help="checkpoint file (default: OUT.ckpt)")] = None,
     checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 50,
     resume: Annotated[bool, typer.Option(help="continue from the checkpoint")] = False,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
+    """Declares the options of ``memvit train`` that are not TrainConfig fields."""
+
+
+def _cli_fields() -> list[dataclasses.Field]:
+    """TrainConfig's fields that are command-line options (all but those marked ``cli: False``)."""
+    return [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True)]
+
+
+def _is_required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _config_option(f: dataclasses.Field, hint: Any) -> Parameter:
+    """The typer option for one TrainConfig field."""
+    required = _is_required(f)  # required, but may come from --config: checked after merging
+    optional = required or type(None) in typing.get_args(hint)
+    if f.metadata.get("path"):
+        hint = Path | None if optional else Path
+    elif required:
+        hint = hint | None
+    default = None if required else f.default
+    if default is dataclasses.MISSING:
+        default = f.default_factory()
+    help_text = f.metadata.get("help", "")
+    if required:
+        help_text += " (required; may come from --config)"
+    option = typer.Option(help=help_text, rich_help_panel=_CONFIG_PANEL)
+    return Parameter(f.name, Parameter.KEYWORD_ONLY, annotation=Annotated[hint, option], default=default)
+
+
+def _train_signature() -> Signature:
+    hints = typing.get_type_hints(TrainConfig)
+    context = Parameter("ctx", Parameter.KEYWORD_ONLY, annotation=typer.Context)
+    fields = [_config_option(f, hints[f.name]) for f in _cli_fields()]
+    own = [
+        p.replace(kind=Parameter.KEYWORD_ONLY)
+        for p in signature(_train_command_options, eval_str=True).parameters.values()
+    ]
+    clash = {p.name for p in own} & {p.name for p in fields}
+    assert not clash, f"memvit train: TrainConfig fields {clash} clash with the command's own options"
+    return Signature([context, *fields, *own], return_annotation=None)
+
+
+def _parse_config(text: str, suffix: str) -> Any:
+    if suffix == ".json":
+        return json.loads(text)
+    import tomllib
+
+    return tomllib.loads(text)
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """TrainConfig fields from a JSON or TOML file; keys in snake_case or kebab-case."""
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".toml"):
+        raise ValueError(f"--config {path}: expected a .json or .toml file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
+    try:
+        data = _parse_config(text, suffix)
+    except ModuleNotFoundError:  # tomllib: Python 3.11+
+        raise ValueError(f"--config {path}: reading TOML needs Python 3.11 or newer; use JSON") from None
+    except ValueError as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        raise ValueError(f"--config {path}: not valid {suffix[1:].upper()}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a table of TrainConfig fields")
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            raise ValueError(
+                f"--config {path}: unknown key {key!r} (TrainConfig fields: "
+                f"{', '.join(f.name for f in dataclasses.fields(TrainConfig))})"
+            )
+        if name in values:
+            raise ValueError(f"--config {path}: {name!r} is given twice")
+        values[name] = value
+    return values
+
+
+def _file_value(hint: Any, value: Any) -> Any:
+    """A --config value checked against its field's type; TypeError if it does not fit."""
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError
+        hint, args = rest[0], typing.get_args(rest[0])
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, str):
+        return value
+    if typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)) and len(value) == len(args):
+        return tuple(_file_value(a, v) for a, v in zip(args, value, strict=True))
+    if typing.get_origin(hint) is dict and isinstance(value, dict):
+        return value
+    raise TypeError
+
+
+def _train_config(ctx: typer.Context, options: dict[str, Any]) -> TrainConfig:
+    """The run's config: options given on the command line, then --config's values, then defaults."""
+    path = options["config"]
+    from_file = _read_config_file(path) if path else {}
+    hints = typing.get_type_hints(TrainConfig)
+    values: dict[str, Any] = {}
+    for name, value in from_file.items():
+        try:
+            values[name] = _file_value(hints[name], value)
+        except TypeError:
+            raise ValueError(f"--config {path}: {name} must be {hints[name]}, got {value!r}") from None
+    for f in _cli_fields():
+        source = ctx.get_parameter_source(f.name)
+        given = source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+        if given or f.name not in values:
+            value = options[f.name]
+            if f.metadata.get("path") and value is not None:
+                value = str(value)
+            values[f.name] = value
+        if values[f.name] is None and _is_required(f):
+            ctx.fail(f"Missing option '--{f.name.replace('_', '-')}'.")
+    return TrainConfig(**values)
+
+
+def train(ctx: typer.Context, **options: Any) -> None:
     """Fine-tune one adapter on an image folder against a frozen base and write its bundle."""
-    from adapters.training import TrainConfig, train_adapter
+    from adapters.training import train_adapter
     from memory_core import MemvitError
 
-    out = out or Path(f"{name}.safetensors")
-    config = TrainConfig(
-        name=name,
-        train_dir=str(train_dir),
-        val_dir=str(val_dir) if val_dir else None,
-        val_fraction=val_fraction,
-        memory_tokens=memory_tokens,
-        head_only=head_only,
-        memory_norm=memory_norm,
-        parent=str(parent) if parent else None,
-        epochs=epochs,
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        momentum=momentum,
-        weight_decay=weight_decay,
-        warmup_fraction=warmup_fraction,
-        clip_grad=clip_grad,
-        hflip=hflip,
-        seed=seed,
-        workers=workers,
-    )
     try:
+        config = _train_config(ctx, options)
+        out = options["out"] or Path(f"{config.name}.safetensors")
         result = train_adapter(
-            _engine(arch, weights),
+            _engine(options["arch"], options["weights"]),
             config,
             out=out,
-            checkpoint=checkpoint or out.with_suffix(".ckpt"),
-            checkpoint_every=checkpoint_every,
-            resume=resume,
-            progress=not quiet,
+            checkpoint=options["checkpoint"] or out.with_suffix(".ckpt"),
+            checkpoint_every=options["checkpoint_every"],
+            resume=options["resume"],
+            progress=not options["quiet"],
         )
     except (MemvitError, ValueError) as exc:
         raise _fail(exc) from None
@@ -204,6 +330,10 @@ def train(
         f"{out}: {result.steps} steps, val top-1 {result.val.top1:.4f}, top-5 {result.val.top5:.4f} "
         f"({result.val.images} images), {result.seconds:.0f}s"
     )
+
+
+train.__signature__ = _train_signature()  # typer reads the options from here
+app.command()(train)
 
 
 @app.command("eval")
@@ -215,19 +345,35 @@ def evaluate(
     batch_size: Annotated[int, typer.Option()] = 64,
     workers: Annotated[int, typer.Option()] = 0,
     limit: Annotated[int | None, typer.Option(help="at most this many images per class")] = None,
+    labels: Annotated[
+        Path | None,
+        typer.Option(help="class names of the base's head, one per line (for weights that carry none)"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Top-1/top-5 of the base and of each adapter through ONE fused model, checked against each alone."""
     from adapters import attach_bundle
     from adapters.training import evaluate_tasks
-    from memory_core import MemvitError
+    from adapters.training.metrics import LabelMatchError
+    from memory_core import BASE_TASK, MemvitError
 
+    engine = None
     try:
         tasks = dict(_task_dir(item) for item in val)
-        engine = _engine(arch, weights)
+        engine = _engine(arch, weights, labels=_read_labels(labels) if labels else None)
         for path in adapter or []:
             attach_bundle(engine, path)
         reports = evaluate_tasks(engine, tasks, batch_size=batch_size, workers=workers, limit=limit)
+    except LabelMatchError as exc:
+        if exc.task == BASE_TASK and exc.matches == 0 and engine is not None and engine.labels is None:
+            raise _fail(
+                ValueError(
+                    f"{exc}; the base weights carry no class names (its labels are class_0, class_1, ...): "
+                    "give them with --labels FILE, one per line in the head's order "
+                    "(ImageNet's synset_words.txt matches synset folders such as n01440764)"
+                )
+            ) from None
+        raise _fail(exc) from None
     except (MemvitError, ValueError) as exc:
         raise _fail(exc) from None
     if as_json:

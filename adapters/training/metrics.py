@@ -21,6 +21,16 @@ from ..preprocess import Transform, eval_transform
 from .data import DataError, ImageDataset, Samples, scan_folder
 
 
+class LabelMatchError(DataError):
+    """A validation folder's class matches no label, or several, of its task's head."""
+
+    def __init__(self, task: str, folder_class: str, matches: int) -> None:
+        super().__init__(
+            f"{task}: folder class {folder_class!r} matches {matches} of the task's labels, expected 1"
+        )
+        self.task, self.folder_class, self.matches = task, folder_class, matches
+
+
 @dataclass(frozen=True)
 class Accuracy:
     top1: float
@@ -81,9 +91,7 @@ def _label_map(task: str, samples: Samples, labels: Sequence[str]) -> torch.Tens
     for name in samples.classes:
         hits = [i for i, label in enumerate(labels) if label == name or label.startswith(name + " ")]
         if len(hits) != 1:
-            raise DataError(
-                f"{task}: folder class {name!r} matches {len(hits)} of the task's labels, expected 1"
-            )
+            raise LabelMatchError(task, name, len(hits))
         rows.append(hits[0])
     return torch.tensor(rows)
 

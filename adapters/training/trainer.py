@@ -42,31 +42,58 @@ class TrainingError(MemvitError):
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a run. Recorded in the bundle and checked when resuming."""
+    """Everything that defines a run. Recorded in the bundle and checked when resuming.
 
-    name: str
-    train_dir: str
-    val_dir: str | None = None  # None: hold out `val_fraction` of train_dir, seeded
-    val_fraction: float = 0.1
-    memory_tokens: int = 1
-    head_only: bool = False
-    memory_norm: str = "norm1"
-    parent: str | None = None  # path of the parent bundle (extension mode)
-    epochs: float = 5.0
-    steps: int | None = None  # overrides epochs
-    batch_size: int = 32
-    lr: float = 0.05
-    token_lr_scale: float = 1.0  # lr multiplier for the class token and memory (prompt-like inputs)
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    warmup_fraction: float = 0.05
-    clip_grad: float = 1.0
-    crop_scale: tuple[float, float] = (0.35, 1.0)
-    hflip: float = 0.5  # 0 for tasks where a mirror image changes the answer (digits, orientation)
-    seed: int = 0
-    workers: int = 0
-    eval_batch_size: int = 64
-    extra: dict[str, Any] = field(default_factory=dict)
+    Every field is also an option of ``memvit train`` (``--kebab-case``), generated from these
+    declarations by ``server/cli.py``: a field's ``metadata`` gives its ``help`` text; ``path``
+    marks a field holding a filesystem path (the command line takes a path and passes its string);
+    ``cli: False`` keeps a field off the command line (``extra``; a ``--config`` file may still set it).
+    """
+
+    name: str = field(metadata={"help": "the new adapter's name"})
+    train_dir: str = field(metadata={"help": "training images: DIR/<class>/*.jpg|png", "path": True})
+    val_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "validation images (default: hold out val-fraction of train-dir, seeded)",
+            "path": True,
+        },
+    )
+    val_fraction: float = field(default=0.1, metadata={"help": "held-out fraction when no val-dir"})
+    memory_tokens: int = field(
+        default=1, metadata={"help": "memory tokens per layer (0: class token + head)"}
+    )
+    head_only: bool = field(default=False, metadata={"help": "train the head alone"})
+    memory_norm: str = field(default="norm1", metadata={"help": "norm1 (paper) or none"})
+    parent: str | None = field(default=None, metadata={"help": "parent bundle: extension mode", "path": True})
+    epochs: float = field(default=5.0, metadata={"help": "passes over the training images"})
+    steps: int | None = field(default=None, metadata={"help": "optimiser steps (overrides epochs)"})
+    batch_size: int = field(default=32, metadata={"help": "training batch size"})
+    lr: float = field(default=0.05, metadata={"help": "peak SGD learning rate"})
+    token_lr_scale: float = field(
+        default=1.0, metadata={"help": "lr multiplier for the class token and memory (prompt-like inputs)"}
+    )
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay"})
+    warmup_fraction: float = field(default=0.05, metadata={"help": "share of steps for linear warm-up"})
+    clip_grad: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
+    crop_scale: tuple[float, float] = field(
+        default=(0.35, 1.0), metadata={"help": "area range of the random-resized crops: MIN MAX"}
+    )
+    hflip: float = field(
+        default=0.5,
+        metadata={
+            "help": "horizontal-flip probability (0 where a mirror image changes the answer: digits, text)"
+        },
+    )
+    seed: int = field(
+        default=0, metadata={"help": "seeds the split, the initialisation and the augmentation"}
+    )
+    workers: int = field(default=0, metadata={"help": "data-loading processes"})
+    eval_batch_size: int = field(default=64, metadata={"help": "batch size for validation"})
+    extra: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "free-form run metadata", "cli": False}
+    )
 
     def __post_init__(self) -> None:
         # Fail before any data is scanned; the rules themselves are AdapterWeights's.
