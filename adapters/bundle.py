@@ -1,4 +1,4 @@
-"""The adapter bundle ``memvit.adapter/1``: one safetensors file per adapter (DESIGN 3).
+"""The adapter bundle ``memvit.adapter/1``: one safetensors file per adapter (docs/design.md §3).
 
     tensors   memory (L, m, D) | cls_token (D,) | head.weight (C, D) | head.bias (C,)
     metadata  format, name, base_model, base_fingerprint, memory_norm, labels (JSON list),

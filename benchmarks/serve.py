@@ -1,7 +1,7 @@
 """The HTTP service under load, against the raw fused model, in one run.
 
     python -m benchmarks.serve                                            # DeiT-Tiny (real weights), ~5 min
-    python -m benchmarks.serve --arch vit_base_patch32_224 --seconds 30   # DESIGN's ViT-B/32, ~9 min
+    python -m benchmarks.serve --arch vit_base_patch32_224 --seconds 30   # ViT-B/32, ~9 min
     python -m benchmarks.serve --arch vit_base_patch16_224 --seconds 90   # the paper's ViT-B/16, ~25 min
 
 1. Raw: the fused model in this process (8 adapters loaded) on preprocessed images at batch sizes

@@ -4,11 +4,11 @@
 
 In interleaved rounds, on the same batch:
 - infer: one fused inference pass with the adapter loaded (torch.inference_mode);
-- step:  memvit's training step: fused forward (base rows without autograd, DESIGN 2.3), loss,
+- step:  memvit's training step: fused forward (base rows without autograd, docs/design.md §2.3), loss,
          backward, gradient clipping, SGD update;
 - dense: the same step through the dense-mask model, where autograd records every row of every
          layer (how the public reproduction trains).
-Ratios are medians of per-round ratios. Targets (issue #3): step <= 1.5 x infer, dense >= 2 x step.
+Ratios are medians of per-round ratios. Targets: step <= 1.5 x infer, dense >= 2 x step.
 """
 
 from __future__ import annotations

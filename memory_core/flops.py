@@ -1,4 +1,4 @@
-"""The analytic cost model of DESIGN 2.4: the yardstick measured times are compared with.
+"""The analytic cost model (docs/design.md §2.4): the yardstick measured times are compared with.
 
 FLOPs count a multiply-add as 2. Per layer, with T base tokens, width D and MLP width F:
 
@@ -6,7 +6,7 @@ FLOPs count a multiply-add as 2. Per layer, with T base tokens, width D and MLP 
     adapter:  2(4D^2 + 2DF) + 4(T + A + P)D  (one class token; A lineage class tokens, P memory keys)
 
 plus the patch embedding once and each head's 2CD. Memory keys/values cost nothing per pass: they
-are projected once at registration (DESIGN 2.2). LayerNorms, softmax and GELU are not counted.
+are projected once at registration (docs/design.md §2.2). LayerNorms, softmax and GELU are not counted.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""memvit's application layer: the command line (and, with issue #4, the HTTP service)."""
+"""memvit's application layer: the ``memvit`` command line and the HTTP service."""

@@ -16,7 +16,7 @@ from benchmarks.common import DEIT_TINY, IMAGENET_LABELS, REPO, SHARED_DATA  # n
 from memory_core import MemoryViT, save_base
 from tests.factories import TINY, VARIANTS, random_adapter, randomize, tiny_base, tiny_engine  # noqa: F401
 
-TOL = 1e-5  # float32 on CPU: the contract of issue #2
+TOL = 1e-5  # float32 on CPU: the exactness contract (docs/design.md §2.6)
 
 
 def images(engine: MemoryViT, batch: int = 3, seed: int = 1) -> torch.Tensor:

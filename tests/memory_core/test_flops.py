@@ -1,4 +1,4 @@
-"""The analytic cost model reproduces DESIGN 2.4 and DESIGN 4's R(K) column."""
+"""The analytic cost model reproduces docs/design.md §2.4 and the reference R(K) column in benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 

@@ -242,7 +242,7 @@ def test_cuda_matches_cpu(dtype: torch.dtype, tol: float) -> None:
 
 
 def test_gradients_never_flow_through_the_base_rows() -> None:
-    # DESIGN 2.3: when the adapter tensors are trained, autograd must record only the class-token
+    # docs/design.md §2.3: when the adapter tensors are trained, autograd must record only the class-token
     # rows; the base tokens come out of the pass as plain constants.
     engine = tiny_engine()
     prepared = engine.prepare(random_adapter("a", engine, m=2))
