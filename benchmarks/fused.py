@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ms", default="1,5")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--classes", type=int, default=1000, help="adapter head rows (the reference figures use 1000)")
+    parser.add_argument(
+        "--classes", type=int, default=1000, help="adapter head rows (reference figures: 1000)"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-dense", action="store_true", help="skip the dense-mask oracle")
     parser.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds alone")

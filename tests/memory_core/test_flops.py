@@ -1,4 +1,4 @@
-"""The analytic cost model reproduces docs/design.md §2.4 and the reference R(K) column in benchmarks/RESULTS.md."""
+"""The analytic cost model reproduces docs/design.md §2.4 and the reference R(K) figures in RESULTS."""
 
 from __future__ import annotations
 
