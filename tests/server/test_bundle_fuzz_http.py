@@ -1,0 +1,100 @@
+"""Mutated bundles over HTTP and in the store: never a 5xx, never a crash, the live set unchanged.
+
+The same mutations as tests/adapters/test_bundle_fuzz.py, posted to a real server and dropped into
+its live store directory (where another replica or an operator might put them).
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import time
+
+from PIL import Image
+
+from tests.adapters.test_bundle_fuzz import mutate
+
+POSTED = 300
+DROPPED = 60
+
+
+def test_mutated_bundles_posted_answer_4xx_and_change_nothing(client, make_bundle) -> None:
+    assert (
+        client.post(
+            "/adapters", files={"bundle": ("p.safetensors", make_bundle("first").to_bytes())}
+        ).status_code
+        == 201
+    )
+    good = make_bundle("new", m=2, classes=4, parent="first").to_bytes()
+    before = client.get("/adapters").json()
+    rng = random.Random(7)
+    statuses: dict[int, int] = {}
+    for case in range(POSTED):
+        response = client.post("/adapters", files={"bundle": ("b.safetensors", mutate(good, rng))})
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        assert response.status_code < 500, f"case {case}: {response.status_code} {response.text[:300]}"
+        if response.status_code == 201:  # a mutation that is still a valid bundle: take it back out
+            assert client.delete(f"/adapters/{response.json()['adapter']['name']}").status_code == 200
+    assert client.get("/adapters").json()["adapters"] == before["adapters"]
+    assert sum(n for code, n in statuses.items() if 400 <= code < 500) > POSTED // 2, statuses
+
+
+def test_mutated_bundles_dropped_into_a_live_store_are_listed_invalid(client, store, make_bundle) -> None:
+    assert (
+        client.post(
+            "/adapters", files={"bundle": ("k.safetensors", make_bundle("keep").to_bytes())}
+        ).status_code
+        == 201
+    )
+    good = make_bundle("new", m=2, classes=4).to_bytes()
+    rng = random.Random(11)
+    for i in range(DROPPED):
+        (store / f"fuzz{i}.safetensors").write_bytes(mutate(good, rng))
+    time.sleep(1.0)  # five poll intervals of 0.2 s
+    listing = client.get("/adapters")
+    assert listing.status_code == 200
+    body = listing.json()
+    assert [a["name"] for a in body["adapters"]] == ["keep"]  # names differ from files: never loaded
+    assert len([n for n in body["invalid"] if n.startswith("fuzz")]) == DROPPED
+    # Changes and classification still work with all of that in the store.
+    assert (
+        client.post(
+            "/adapters", files={"bundle": ("x.safetensors", make_bundle("later").to_bytes())}
+        ).status_code
+        == 201
+    )
+    assert client.delete("/adapters/keep").status_code == 200
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(png, format="PNG")
+    png = png.getvalue()
+    answer = client.post("/classify", files={"image": ("p.png", png)})
+    assert answer.status_code == 200 and set(answer.json()["results"][0]["tasks"]) == {"base", "later"}
+
+
+def test_a_replica_starts_with_malformed_bundles_in_its_store(settings, store, make_bundle) -> None:
+    import json
+    import struct
+
+    import httpx
+
+    from tests.server.launcher import running_server
+
+    store.mkdir(parents=True, exist_ok=True)
+    header = json.dumps({"memory": {"dtype": "F32", "shape": [1], "data_offsets": ["a", "b"]}}).encode()
+    (store / "offsets.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    (store / "deep.safetensors").write_bytes(mutate(make_bundle("deep").to_bytes(), _DeepOnly()))
+    (store / "good.safetensors").write_bytes(make_bundle("good").to_bytes())
+    with running_server(settings) as url:
+        body = httpx.get(f"{url}/adapters", timeout=10).json()
+    assert [a["name"] for a in body["adapters"]] == ["good"]
+    assert set(body["invalid"]) == {"offsets", "deep"}
+
+
+class _DeepOnly(random.Random):
+    """A random source that always picks the deep-nesting mutation, in the header itself."""
+
+    def randrange(self, *args, **kwargs):
+        return 6 if args == (9,) else super().randrange(*args, **kwargs)
+
+    def random(self):
+        return 0.1
