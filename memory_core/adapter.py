@@ -29,6 +29,12 @@ NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 BASE_TASK = "base"
 
 MEMORY_INIT_STD = 0.02  # the paper's N(0, 0.02) initialisation of memory tokens
+# Every adapter parameter must lie within +-MAX_ABS_VALUE. Trained adapters stay far inside it (their
+# values are of order 1), and it keeps every logit finite for finite images: a logit is
+# head_weight . c + head_bias with c the final LayerNorm's output, so |logit| <= D * 1e4 * |c|_max + 1e4,
+# about 1e9 for ViT-B (|c| ~ 100), far below float32's and bfloat16's 3.4e38; softmax of finite logits
+# is finite. A head of 3e38 (finite, but overflowing the first product) is refused instead.
+MAX_ABS_VALUE = 1e4
 
 # (attribute, expected rank, layout) of every tensor, in the order they are checked.
 TENSORS: tuple[tuple[str, int, str], ...] = (
@@ -120,10 +126,21 @@ class AdapterWeights:
                 f"but head weight has {self.head_weight.shape[0]}",
                 field="head_bias",
             )
+        if self.head_weight.shape[0] == 0:
+            raise AdapterShapeError(
+                "the head has 0 classes; an adapter needs at least one", field="head_weight"
+            )
         with torch.no_grad():
             for key, _, _ in TENSORS:
-                if not torch.isfinite(getattr(self, key)).all():
+                t = getattr(self, key)
+                if not torch.isfinite(t).all():
                     raise InvalidAdapterError(f"{key!r} contains NaN or inf", field=key)
+                if t.numel() and (peak := t.abs().max().item()) > MAX_ABS_VALUE:
+                    raise InvalidAdapterError(
+                        f"{key!r} has values up to {peak:.3g}; adapter parameters must lie within "
+                        f"+-{MAX_ABS_VALUE:g} so that logits stay finite",
+                        field=key,
+                    )
 
     @property
     def depth(self) -> int:

@@ -69,6 +69,12 @@ class UnknownTaskError(ServiceError):
     status = 422
 
 
+class NonFiniteOutputError(ServiceError):
+    """A logit came out NaN or inf: answered as an error, never as null where the schema says number."""
+
+    status = 500
+
+
 class BundleTooLargeError(ServiceError):
     status = 413
 

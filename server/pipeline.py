@@ -22,7 +22,7 @@ from torch import Tensor
 from memory_core import BASE_TASK, AdapterSet, FusedOutput, MemoryViT
 
 from .batching import DynamicBatcher
-from .errors import ImageTooLargeError, TooManyImagesError, UnknownTaskError
+from .errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError, UnknownTaskError
 from .images import ImageDecoder
 from .schemas import AdapterSetInfo, ClassifyResponse, ImageResult, Prediction, TaskResult
 
@@ -109,6 +109,12 @@ class ClassifyPipeline:
         per_task = {}
         for task in wanted or list(task_logits):
             values = task_logits[task]  # (n, C)
+            if not torch.isfinite(
+                values
+            ).all():  # refused at registration; float16 serving could still overflow
+                raise NonFiniteOutputError(
+                    f"task {task!r} produced non-finite logits; not answering with null"
+                )
             top = values.softmax(-1).topk(min(top_k, values.shape[-1]), dim=-1)
             per_task[task] = (values, top, labels[task])
         results = []

@@ -123,6 +123,20 @@ BAD = {
         BundleTensorError,
         "'head.bias' contains NaN or inf",
     ),
+    "extreme but finite head": (
+        lambda b: _rebuild(b, tensors=lambda t: t["head.weight"].__setitem__((0, 0), 3e38)),
+        BundleTensorError,
+        "'head.weight' has values up to 3e+38",
+    ),
+    "no classes": (
+        lambda b: _rebuild(
+            b,
+            tensors=lambda t: t.update({"head.weight": torch.zeros(0, 64), "head.bias": torch.zeros(0)}),
+            meta=_set("labels", "[]"),
+        ),
+        BundleTensorError,
+        "the head has 0 classes",
+    ),
     "labels count": (
         lambda b: _rebuild(b, meta=_set("labels", json.dumps(["a", "b", "c"]))),
         BundleMetadataError,

@@ -56,6 +56,14 @@ def _nan(shape):
         (dict(labels=["x", "y"]), InvalidAdapterError, "labels", "tuple of strings"),
         (dict(memory=_nan((3, 1, 64))), InvalidAdapterError, "memory", "'memory' contains NaN or inf"),
         (dict(head_bias=torch.tensor([0.0, float("inf")])), InvalidAdapterError, "head_bias", "NaN or inf"),
+        (dict(head_weight=torch.full((2, 64), 3e38)), InvalidAdapterError, "head_weight", "within \\+-10000"),
+        (dict(memory=torch.full((3, 1, 64), -2e4)), InvalidAdapterError, "memory", "values up to 2e\\+04"),
+        (
+            dict(head_weight=torch.zeros(0, 64), head_bias=torch.zeros(0)),
+            AdapterShapeError,
+            "head_weight",
+            "0 classes",
+        ),
     ],
 )
 def test_every_rule_is_checked_on_construction(kwargs, error, field, match) -> None:
