@@ -74,15 +74,11 @@ def preflight(settings: Settings) -> None:
 
 
 def _seed_demo_store(settings: Settings, store: AdapterStore) -> None:
-    """With the demo model and an empty store, start from the demo's adapters."""
+    """With the demo model, a brand-new store starts from the demo's adapters (once in its life)."""
     from .demo import demo_adapters
 
-    if settings.uses_demo and not store.scan():
-        for path in demo_adapters():
-            target = store.path(path.stem)
-            if not target.exists():
-                target.write_bytes(path.read_bytes())
-        log.info("seeded the empty adapter store %s with the demo adapters", store.root)
+    if settings.uses_demo and store.seed_once({path.stem: path.read_bytes() for path in demo_adapters()}):
+        log.info("seeded the new adapter store %s with the demo adapters", store.root)
 
 
 def _load(settings: Settings) -> tuple[MemoryViT, AdapterService]:

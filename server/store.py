@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters import AdapterBundle
+from adapters import AdapterBundle, write_atomic
 from memory_core import DuplicateAdapterError, UnknownAdapterError, check_name
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
+SEEDED_MARKER = ".seeded"  # hidden: scan() never lists it
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,28 @@ class AdapterStore:
         self._sync_dir()
         stat = target.stat()
         return FileState(stat.st_size, stat.st_mtime_ns, stat.st_ino)
+
+    def seed_once(self, bundles: dict[str, bytes]) -> bool:
+        """Give a brand-new store its first bundles, once in its life. Returns True if it seeded.
+
+        Seeds only when the store has never been seeded and holds no bundle. The marker is written
+        (atomically) before the bundles, so an acknowledged deletion can never be undone by a later
+        restart or by another replica starting on the same, now empty, store; a crash half-way
+        leaves some seed bundles missing rather than deleted ones back. Existing stores that were
+        never marked get the marker on first sight, without seeding.
+        """
+        marker = self.root / SEEDED_MARKER
+        if marker.exists():
+            return False
+        empty = not self.scan()
+        write_atomic(marker, b"seeded\n" if empty else b"had bundles before seeding was tracked\n")
+        if not empty:
+            return False
+        for name, data in bundles.items():
+            target = self.path(name)
+            if not target.exists():
+                write_atomic(target, data)
+        return True
 
     def delete(self, name: str) -> None:
         try:

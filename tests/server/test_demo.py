@@ -106,3 +106,22 @@ def test_serve_with_nothing_configured_serves_the_demo(tmp_path) -> None:
         assert {p["label"] for p in tasks["digits"]["predictions"]} <= {str(d) for d in range(10)}
     finally:
         server.stop()
+
+
+def test_deleted_demo_adapters_stay_deleted_across_restarts(tmp_path) -> None:
+    """An empty store is seeded once in its life: deleting the demo adapters is never undone."""
+    store = tmp_path / "store"
+    server = ServerProcess(None, store).start()
+    try:
+        for name in ("digits", "orientation"):
+            assert httpx.delete(f"{server.url}/adapters/{name}").status_code == 200
+    finally:
+        server.stop()
+    assert list(store.glob("*.safetensors")) == []
+    for _ in range(2):  # a restart, and another replica starting on the same empty store
+        server = ServerProcess(None, store).start()
+        try:
+            assert httpx.get(f"{server.url}/adapters").json()["adapters"] == []
+        finally:
+            server.stop()
+    assert list(store.glob("*.safetensors")) == []
