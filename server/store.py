@@ -64,6 +64,10 @@ class AdapterStore:
                 f.write(bundle.to_bytes())
                 f.flush()
                 os.fsync(f.fileno())
+                # The state of the file *we* wrote (a rename or link keeps inode, size and mtime). Reading
+                # the target after the rename instead could record another replica's replace that
+                # landed in between as already seen, and this replica would serve its own bytes for good.
+                written = os.fstat(f.fileno())
             if replace:
                 os.replace(tmp, target)
             else:
@@ -77,8 +81,7 @@ class AdapterStore:
         finally:
             Path(tmp).unlink(missing_ok=True)
         self._sync_dir()
-        stat = target.stat()
-        return FileState(stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        return FileState(written.st_size, written.st_mtime_ns, written.st_ino)
 
     def seed_once(self, bundles: dict[str, bytes]) -> bool:
         """Give a brand-new store its first bundles, once in its life. Returns True if it seeded.
