@@ -32,6 +32,9 @@ class ServiceError(MemvitError):
     """An error of the HTTP layer. ``status`` is its HTTP status; ``headers()`` go on the response."""
 
     status = 400
+    # An expected condition (not ready, overloaded): its message is shown even as a 5xx, and it is
+    # logged as one line, not as an error with a traceback.
+    expected = False
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
@@ -92,6 +95,7 @@ class ForbiddenError(ServiceError):
 
 class NotReadyError(ServiceError):
     status = 503
+    expected = True
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "1"}
@@ -99,6 +103,7 @@ class NotReadyError(ServiceError):
 
 class OverloadedError(ServiceError):
     status = 503
+    expected = True
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "1"}
@@ -127,9 +132,10 @@ def status_of(exc: Exception) -> int:
 
 
 def error_body(exc: Exception, status: int) -> dict:
-    body = {"type": type(exc).__name__, "message": str(exc) if status < 500 else "internal error"}
+    shown = status < 500 or getattr(exc, "expected", False)
+    body = {"type": type(exc).__name__, "message": str(exc) if shown else "internal error"}
     field = getattr(exc, "field", None)
-    if field and status < 500:
+    if field and shown:
         body["field"] = field
     return {"error": body}
 
@@ -138,7 +144,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MemvitError)
     async def _domain(request: Request, exc: MemvitError) -> JSONResponse:
         status = status_of(exc)
-        if status >= 500:
+        if getattr(exc, "expected", False):
+            log.warning("%d on %s %s: %s", status, request.method, request.url.path, exc)
+        elif status >= 500:
             log.exception("unexpected %s on %s", type(exc).__name__, request.url.path, exc_info=exc)
         headers = exc.headers() if isinstance(exc, ServiceError) else None
         return JSONResponse(error_body(exc, status), status_code=status, headers=headers)
