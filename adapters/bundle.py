@@ -28,6 +28,13 @@ TENSOR_LAYOUT: dict[str, str] = {
     "head.weight": "(C, D)",
     "head.bias": "(C,)",
 }
+# The bundle's tensor names -> AdapterWeights attributes: the one place the two namings meet.
+TENSOR_FIELDS: dict[str, str] = {
+    "memory": "memory",
+    "cls_token": "cls_token",
+    "head.weight": "head_weight",
+    "head.bias": "head_bias",
+}
 REQUIRED_METADATA = ("format", "name", "base_model", "base_fingerprint", "memory_norm", "labels")
 OPTIONAL_METADATA = ("parent", "training")
 
@@ -67,12 +74,9 @@ class AdapterBundle:
         return meta
 
     def tensors(self) -> dict[str, Any]:
-        w = self.weights
         return {
-            "memory": w.memory.detach().float().contiguous(),
-            "cls_token": w.cls_token.detach().float().contiguous(),
-            "head.weight": w.head_weight.detach().float().contiguous(),
-            "head.bias": w.head_bias.detach().float().contiguous(),
+            name: getattr(self.weights, attr).detach().float().contiguous()
+            for name, attr in TENSOR_FIELDS.items()
         }
 
     def to_bytes(self) -> bytes:

@@ -23,19 +23,13 @@ from safetensors.torch import load
 from memory_core import AdapterWeights
 from memory_core.errors import InvalidAdapterError
 
-from .bundle import FORMAT, OPTIONAL_METADATA, REQUIRED_METADATA, TENSOR_LAYOUT, AdapterBundle
+from .bundle import FORMAT, OPTIONAL_METADATA, REQUIRED_METADATA, TENSOR_FIELDS, TENSOR_LAYOUT, AdapterBundle
 from .errors import BundleFormatError, BundleMetadataError, BundleTensorError
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a bundle header lists 4 tensors; anything huge is not one
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
-# AdapterWeights attribute -> the bundle's tensor name.
-_TENSOR_NAMES = {
-    "memory": "memory",
-    "cls_token": "cls_token",
-    "head_weight": "head.weight",
-    "head_bias": "head.bias",
-}
+_TENSOR_NAMES = {attr: name for name, attr in TENSOR_FIELDS.items()}  # AdapterWeights attribute -> tensor
 
 
 def read_bundle(source: str | Path | bytes, *, max_bytes: int | None = None) -> AdapterBundle:
@@ -51,10 +45,7 @@ def read_bundle(source: str | Path | bytes, *, max_bytes: int | None = None) -> 
     try:
         weights = AdapterWeights(
             name=meta["name"],
-            memory=tensors["memory"].float(),
-            cls_token=tensors["cls_token"].float(),
-            head_weight=tensors["head.weight"].float(),
-            head_bias=tensors["head.bias"].float(),
+            **{attr: tensors[name].float() for name, attr in TENSOR_FIELDS.items()},
             memory_norm=meta["memory_norm"],
             parent=meta.get("parent"),
             labels=tuple(meta["labels"]),
@@ -62,7 +53,9 @@ def read_bundle(source: str | Path | bytes, *, max_bytes: int | None = None) -> 
     except InvalidAdapterError as exc:
         field = _TENSOR_NAMES.get(exc.field or "", exc.field)
         kind = BundleTensorError if field in TENSOR_LAYOUT else BundleMetadataError
-        message = str(exc).replace("head_weight", "head.weight").replace("head_bias", "head.bias")
+        message = str(exc)
+        for attr, name in _TENSOR_NAMES.items():
+            message = message.replace(attr, name)
         raise kind(f"{where}: {message}", field=field) from exc
     return AdapterBundle(
         weights=weights,

@@ -77,7 +77,7 @@ def _seed_demo_store(settings: Settings, store: AdapterStore) -> None:
     """With the demo model, a brand-new store starts from the demo's adapters (once in its life)."""
     from .demo import demo_adapters
 
-    if settings.uses_demo and store.seed_once({path.stem: path.read_bytes() for path in demo_adapters()}):
+    if settings.uses_demo and store.seed_once({path.stem: path for path in demo_adapters()}):
         log.info("seeded the new adapter store %s with the demo adapters", store.root)
 
 

@@ -83,7 +83,7 @@ class AdapterStore:
         self._sync_dir()
         return FileState(written.st_size, written.st_mtime_ns, written.st_ino)
 
-    def seed_once(self, bundles: dict[str, bytes]) -> bool:
+    def seed_once(self, bundles: dict[str, Path]) -> bool:
         """Give a brand-new store its first bundles, once in its life. Returns True if it seeded.
 
         Seeds only when the store has never been seeded and holds no bundle. The marker is written
@@ -99,10 +99,10 @@ class AdapterStore:
         write_atomic(marker, b"seeded\n" if empty else b"had bundles before seeding was tracked\n")
         if not empty:
             return False
-        for name, data in bundles.items():
+        for name, source in bundles.items():
             target = self.path(name)
             if not target.exists():
-                write_atomic(target, data)
+                write_atomic(target, source.read_bytes())
         return True
 
     def delete(self, name: str) -> None:

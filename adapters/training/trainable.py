@@ -77,26 +77,21 @@ class TrainableAdapter(nn.Module):
             labels=self.labels,
         )
 
+    def _tensors(self) -> dict[str, Tensor]:
+        return {
+            "memory": self.memory,
+            "cls_token": self.cls_token,
+            "head_weight": self.head.weight,
+            "head_bias": self.head.bias,
+        }
+
     def live_weights(self) -> AdapterWeights:
         """The parameters themselves (no copy): what ``prepare`` differentiates through."""
-        return self._weights(
-            dict(
-                memory=self.memory,
-                cls_token=self.cls_token,
-                head_weight=self.head.weight,
-                head_bias=self.head.bias,
-            )
-        )
+        return self._weights(self._tensors())
 
     def weights(self) -> AdapterWeights:
         """A detached snapshot, as a bundle stores it."""
-        return self._weights(
-            {
-                key: t.detach().cpu().clone()
-                for key, t in vars(self.live_weights()).items()
-                if isinstance(t, Tensor)
-            }
-        )
+        return self._weights({key: t.detach().cpu().clone() for key, t in self._tensors().items()})
 
     def adapter_set(self) -> AdapterSet:
         """The set this adapter is trained (and validated) in, built from the live parameters."""

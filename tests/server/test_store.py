@@ -7,11 +7,13 @@ from server.store import SEEDED_MARKER, AdapterStore
 
 def test_a_new_store_is_seeded_once(tmp_path) -> None:
     store = AdapterStore(tmp_path / "s")
-    assert store.seed_once({"a": b"one", "b": b"two"})
+    (tmp_path / "one").write_bytes(b"one")
+    (tmp_path / "two").write_bytes(b"two")
+    assert store.seed_once({"a": tmp_path / "one", "b": tmp_path / "two"})
     assert sorted(store.scan()) == ["a", "b"] and (store.root / SEEDED_MARKER).is_file()
     store.delete("a")
     store.delete("b")
-    assert not store.seed_once({"a": b"one"})  # empty again, but seeded before: stays empty
+    assert not store.seed_once({"a": tmp_path / "one"})  # empty again, but seeded before: stays empty
     assert store.scan() == {}
     assert [p.name for p in store.root.iterdir() if p.name.endswith(".tmp")] == []  # atomic writes
 
@@ -19,9 +21,11 @@ def test_a_new_store_is_seeded_once(tmp_path) -> None:
 def test_a_store_that_already_has_bundles_is_never_seeded(tmp_path) -> None:
     store = AdapterStore(tmp_path / "s")
     (store.root / "mine.safetensors").write_bytes(b"x")
-    assert not store.seed_once({"demo": b"d"})
+    assert not store.seed_once({"demo": tmp_path / "missing"})  # not even read
     (store.root / "mine.safetensors").unlink()
-    assert not store.seed_once({"demo": b"d"})  # marked on first sight: never seeded later either
+    assert not store.seed_once(
+        {"demo": tmp_path / "missing"}
+    )  # marked on first sight: never seeded later either
     assert store.scan() == {}
 
 
