@@ -62,11 +62,15 @@ class AdapterStack:
 
 
 class AdapterSet:
-    """An immutable, ordered set of prepared adapters. ``version`` is unique per set built."""
+    """An immutable, ordered set of prepared adapters.
+
+    ``version`` identifies the set: unique per set built in this process, unless the caller gives
+    one (the server gives its store's generation, so replicas serving one state report one number).
+    """
 
     __slots__ = ("_by_name", "adapters", "stack", "version")
 
-    def __init__(self, adapters: tuple[PreparedAdapter, ...] = ()) -> None:
+    def __init__(self, adapters: tuple[PreparedAdapter, ...] = (), *, version: int | None = None) -> None:
         self.adapters = tuple(adapters)
         self._by_name = {a.name: i for i, a in enumerate(self.adapters)}
         if len(self._by_name) != len(self.adapters):
@@ -78,7 +82,7 @@ class AdapterSet:
                     field="parent",
                 )
         self.stack = _build_stack(self.adapters, self._lineages()) if self.adapters else None
-        self.version = next(_versions)
+        self.version = next(_versions) if version is None else version
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -115,11 +119,16 @@ class AdapterSet:
         return chain
 
     # -- deriving new sets ---------------------------------------------------------------------
-    def with_adapter(self, adapter: PreparedAdapter, *, replace: bool = False) -> AdapterSet:
-        """A new set with ``adapter`` added (or, with ``replace``, swapped in at the same position)."""
+    def check_add(self, adapter: PreparedAdapter, *, replace: bool = False) -> None:
+        """Raise what ``with_adapter`` would raise, without building the new set's stack."""
         name = adapter.name
+        if adapter.parent is not None and adapter.parent not in self._by_name:
+            raise MissingParentError(
+                f"adapter {name!r} extends {adapter.parent!r}, which is not loaded; load the parent first",
+                field="parent",
+            )
         if name not in self._by_name:
-            return AdapterSet((*self.adapters, adapter))
+            return
         if not replace:
             raise DuplicateAdapterError(
                 f"an adapter named {name!r} is already loaded; remove it first or ask to replace it",
@@ -130,17 +139,34 @@ class AdapterSet:
                 f"cannot replace {name!r}: {users} extend it and were trained against the current version",
                 field="name",
             )
+
+    def with_adapter(self, adapter: PreparedAdapter, *, replace: bool = False) -> AdapterSet:
+        """A new set with ``adapter`` added (or, with ``replace``, swapped in at the same position)."""
+        self.check_add(adapter, replace=replace)
+        if adapter.name not in self._by_name:
+            return AdapterSet((*self.adapters, adapter))
         adapters = list(self.adapters)
-        adapters[self._by_name[name]] = adapter
+        adapters[self._by_name[adapter.name]] = adapter
         return AdapterSet(tuple(adapters))
 
-    def without(self, name: str) -> AdapterSet:
-        """A new set without ``name``."""
+    def at_version(self, version: int) -> AdapterSet:
+        """The same adapters under another version number (the stack is shared, not rebuilt)."""
+        renumbered = object.__new__(AdapterSet)
+        renumbered.adapters, renumbered._by_name, renumbered.stack = self.adapters, self._by_name, self.stack
+        renumbered.version = version
+        return renumbered
+
+    def check_remove(self, name: str) -> None:
+        """Raise what ``without`` would raise, without building the new set's stack."""
         self[name]  # raises UnknownAdapterError
         if users := self.dependents(name):
             raise AdapterInUseError(
                 f"cannot remove {name!r}: {users} extend it; remove them first", field="name"
             )
+
+    def without(self, name: str) -> AdapterSet:
+        """A new set without ``name``."""
+        self.check_remove(name)
         return AdapterSet(tuple(a for a in self.adapters if a.name != name))
 
     def _lineages(self) -> list[list[int]]:

@@ -1,72 +1,98 @@
 """Keeps the engine's live adapter set equal to the valid bundles in the store.
 
-Local changes (POST/DELETE) validate completely, then persist, then swap, all under the engine's one
-write lock (``MemoryViT.exclusive``), so a failure at any step leaves both the store and the live set
-as they were, and no other writer can slip in between. Changes made by other
-replicas sharing the store are picked up by ``sync``, which a background task calls every few
-seconds (and every local change calls first). Invalid files are reported, never loaded, never fatal.
+Local changes (POST/DELETE) validate completely, then persist, then re-read the store's state, all
+under the engine's one write lock (``MemoryViT.exclusive``), so a failure at any step leaves both
+the store and the live set as they were, and no other writer in this process can slip in between.
+Changes made by other replicas sharing the store are picked up by ``sync``, which a background task
+calls every few seconds (and every local change calls before and after its write).
+
+The live set's version is the store's generation read before the listing it was built from, so it
+only grows and replicas serving one state report one number. A bundle is read only when its
+version (ETag, or inode/size/mtime) differs from the one last read: a poll that finds nothing
+changed reads no bundle. Invalid objects are reported under ``invalid``, never loaded, never fatal.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from adapters import AdapterBundle, check_compatible, read_bundle
 from memory_core import AdapterSet, MemoryViT, MemvitError, PreparedAdapter, UnknownAdapterError
 
-from .store import AdapterStore, FileState
+from .store import AdapterStore, ObjectVersion, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Entry:
-    state: FileState
+class StoredAdapter:
+    """A valid bundle as read from the store: its version there, its content hash, and its engine form."""
+
+    version: ObjectVersion
+    sha256: str
     bundle: AdapterBundle
     prepared: PreparedAdapter
 
 
 class AdapterService:
-    def __init__(self, engine: MemoryViT, store: AdapterStore, *, max_bundle_bytes: int) -> None:
+    def __init__(
+        self, engine: MemoryViT, store: AdapterStore, *, max_bundle_bytes: int, read_workers: int = 8
+    ) -> None:
         self.engine = engine
         self.store = store
         self.max_bundle_bytes = max_bundle_bytes
-        self._entries: dict[str, _Entry] = {}  # valid bundles, as last read from the store
-        self._seen: dict[str, FileState] = {}  # every bundle file at the last sync, valid or not
-        self.invalid: dict[str, str] = {}  # file name -> why it is not loaded
+        self.read_workers = read_workers
+        self._valid: dict[str, StoredAdapter] = {}  # every valid bundle read, parent present or not
+        self._failed: dict[str, tuple[ObjectVersion, str]] = {}  # bundles that failed to read, and why
+        self._seen: dict[str, ObjectVersion] | None = None  # the listing at the last sync
+        self._generation = -1
+        self.invalid: dict[str, str] = {}  # name -> why it is not loaded
+        self.bundles_read = 0  # how many bundles this service has read from the store
 
     # -- reading ----------------------------------------------------------------------------------
+    def get(self, name: str) -> StoredAdapter:
+        """The live adapter ``name`` (UnknownAdapterError when it is not live)."""
+        self.engine.adapters[name]  # raises UnknownAdapterError
+        return self._valid[name]
+
     def bundle(self, name: str) -> AdapterBundle:
-        live = self.engine.adapters
-        live[name]  # raises UnknownAdapterError
-        return self._entries[name].bundle
+        return self.get(name).bundle
 
     # -- changes ----------------------------------------------------------------------------------
-    def register(self, data: bytes, *, replace: bool = False) -> tuple[AdapterBundle, AdapterSet]:
-        """Validate a bundle completely, write it to the store, make it live. All or nothing."""
+    def register(self, data: bytes, *, replace: bool = False) -> tuple[StoredAdapter, AdapterSet]:
+        """Validate a bundle completely, write it to the store, make it live. All or nothing.
+
+        Returns the adapter now live under that name (this bundle, unless another replica replaced
+        it in the moment between) and the live set.
+        """
         bundle = read_bundle(data, max_bytes=self.max_bundle_bytes)
         check_compatible(bundle, self.engine)
         prepared = self.engine.prepare(bundle.weights)
+        name = bundle.name
         with self.engine.exclusive():
             self._sync_locked()  # another replica may have just added this bundle's parent
-            new_set = self.engine.adapters.with_adapter(prepared, replace=replace)  # conflicts raise here
-            state = self.store.write(bundle, replace=replace)
-            live = self.engine.install(new_set)
-            self._entries[bundle.name] = _Entry(state, bundle, prepared)
-            self._seen[bundle.name] = state
-            self.invalid.pop(bundle.name, None)
-        log.info("registered adapter %s (set v%d)", bundle.name, live.version)
-        return bundle, live
+            self.engine.adapters.check_add(prepared, replace=replace)  # conflicts raise here
+            version = self.store.write(name, data, replace=replace)
+            mine = StoredAdapter(version, hashlib.sha256(data).hexdigest(), bundle, prepared)
+            self._valid[name] = mine  # what we wrote is known: the sync below does not re-read it
+            self._failed.pop(name, None)
+            self._sync_locked()
+            live = self.engine.adapters
+            current = self._valid.get(name, mine) if name in live else mine
+        log.info("registered adapter %s (set v%d)", name, live.version)
+        return current, live
 
     def delete(self, name: str) -> AdapterSet:
         with self.engine.exclusive():
             self._sync_locked()
-            new_set = self.engine.adapters.without(name)  # unknown or still extended: raises here
+            if name not in self.invalid:  # an invalid object can always be deleted
+                self.engine.adapters.check_remove(name)  # unknown or still extended: raises here
             self.store.delete(name)
-            live = self.engine.install(new_set)
-            self._entries.pop(name, None)
-            self._seen.pop(name, None)
+            self._sync_locked()
+            live = self.engine.adapters
         log.info("deleted adapter %s (set v%d)", name, live.version)
         return live
 
@@ -75,67 +101,114 @@ class AdapterService:
         with self.engine.exclusive():
             return self._sync_locked()
 
+    # -- the sync ---------------------------------------------------------------------------------
     def _sync_locked(self) -> bool:
+        # The generation first: every change is written before it is counted, so the listing that
+        # follows holds at least every change the generation counts.
+        generation = self.store.generation()
         files = self.store.scan()
-        if files == self._seen:
+        if files == self._seen and generation == self._generation:
             return False
-        entries: dict[str, _Entry] = {}
-        invalid: dict[str, str] = {}
-        for name, state in files.items():
-            entry = self._entries.get(name)
-            if entry is not None and entry.state == state:
-                entries[name] = entry
-                continue
-            try:
-                entries[name] = self._read(name, state)
-            except (MemvitError, OSError) as exc:
-                invalid[name] = str(exc)
-                if self.invalid.get(name) != str(exc):
-                    log.warning("adapter store: not loading %s: %s", name, exc)
-        ordered = _parents_first(entries, invalid, self.engine.adapters.names)
-        self._entries = {e.bundle.name: e for e in ordered}
-        self._seen, self.invalid = files, invalid
+        if self._seen is not None and files != self._seen and generation == self._generation:
+            # A change that was never counted: its writer is between its write and its bump, or
+            # died there. Count it, so that no two replicas give one version to two states.
+            generation = self.store.bump_generation()
+        if generation < self._generation:
+            log.warning("adapter store generation went back (%d -> %d): was the store reset?",
+                        self._generation, generation)  # fmt: skip
+        self._read_changed(files)
+        ordered, invalid = _parents_first(self._valid, self.engine.adapters.names)
+        invalid.update({name: reason for name, (_, reason) in self._failed.items()})
+        self._seen, self._generation, self.invalid = files, generation, invalid
         current = self.engine.adapters
-        if [a.prepared for a in ordered] == list(current.adapters):
+        prepared = tuple(e.prepared for e in ordered)
+        if prepared == current.adapters:
+            if current.version != generation:
+                self.engine.install(current.at_version(generation))
             return False
-        live = self.engine.install(AdapterSet(tuple(e.prepared for e in ordered)))
+        live = self.engine.install(AdapterSet(prepared, version=generation))
         added = sorted(set(live.names) - set(current.names))
         removed = sorted(set(current.names) - set(live.names))
-        log.info("adapter store changed: +%s -%s (set v%d, %d live)", added, removed, live.version, len(live))
+        log.info("adapter store changed: +%s -%s (set v%d, %d live)", _short(added), _short(removed),
+                 live.version, len(live))  # fmt: skip
         return True
 
-    def _read(self, name: str, state: FileState) -> _Entry:
-        bundle = read_bundle(self.store.path(name), max_bytes=self.max_bundle_bytes)
-        if bundle.name != name:
-            raise UnknownAdapterError(
-                f"{name}.safetensors holds adapter {bundle.name!r}; file names must match"
-            )
-        check_compatible(bundle, self.engine)
-        return _Entry(state, bundle, self.engine.prepare(bundle.weights))
+    def _read_changed(self, files: dict[str, ObjectVersion]) -> None:
+        """Read every bundle whose version differs from the one last read; forget removed ones."""
+        for gone in (set(self._valid) | set(self._failed)) - set(files):
+            self._valid.pop(gone, None)
+            self._failed.pop(gone, None)
+        changed = [
+            name
+            for name, version in files.items()
+            if not (name in self._valid and self._valid[name].version == version)
+            and not (name in self._failed and self._failed[name][0] == version)
+        ]
+        if not changed:
+            return
+        workers = min(self.read_workers, len(changed))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store-read") as pool:
+            for name, result in zip(
+                changed, pool.map(self._read, changed, [files[n] for n in changed]), strict=True
+            ):
+                if isinstance(result, StoredAdapter):
+                    self._valid[name] = result
+                    self._failed.pop(name, None)
+                else:
+                    _, reason = result
+                    self._valid.pop(name, None)
+                    if self._failed.get(name, (None, None))[1] != reason:
+                        log.warning("adapter store: not loading %s: %s", name, reason)
+                    self._failed[name] = result
+        self.bundles_read += len(changed)
+
+    def _read(self, name: str, listed: ObjectVersion) -> StoredAdapter | tuple[ObjectVersion, str]:
+        version = listed
+        try:
+            data, version = self.store.read(name, max_bytes=self.max_bundle_bytes)
+            bundle = read_bundle(data, max_bytes=self.max_bundle_bytes)
+            if bundle.name != name:
+                raise UnknownAdapterError(f"{name} holds adapter {bundle.name!r}; object names must match")
+            check_compatible(bundle, self.engine)
+            prepared = self.engine.prepare(bundle.weights)
+        except StoreUnavailableError:
+            raise  # not the object's fault: no verdict on it; the sync fails and the next one retries
+        except (MemvitError, OSError) as exc:
+            return version, str(exc)
+        return StoredAdapter(version, hashlib.sha256(data).hexdigest(), bundle, prepared)
 
 
 def _parents_first(
-    entries: dict[str, _Entry], invalid: dict[str, str], order: tuple[str, ...]
-) -> list[_Entry]:
-    """Entries with every parent before its extensions; those whose parent is missing go to ``invalid``.
+    valid: dict[str, StoredAdapter], order: tuple[str, ...]
+) -> tuple[list[StoredAdapter], dict[str, str]]:
+    """Valid bundles with every parent before its extensions, and those whose parent is missing.
 
     Adapters already live keep their order; new ones follow by name.
     """
     rank = {name: i for i, name in enumerate(order)}
-    pending = sorted(entries, key=lambda n: (rank.get(n, len(rank)), n))
-    placed: list[_Entry] = []
+    pending = sorted(valid, key=lambda n: (rank.get(n, len(rank)), n))
+    placed: list[StoredAdapter] = []
     names: set[str] = set()
     progress = True
     while pending and progress:
         progress = False
-        for name in list(pending):
-            parent = entries[name].bundle.weights.parent
+        remaining = []
+        for name in pending:
+            parent = valid[name].bundle.weights.parent
             if parent is None or parent in names:
-                placed.append(entries[name])
+                placed.append(valid[name])
                 names.add(name)
-                pending.remove(name)
                 progress = True
-    for name in pending:
-        parent = entries[name].bundle.weights.parent
-        invalid[name] = f"extends {parent!r}, which is not a valid bundle in the store"
-    return placed
+            else:
+                remaining.append(name)
+        pending = remaining
+    invalid = {
+        name: f"extends {valid[name].bundle.weights.parent!r}, which is not a valid bundle in the store"
+        for name in pending
+    }
+    return placed, invalid
+
+
+def _short(names: list[str], limit: int = 10) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}{f', ... {len(names) - limit} more' if len(names) > limit else ''}]"

@@ -29,7 +29,7 @@ from .pipeline import ClassifyPipeline
 from .routers import adapters, classify, health
 from .settings import Settings, get_settings
 from .state import AppState, Service
-from .store import AdapterStore
+from .store import AdapterStore, StoreUnavailableError, open_store
 
 log = logging.getLogger("memvit.server")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,7 +70,11 @@ def preflight(settings: Settings) -> None:
         if not BASE_WEIGHTS.is_file():
             raise ValueError(f"no model configured and the embedded demo is missing ({BASE_WEIGHTS})")
     resolve_device(settings.device)
-    AdapterStore(settings.adapter_store)  # creates it, or fails if it cannot be written
+    # Creates a directory, or fails if it cannot be written; lists a bucket, or fails if it cannot.
+    try:
+        open_store(settings.adapter_store)
+    except StoreUnavailableError as exc:
+        raise ValueError(f"MEMVIT_ADAPTER_STORE: {exc}") from None
 
 
 def _seed_demo_store(settings: Settings, store: AdapterStore) -> None:
@@ -78,13 +82,13 @@ def _seed_demo_store(settings: Settings, store: AdapterStore) -> None:
     from .demo import demo_adapters
 
     if settings.uses_demo and store.seed_once({path.stem: path for path in demo_adapters()}):
-        log.info("seeded the new adapter store %s with the demo adapters", store.root)
+        log.info("seeded the new adapter store %s with the demo adapters", store.location)
 
 
 def _load(settings: Settings) -> tuple[MemoryViT, AdapterService]:
     """The slow, blocking part of start-up (run in a thread): the model, then every valid bundle."""
     engine = build_engine(settings)
-    store = AdapterStore(settings.adapter_store)
+    store = open_store(settings.adapter_store)
     store.clean_temp_files()
     _seed_demo_store(settings, store)
     registry = AdapterService(engine, store, max_bundle_bytes=settings.max_bundle_bytes)

@@ -87,7 +87,8 @@ def serve(
     model: Annotated[str | None, typer.Option(help="timm architecture (MEMVIT_MODEL)")] = None,
     weights: Annotated[Path | None, typer.Option(help="base weights (MEMVIT_WEIGHTS)")] = None,
     adapter_store: Annotated[
-        Path | None, typer.Option(help="adapter directory (MEMVIT_ADAPTER_STORE)")
+        str | None,
+        typer.Option(help="adapter directory or s3://bucket/prefix (MEMVIT_ADAPTER_STORE)"),
     ] = None,
 ) -> None:
     """Serve the HTTP API. Settings come from MEMVIT_* variables; with none, the embedded demo."""

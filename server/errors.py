@@ -25,6 +25,8 @@ from memory_core import (
     UnknownAdapterError,
 )
 
+from .store import StoreUnavailableError
+
 log = logging.getLogger(__name__)
 
 
@@ -119,6 +121,7 @@ DOMAIN_STATUS: list[tuple[type[Exception], int]] = [
     (BundleError, 422),
     (InvalidAdapterError, 422),
     (InputError, 422),
+    (StoreUnavailableError, 503),
 ]
 
 

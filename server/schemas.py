@@ -24,7 +24,10 @@ class ImageResult(BaseModel):
 
 
 class AdapterSetInfo(BaseModel):
-    version: int = Field(description="identifies the adapter snapshot that answered")
+    version: int = Field(
+        description="the store generation the snapshot that answered was read at: only grows, and is "
+        "equal across replicas serving the same adapters"
+    )
     adapters: list[str]
 
 
@@ -42,19 +45,24 @@ class AdapterInfo(BaseModel):
     labels: list[str]
     base_model: str
     base_fingerprint: str
+    sha256: str = Field(description="hash of the bundle's bytes as stored: equal across replicas serving it")
     training: dict[str, Any] | None = None
 
 
 class AdapterCreated(BaseModel):
-    adapter: AdapterInfo
+    adapter: AdapterInfo = Field(
+        description="the adapter live under this name after the change: the upload, unless another "
+        "replica replaced it in the same moment (compare `sha256`)"
+    )
     adapter_set: AdapterSetInfo
     replaced: bool
 
 
 class AdapterList(BaseModel):
     adapter_set: AdapterSetInfo
-    adapters: list[AdapterInfo]
-    invalid: dict[str, str] = Field(description="store files that are not loaded, and why")
+    adapters: list[AdapterInfo] = Field(description="one page of live adapters, by name")
+    invalid: dict[str, str] = Field(description="store objects in this page's name range not loaded, and why")
+    next: str | None = Field(None, description="pass as `after` for the next page; null on the last page")
 
 
 class AdapterDeleted(BaseModel):

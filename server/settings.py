@@ -25,7 +25,10 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
-    adapter_store: Path = Field(Path("adapter-store"), description="directory of adapter bundles")
+    adapter_store: str = Field(
+        "adapter-store",
+        description="a directory, or an object-store URL (s3://bucket/prefix, gs://..., az://...)",
+    )
     store_poll_seconds: float = Field(2.0, gt=0, description="how often to look for other replicas' changes")
 
     max_batch: int = Field(32, ge=1, description="images per fused pass")
@@ -49,6 +52,13 @@ class Settings(BaseSettings):
         # `MEMVIT_WEIGHTS=` (as docker compose passes an unset variable) means "not configured",
         # not the current directory.
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("adapter_store", mode="before")
+    @classmethod
+    def _store_as_text(cls, value: object) -> object:
+        if isinstance(value, Path):
+            return str(value)
+        return "adapter-store" if isinstance(value, str) and not value.strip() else value
 
     @field_validator("admin_token")
     @classmethod

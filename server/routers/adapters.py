@@ -1,4 +1,4 @@
-"""The adapter resource: list, describe, register (validated, persisted, live), delete."""
+"""The adapter resource: list (paged), describe, register (validated, persisted, live), delete."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, File, Path, Query, UploadFile
 
-from adapters import AdapterBundle
 from memory_core import NAME_PATTERN, AdapterSet
 
+from ..adapter_service import StoredAdapter
 from ..deps import AdaptersDep, EngineDep, SettingsDep, require_admin, require_multipart
 from ..errors import BundleTooLargeError
 from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList, AdapterSetInfo, ErrorResponse
@@ -18,27 +18,45 @@ router = APIRouter(prefix="/adapters", tags=["adapters"])
 Name = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="adapter name")]
 
 
-def _info(bundle: AdapterBundle) -> AdapterInfo:
-    return AdapterInfo.model_validate(bundle.describe())  # extra keys (layers, width) are ignored
+def _info(stored: StoredAdapter) -> AdapterInfo:
+    # extra keys of describe() (layers, width) are ignored
+    return AdapterInfo.model_validate({**stored.bundle.describe(), "sha256": stored.sha256})
 
 
 def _set_info(adapter_set: AdapterSet) -> AdapterSetInfo:
     return AdapterSetInfo(version=adapter_set.version, adapters=list(adapter_set.names))
 
 
-@router.get("", response_model=AdapterList, summary="Live adapters, and store files that are not loaded")
-def list_adapters(engine: EngineDep, registry: AdaptersDep) -> AdapterList:
-    live = engine.adapters
+@router.get(
+    "", response_model=AdapterList, summary="Live adapters (paged by name), and store objects not loaded"
+)
+def list_adapters(
+    engine: EngineDep,
+    registry: AdaptersDep,
+    limit: Annotated[int, Query(ge=1, le=1000, description="adapters per page")] = 100,
+    after: Annotated[
+        str | None, Query(max_length=64, description="the previous page's `next`: list names after it")
+    ] = None,
+) -> AdapterList:
+    live, invalid = engine.adapters, dict(registry.invalid)
+    names = sorted(n for n in live.names if after is None or n > after)
+    page, more = names[:limit], len(names) > limit
+    last = page[-1] if more else None
     return AdapterList(
         adapter_set=_set_info(live),
-        adapters=[_info(registry.bundle(name)) for name in live.names],
-        invalid=dict(registry.invalid),
+        adapters=[_info(registry.get(name)) for name in page],
+        invalid={
+            n: why
+            for n, why in sorted(invalid.items())
+            if (after is None or n > after) and (last is None or n <= last)
+        },
+        next=last,
     )
 
 
 @router.get("/{name}", response_model=AdapterInfo, responses={404: {"model": ErrorResponse}})
 def get_adapter(name: Name, registry: AdaptersDep) -> AdapterInfo:
-    return _info(registry.bundle(name))
+    return _info(registry.get(name))
 
 
 @router.post(
@@ -61,9 +79,9 @@ async def register_adapter(
     if len(data) > limit:
         raise BundleTooLargeError(f"bundle over the {limit}-byte upload limit", field="bundle")
     existed = engine.adapters
-    created, live = await asyncio.to_thread(registry.register, data, replace=replace)
+    current, live = await asyncio.to_thread(registry.register, data, replace=replace)
     return AdapterCreated(
-        adapter=_info(created), adapter_set=_set_info(live), replaced=created.name in existed
+        adapter=_info(current), adapter_set=_set_info(live), replaced=current.bundle.name in existed
     )
 
 

@@ -28,6 +28,30 @@ def store(tmp_path) -> Path:
     return tmp_path / "store"
 
 
+@pytest.fixture(scope="session")
+def s3_env() -> Iterator[dict[str, str]]:
+    """A real S3-compatible server on a loopback port, for the session; its AWS_* variables are set
+    in this process (child servers inherit them)."""
+    pytest.importorskip("moto", reason="the object-store tests need the dev extra (moto[server])")
+    from tests.server.s3 import s3_server
+
+    with s3_server() as env, pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        yield env
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_location(request, tmp_path) -> str:
+    """An empty adapter store on each backend: a directory, and a fresh bucket on the S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    from tests.server.s3 import new_bucket
+
+    env = request.getfixturevalue("s3_env")
+    return f"s3://{new_bucket(env)}/adapters"
+
+
 @pytest.fixture
 def settings(tiny_weights, store) -> Settings:
     return Settings(

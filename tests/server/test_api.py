@@ -172,7 +172,7 @@ def test_every_bad_bundle_is_refused_and_nothing_changes(client, store, make_bun
     assert message in r.json()["error"]["message"]
     assert snapshot(client, store) == before
     assert client.get("/readyz").status_code == 200
-    assert list(store.glob(".*")) == []  # no temp file left behind
+    assert list(store.glob("*.tmp")) == []  # no temp file left behind
 
 
 def test_bundle_upload_limits(tiny_weights, store, make_bundle) -> None:

@@ -1,0 +1,132 @@
+"""The adapter store in a local (or shared, POSIX) directory: ``<name>.safetensors`` files.
+
+Writes are crash-safe: bytes go to a temp file, are fsynced, then linked (create) or renamed
+(overwrite) into place and the directory fsynced, so after a crash at any point a key holds nothing,
+the old bytes or the whole new ones. Linking fails if the name exists, which makes create-if-absent
+atomic across replicas sharing the directory; replace-if-unchanged holds an ``flock`` on the store's
+lock file around its check and rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .base import AdapterStore, ObjectChangedError, ObjectExistsError, ObjectTooLargeError, ObjectVersion
+
+log = logging.getLogger(__name__)
+LOCK_FILE = ".lock"
+
+
+def _version(stat: os.stat_result) -> ObjectVersion:
+    return ObjectVersion(f"{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}", stat.st_size)
+
+
+class LocalStore(AdapterStore):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.root, os.W_OK):
+            raise PermissionError(f"adapter store {self.root} is not writable")
+        self.location = str(self.root)
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    # -- primitives --------------------------------------------------------------------------------
+    def _list(self) -> dict[str, ObjectVersion]:
+        found = {}
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.endswith(".tmp") or entry.name == LOCK_FILE:
+                    continue
+                try:
+                    if entry.is_file():
+                        found[entry.name] = _version(entry.stat())
+                except FileNotFoundError:  # deleted while we looked
+                    continue
+        return found
+
+    def _get(self, key: str, max_bytes: int | None = None) -> tuple[bytes, ObjectVersion]:
+        with open(self.path(key), "rb") as f:
+            # The version of the file we opened: a rename by another replica after this point
+            # does not change what we read, and the next scan sees the new version.
+            version = _version(os.fstat(f.fileno()))
+            if max_bytes is not None and version.size > max_bytes:
+                raise ObjectTooLargeError(f"{key} is {version.size} bytes, over the {max_bytes}-byte limit")
+            return f.read(), version
+
+    def _put(self, key: str, data: bytes, *, mode: str | ObjectVersion) -> ObjectVersion:
+        target = self.path(key)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+                # The state of the file *we* wrote (a rename or link keeps inode, size and mtime).
+                # Reading the target after the rename instead could record another replica's
+                # replace that landed in between as already seen.
+                written = _version(os.fstat(f.fileno()))
+            if mode == "create":
+                try:
+                    os.link(tmp, target)  # atomic create-if-absent, also across replicas
+                except FileExistsError:
+                    raise ObjectExistsError(key) from None
+            elif mode == "overwrite":
+                os.replace(tmp, target)
+            else:
+                with self._locked():
+                    try:
+                        current = _version(os.stat(target))
+                    except FileNotFoundError:
+                        current = None
+                    if current != mode:
+                        raise ObjectChangedError(key)
+                    os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        self._sync_dir()
+        return written
+
+    def _delete(self, key: str) -> None:
+        self.path(key).unlink()
+        self._sync_dir()
+
+    # -- housekeeping ------------------------------------------------------------------------------
+    def clean_temp_files(self, older_than: float = 3600.0) -> int:
+        """Remove temp files left by writers that died; young ones may belong to a live replica."""
+        removed = 0
+        now = time.time()
+        for path in self.root.glob(".*.tmp"):
+            try:
+                if now - path.stat().st_mtime > older_than:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        if removed:
+            log.warning("removed %d stale temp file(s) from %s", removed, self.root)
+        return removed
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def _sync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
