@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,16 +169,48 @@ class MemoryViT(nn.Module):
         like = {"device": self.device, "dtype": self.dtype}
         with torch.set_grad_enabled(torch.is_grad_enabled() and weights.requires_grad):
             keys, values = self.project_memory(weights.memory.to(**like), weights.memory_norm)
-            return PreparedAdapter(
-                name=weights.name,
-                parent=weights.parent,
-                weights=weights,
-                cls=weights.cls_token.to(**like) + self.class_position(),
-                memory_keys=keys,
-                memory_values=values,
-                head_weight=weights.head_weight.to(**like),
-                head_bias=weights.head_bias.to(**like),
-            )
+            return self._prepared(weights, keys, values)
+
+    def prepare_many(self, weights: Sequence[AdapterWeights], *, chunk: int = 512) -> list[PreparedAdapter]:
+        """``prepare`` for many adapters (start-up with thousands of bundles), in the same order.
+
+        Memory tokens are projected independently of one another, so the memories of many adapters
+        go through each block's norm and qkv together: one matmul per layer and chunk instead of
+        one per adapter and layer, which is what dominates preparing small adapters one by one.
+        """
+        if any(w.requires_grad for w in weights):
+            return [self.prepare(w) for w in weights]
+        for w in weights:
+            w.check_fits(self.spec)
+        like = {"device": self.device, "dtype": self.dtype}
+        prepared: list[PreparedAdapter | None] = [None] * len(weights)
+        with torch.no_grad():
+            for start in range(0, len(weights), chunk):
+                group = range(start, min(start + chunk, len(weights)))
+                for norm in sorted({weights[i].memory_norm for i in group}):
+                    members = [i for i in group if weights[i].memory_norm == norm]
+                    sizes = [weights[i].num_memory for i in members]
+                    memory = torch.cat([weights[i].memory.to(**like) for i in members], dim=1)  # (L, Σm, D)
+                    keys, values = self.project_memory(memory, norm)  # (L, H, Σm, d)
+                    # Own copies: a view would keep the whole chunk alive after its neighbours are gone.
+                    split_k = [k.clone() for k in keys.split(sizes, dim=2)]
+                    split_v = [v.clone() for v in values.split(sizes, dim=2)]
+                    for i, k, v in zip(members, split_k, split_v, strict=True):
+                        prepared[i] = self._prepared(weights[i], k, v)
+        return prepared  # type: ignore[return-value]  # every slot is filled above
+
+    def _prepared(self, weights: AdapterWeights, keys: Tensor, values: Tensor) -> PreparedAdapter:
+        like = {"device": self.device, "dtype": self.dtype}
+        return PreparedAdapter(
+            name=weights.name,
+            parent=weights.parent,
+            weights=weights,
+            cls=weights.cls_token.to(**like) + self.class_position(),
+            memory_keys=keys,
+            memory_values=values,
+            head_weight=weights.head_weight.to(**like),
+            head_bias=weights.head_bias.to(**like),
+        )
 
     def project_memory(self, memory: Tensor, memory_norm: str) -> tuple[Tensor, Tensor]:
         """Memory (L, m, D) -> keys and values (L, H, m, d) through each block's norm1/qkv."""
@@ -214,7 +246,9 @@ class MemoryViT(nn.Module):
                 )
         with self._write_lock:
             self._adapters = adapter_set  # one reference assignment
-        log.info("adapter set v%d live: %s", adapter_set.version, list(adapter_set.names))
+        names = adapter_set.names
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        log.info("adapter set v%d live: [%s]", adapter_set.version, shown)
         return adapter_set
 
     # Conveniences over ``install``: each derives the new set from the live one under the lock.
@@ -230,7 +264,7 @@ class MemoryViT(nn.Module):
 
     def set_adapters(self, adapters: Iterable[AdapterWeights]) -> AdapterSet:
         """Replace the whole live set at once (parents must come before their extensions)."""
-        return self.install(AdapterSet(tuple(self.prepare(w) for w in adapters)))
+        return self.install(AdapterSet(tuple(self.prepare_many(list(adapters)))))
 
     # -- the fused pass ------------------------------------------------------------------------
     def forward(self, x: Tensor, adapter_set: AdapterSet | None = None, *, path: str = "auto") -> FusedOutput:

@@ -25,6 +25,7 @@ from memory_core import AdapterSet, MemoryViT, MemvitError, PreparedAdapter, Unk
 from .store import AdapterStore, ObjectVersion, StoreUnavailableError
 
 log = logging.getLogger(__name__)
+_REFUSALS_LOGGED = 20  # per sync; the rest are counted in one line
 
 
 @dataclass(frozen=True)
@@ -39,18 +40,24 @@ class StoredAdapter:
 
 class AdapterService:
     def __init__(
-        self, engine: MemoryViT, store: AdapterStore, *, max_bundle_bytes: int, read_workers: int = 8
+        self,
+        engine: MemoryViT,
+        store: AdapterStore,
+        *,
+        max_bundle_bytes: int,
+        read_workers: int | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
         self.max_bundle_bytes = max_bundle_bytes
-        self.read_workers = read_workers
+        self.read_workers = read_workers or store.read_parallelism
         self._valid: dict[str, StoredAdapter] = {}  # every valid bundle read, parent present or not
         self._failed: dict[str, tuple[ObjectVersion, str]] = {}  # bundles that failed to read, and why
         self._seen: dict[str, ObjectVersion] | None = None  # the listing at the last sync
         self._generation = -1
         self.invalid: dict[str, str] = {}  # name -> why it is not loaded
         self.bundles_read = 0  # how many bundles this service has read from the store
+        self._refusals = 0
 
     # -- reading ----------------------------------------------------------------------------------
     def get(self, name: str) -> StoredAdapter:
@@ -146,23 +153,39 @@ class AdapterService:
         ]
         if not changed:
             return
+        # Reading and parsing overlap in threads (object-store latency); the memory projections of
+        # every bundle read are then batched (prepare_many: one matmul per layer, not per bundle).
         workers = min(self.read_workers, len(changed))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store-read") as pool:
-            for name, result in zip(
-                changed, pool.map(self._read, changed, [files[n] for n in changed]), strict=True
-            ):
-                if isinstance(result, StoredAdapter):
-                    self._valid[name] = result
-                    self._failed.pop(name, None)
-                else:
-                    _, reason = result
-                    self._valid.pop(name, None)
-                    if self._failed.get(name, (None, None))[1] != reason:
-                        log.warning("adapter store: not loading %s: %s", name, reason)
-                    self._failed[name] = result
+            results = list(pool.map(self._read, changed, [files[n] for n in changed]))
         self.bundles_read += len(changed)
+        parsed = []
+        for name, result in zip(changed, results, strict=True):
+            if isinstance(result, tuple):
+                version, reason = result
+                self._valid.pop(name, None)
+                if self._failed.get(name, (None, None))[1] != reason:
+                    self._log_refusal(name, reason)
+                self._failed[name] = (version, reason)
+            else:
+                parsed.append(result)
+        prepared = self.engine.prepare_many([p.bundle.weights for p in parsed])
+        for p, adapter in zip(parsed, prepared, strict=True):
+            self._valid[p.bundle.name] = StoredAdapter(p.version, p.sha256, p.bundle, adapter)
+            self._failed.pop(p.bundle.name, None)
+        if self._refusals > _REFUSALS_LOGGED:
+            log.warning("adapter store: %d more objects not loaded (GET /adapters lists every reason)",
+                        self._refusals - _REFUSALS_LOGGED)  # fmt: skip
+        self._refusals = 0
 
-    def _read(self, name: str, listed: ObjectVersion) -> StoredAdapter | tuple[ObjectVersion, str]:
+    def _log_refusal(self, name: str, reason: str) -> None:
+        # One line per refused object, up to a cap per sync: a store of 10,000 objects written for
+        # another base must not bury the log.
+        self._refusals += 1
+        if self._refusals <= _REFUSALS_LOGGED:
+            log.warning("adapter store: not loading %s: %s", name, reason)
+
+    def _read(self, name: str, listed: ObjectVersion) -> _Parsed | tuple[ObjectVersion, str]:
         version = listed
         try:
             data, version = self.store.read(name, max_bytes=self.max_bundle_bytes)
@@ -170,12 +193,18 @@ class AdapterService:
             if bundle.name != name:
                 raise UnknownAdapterError(f"{name} holds adapter {bundle.name!r}; object names must match")
             check_compatible(bundle, self.engine)
-            prepared = self.engine.prepare(bundle.weights)
         except StoreUnavailableError:
             raise  # not the object's fault: no verdict on it; the sync fails and the next one retries
         except (MemvitError, OSError) as exc:
             return version, str(exc)
-        return StoredAdapter(version, hashlib.sha256(data).hexdigest(), bundle, prepared)
+        return _Parsed(version, hashlib.sha256(data).hexdigest(), bundle)
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    version: ObjectVersion
+    sha256: str
+    bundle: AdapterBundle
 
 
 def _parents_first(

@@ -68,6 +68,8 @@ class AdapterStore(ABC):
     """Adapter bundles by name, in a local directory or an object store."""
 
     location: str  # for logs and messages
+    # How many reads to run at once: a local disk is CPU-bound (parsing), an object store latency-bound.
+    read_parallelism: int = 2
 
     # -- primitives (one implementation per backend) ---------------------------------------------
     @abstractmethod

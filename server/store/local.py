@@ -29,6 +29,8 @@ def _version(stat: os.stat_result) -> ObjectVersion:
 
 
 class LocalStore(AdapterStore):
+    read_parallelism = min(4, os.cpu_count() or 1)  # parsing is CPU work: more threads only contend
+
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)

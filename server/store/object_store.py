@@ -39,6 +39,8 @@ def _version(meta: dict) -> ObjectVersion:
 
 
 class ObjectStore(AdapterStore):
+    read_parallelism = 16  # round trips dominate: keep many in flight
+
     def __init__(self, url: str, *, request_timeout_s: float = 30.0) -> None:
         if not url.startswith(SCHEMES):
             raise ValueError(f"not an object-store URL: {url!r} (expected one of {', '.join(SCHEMES)})")

@@ -81,6 +81,23 @@ def test_mixed_memory_sizes_and_norms_in_one_set() -> None:
         assert max_diff(out.adapters[a.name], ref[a.name]) <= TOL
 
 
+def test_prepare_many_equals_prepare_one_by_one() -> None:
+    """Batched projection (start-up with many bundles) gives each adapter what prepare gives it alone."""
+    engine = tiny_engine("qknorm_layerscale_prenorm")
+    weights = [
+        random_adapter(f"a{i}", engine, m=m, memory_norm=norm)
+        for i, (m, norm) in enumerate([(0, "norm1"), (1, "none"), (5, "norm1"), (3, "none"), (2, "norm1")])
+    ]
+    for one, many in zip(
+        [engine.prepare(w) for w in weights], engine.prepare_many(weights, chunk=2), strict=True
+    ):
+        assert many.name == one.name and many.weights is one.weights
+        assert many.memory_keys.shape == one.memory_keys.shape
+        assert torch.allclose(many.memory_keys, one.memory_keys, rtol=0, atol=1e-6)
+        assert torch.allclose(many.memory_values, one.memory_values, rtol=0, atol=1e-6)
+        assert torch.equal(many.cls, one.cls) and torch.equal(many.head_weight, one.head_weight)
+
+
 @pytest.mark.parametrize("memory_norm", ["norm1", "none"])
 @pytest.mark.parametrize("m", [0, 1, 5])
 def test_adapter_logits_do_not_depend_on_other_adapters(memory_norm: str, m: int) -> None:
