@@ -25,6 +25,7 @@ from .batching import DynamicBatcher
 from .errors import install_error_handlers
 from .images import ImageDecoder
 from .metrics import Metrics, MetricsMiddleware
+from .openapi import customise as customise_openapi
 from .pipeline import ClassifyPipeline
 from .routers import adapters, classify, health
 from .settings import Settings, get_settings
@@ -185,6 +186,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = state.metrics
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     install_error_handlers(app)
+    customise_openapi(app, settings)
     app.include_router(classify.router)
     app.include_router(adapters.router)
     app.include_router(health.router)

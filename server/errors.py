@@ -8,11 +8,13 @@ a request that fails validation to 422 with the field, anything else to a logged
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from adapters import BaseMismatchError, BundleError
 from memory_core import (
@@ -143,6 +145,19 @@ def error_body(exc: Exception, status: int) -> dict:
     return {"error": body}
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    def walk(routes: list) -> Iterator[BaseRoute]:
+        for route in routes:
+            included = getattr(route, "original_router", None)  # FastAPI's wrapper of an included router
+            yield from walk(included.routes) if included is not None else (route,)
+
+    methods: set[str] = set()
+    for route in walk(request.app.router.routes):
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MemvitError)
     async def _domain(request: Request, exc: MemvitError) -> JSONResponse:
@@ -167,7 +182,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         body = {"error": {"type": "HTTPException", "message": str(exc.detail)}}
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            # One path can be served by several routes (GET and DELETE /adapters/{name}); Starlette
+            # names only the first one's methods. Allow lists every method the path supports.
+            headers["Allow"] = ", ".join(_allowed_methods(request))
+        return JSONResponse(body, status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -12,7 +12,8 @@ from memory_core import NAME_PATTERN, AdapterSet
 from ..adapter_service import StoredAdapter
 from ..deps import AdaptersDep, EngineDep, SettingsDep, require_admin, require_multipart
 from ..errors import BundleTooLargeError
-from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList, AdapterSetInfo, ErrorResponse
+from ..openapi import errors
+from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList, AdapterSetInfo
 
 router = APIRouter(prefix="/adapters", tags=["adapters"])
 Name = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="adapter name")]
@@ -28,7 +29,10 @@ def _set_info(adapter_set: AdapterSet) -> AdapterSetInfo:
 
 
 @router.get(
-    "", response_model=AdapterList, summary="Live adapters (paged by name), and store objects not loaded"
+    "",
+    response_model=AdapterList,
+    responses=errors(422, 503),
+    summary="Live adapters (paged by name), and store objects not loaded",
 )
 def list_adapters(
     engine: EngineDep,
@@ -54,7 +58,7 @@ def list_adapters(
     )
 
 
-@router.get("/{name}", response_model=AdapterInfo, responses={404: {"model": ErrorResponse}})
+@router.get("/{name}", response_model=AdapterInfo, responses=errors(404, 422, 503))
 def get_adapter(name: Name, registry: AdaptersDep) -> AdapterInfo:
     return _info(registry.get(name))
 
@@ -63,7 +67,7 @@ def get_adapter(name: Name, registry: AdaptersDep) -> AdapterInfo:
     "",
     response_model=AdapterCreated,
     status_code=201,
-    responses={code: {"model": ErrorResponse} for code in (401, 403, 409, 413, 422)},
+    responses=errors(400, 401, 403, 408, 409, 413, 415, 422, 503),
     summary="Register an adapter bundle (validated completely, persisted atomically, live at once)",
     dependencies=[Depends(require_admin), Depends(require_multipart)],
 )
@@ -88,7 +92,7 @@ async def register_adapter(
 @router.delete(
     "/{name}",
     response_model=AdapterDeleted,
-    responses={404: {"model": ErrorResponse}},
+    responses=errors(401, 403, 404, 409, 422, 503),
     dependencies=[Depends(require_admin)],
 )
 async def delete_adapter(name: Name, registry: AdaptersDep) -> AdapterDeleted:

@@ -7,16 +7,16 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Query, UploadFile
 
 from ..deps import PipelineDep, require_multipart
-from ..schemas import ClassifyResponse, ErrorResponse
+from ..openapi import errors
+from ..schemas import ClassifyResponse
 
 router = APIRouter(tags=["classify"])
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 413, 415, 422, 503)}
 
 
 @router.post(
     "/classify",
     response_model=ClassifyResponse,
-    responses=ERRORS,
+    responses=errors(400, 408, 413, 415, 422, 503),
     summary="Classify images",
     dependencies=[Depends(require_multipart)],
 )

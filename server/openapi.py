@@ -1,0 +1,56 @@
+"""The OpenAPI document says what the service really answers: every status, with the real error body.
+
+Routes declare their error statuses with ``errors(...)``; every error body is ``ErrorResponse``
+(``{"error": {"type", "message", "field"}}``), including the 422 FastAPI would otherwise describe as
+its own ``HTTPValidationError``. ``customise`` adds what only the settings know (how many images one
+request may carry). The schemathesis run in tests/server/test_openapi.py holds the document to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from .schemas import ErrorResponse
+from .settings import Settings
+
+DESCRIPTIONS = {
+    400: "malformed request: an empty or broken image, or an unreadable multipart body",
+    401: "no `Authorization: Bearer <admin token>` header",
+    403: "the admin token is wrong, or management is disabled (no token configured)",
+    404: "no such adapter",
+    408: "the request's body did not arrive in time",
+    409: "conflicts with the live set: the name is taken, the parent is missing, or adapters extend it",
+    413: "over a size cap: the request body, an image, a bundle or the number of images",
+    415: "not multipart/form-data, or a file that is not an image in an accepted format",
+    422: "a parameter, bundle or task name that fails validation (the message names the field)",
+    503: "not ready yet, overloaded (see Retry-After) or the adapter store is unavailable",
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route: each status with the service's error body and what it means."""
+    return {code: {"model": ErrorResponse, "description": DESCRIPTIONS[code]} for code in codes}
+
+
+def customise(app: FastAPI, settings: Settings) -> None:
+    """Build the document once, with the settings' limits written into it."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            _limit_images(schema, settings.max_images_per_request)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _limit_images(schema: dict[str, Any], max_images: int) -> None:
+    """``image`` on /classify: at least one, at most ``max_images`` (the handler answers 413 above)."""
+    for component in schema.get("components", {}).get("schemas", {}).values():
+        image = component.get("properties", {}).get("image")
+        if image is not None and image.get("type") == "array":
+            image.update(minItems=1, maxItems=max_images)
