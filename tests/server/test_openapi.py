@@ -72,6 +72,7 @@ def test_schemathesis_finds_nothing(settings, tmp_path, with_token) -> None:
         ]  # fmt: skip
         if with_token:
             command += ["--header", f"Authorization: Bearer {TOKEN}"]
-        run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        # In tmp_path: schemathesis keeps its own files (.schemathesis/) in the working directory.
+        run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
         assert httpx.get(f"{url}/readyz").status_code == 200  # still serving
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
