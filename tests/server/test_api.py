@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 import httpx
 import pytest
@@ -219,3 +220,29 @@ def test_image_byte_and_pixel_caps_over_http(tiny_weights, store) -> None:
         assert "4000000 pixels is over the 1000000-pixel limit" in r.json()["error"]["message"]
         assert post_image(client, jpeg()).status_code == 200  # still serving
         assert client.get("/readyz").status_code == 200
+
+
+def test_the_adapter_list_pages_by_name(client, store, make_bundle) -> None:
+    for name in ("e", "a", "d", "b", "c"):
+        assert register(client, make_bundle(name).to_bytes()).status_code == 201
+    (store / "bb.safetensors").write_bytes(b"not a bundle")  # invalid: listed in its page's range
+    (store / "zz.safetensors").write_bytes(b"not a bundle")
+    for _ in range(50):  # the next poll picks them up
+        if len(client.get("/adapters").json()["invalid"]) == 2:
+            break
+        time.sleep(0.1)
+    pages, after = [], None
+    while True:
+        body = client.get("/adapters", params={"limit": 2, **({"after": after} if after else {})}).json()
+        pages.append(([a["name"] for a in body["adapters"]], sorted(body["invalid"])))
+        assert body["adapter_set"]["adapters"] == ["e", "a", "d", "b", "c"]  # the whole set, every page
+        if body["next"] is None:
+            break
+        after = body["next"]
+    assert pages == [(["a", "b"], []), (["c", "d"], ["bb"]), (["e"], ["zz"])]
+    assert client.get("/adapters", params={"limit": 0}).status_code == 422
+    assert client.get("/adapters", params={"limit": 1001}).status_code == 422
+    everything = client.get("/adapters").json()
+    assert [a["name"] for a in everything["adapters"]] == ["a", "b", "c", "d", "e"] and everything[
+        "next"
+    ] is None
