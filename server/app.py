@@ -31,6 +31,7 @@ from .routers import adapters, classify, health
 from .settings import Settings, get_settings
 from .state import AppState, Service
 from .store import AdapterStore, StoreUnavailableError, open_store
+from .timeouts import BodyTimeoutMiddleware
 
 log = logging.getLogger("memvit.server")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -184,6 +185,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.memvit = state
     metrics = state.metrics
+    # Inside the metrics middleware, so a body timeout is counted as the 408 the client got.
+    app.add_middleware(BodyTimeoutMiddleware, seconds=settings.body_timeout_seconds)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     install_error_handlers(app)
     customise_openapi(app, settings)

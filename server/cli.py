@@ -97,6 +97,7 @@ def serve(
 
     from .app import create_app, preflight
     from .settings import Settings
+    from .timeouts import header_timeout_protocol
 
     overrides = {
         "host": host,
@@ -122,6 +123,7 @@ def serve(
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=10,
+        http=header_timeout_protocol(settings.header_timeout_seconds),
     )
 
 

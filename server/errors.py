@@ -113,6 +113,12 @@ class OverloadedError(ServiceError):
         return {"Retry-After": "1"}
 
 
+class RequestTimeoutError(ServiceError):
+    """The client did not send its request's headers or body in time (server/timeouts.py)."""
+
+    status = 408
+
+
 # Engine and bundle errors, most specific first.
 DOMAIN_STATUS: list[tuple[type[Exception], int]] = [
     (DuplicateAdapterError, 409),

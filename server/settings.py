@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     max_bundle_bytes: int = Field(64 * 1024 * 1024, ge=1, description="upload cap per adapter bundle")
     admin_token: SecretStr | None = Field(None, description="Bearer token for POST/DELETE /adapters")
 
+    # Slow clients (server/timeouts.py): past these, the client gets a 408 and its connection closes.
+    header_timeout_seconds: float = Field(10.0, gt=0, description="deadline for a request's headers")
+    body_timeout_seconds: float = Field(60.0, gt=0, description="total deadline for a request's body")
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

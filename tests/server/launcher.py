@@ -22,6 +22,7 @@ import uvicorn
 
 from server.app import create_app
 from server.settings import Settings
+from server.timeouts import header_timeout_protocol
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +52,9 @@ def wait_ready(url: str, timeout: float = 30.0, process: subprocess.Popen | None
 def running_server(settings: Settings, app=None) -> Iterator[str]:
     """uvicorn serving ``app`` (default ``create_app(settings)``) in a thread; yields the URL once ready."""
     app = app if app is not None else create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
+    http = header_timeout_protocol(settings.header_timeout_seconds)  # as `memvit serve` does
+    config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", http=http)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{settings.port}"

@@ -1,0 +1,298 @@
+"""Slow clients cannot hold the server: header and body deadlines (server/timeouts.py).
+
+Against a real ``memvit serve`` (1 s header, 2 s body deadline) and, for both of uvicorn's HTTP
+parsers, a trivial app; plus the body middleware alone. Raw sockets, because HTTP clients will not
+trickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from server.timeouts import BodyTimeoutMiddleware, header_timeout_protocol
+from tests.server.conftest import ServerProcess, free_port
+from tests.server.test_api import jpeg
+
+HEADER_S, BODY_S = 1.0, 2.0
+SLACK = 1.5  # how late past its deadline a connection may close, on a loaded 2-core machine
+TRICKLE_EVERY = 0.25  # well under both deadlines: a per-chunk idle timeout would never fire
+BOUNDARY = "slowboundary"
+log = logging.getLogger(__name__)
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_weights, tmp_path_factory) -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        tiny_weights,
+        tmp_path_factory.mktemp("store"),
+        MEMVIT_HEADER_TIMEOUT_SECONDS=str(HEADER_S),
+        MEMVIT_BODY_TIMEOUT_SECONDS=str(BODY_S),
+        MEMVIT_LOG_LEVEL="warning",  # its stderr is a pipe nobody reads
+    ).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+PART_HEAD = (
+    f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; filename="a.jpg"\r\n'
+    "Content-Type: image/jpeg\r\n\r\n"
+).encode()
+
+
+def _multipart(data: bytes) -> bytes:
+    return PART_HEAD + data + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+def _classify_head(length: int) -> bytes:
+    return (
+        f"POST /classify?top_k=1 HTTP/1.1\r\nHost: t\r\nContent-Length: {length}\r\n"
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n\r\n"
+    ).encode()
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One response with a Content-Length: its status and body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:] if line)
+    return int(lines[0].split()[1]), await reader.readexactly(int(headers["content-length"]))
+
+
+async def _trickle(port: int, head: bytes, drip: bytes, give_up: float) -> tuple[float, bytes]:
+    """Sends ``head`` then ``drip`` every TRICKLE_EVERY until the server closes the connection.
+    Returns the seconds from connecting to the close (inf if the server held on past ``give_up``),
+    and what the server sent."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()  # before connecting: never later than the server's accept
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def read_to_close() -> tuple[float, bytes]:
+        answer = b""
+        try:
+            while chunk := await reader.read(65536):
+                answer += chunk
+        except ConnectionError:
+            pass
+        return loop.time() - started, answer
+
+    reading = asyncio.create_task(read_to_close())
+    writer.write(head)
+    while not reading.done() and loop.time() - started < give_up:
+        await asyncio.wait({reading}, timeout=TRICKLE_EVERY)
+        if not reading.done() and drip:
+            writer.write(drip)
+    writer.close()
+    if not reading.done():
+        reading.cancel()
+        return float("inf"), b""
+    return reading.result()
+
+
+async def _normal_clients(url: str, until: float) -> dict[str, list[float]]:
+    """GET /healthz and POST /classify one after the other until ``until``; latency of each (all 200)."""
+    image = jpeg()
+    latencies: dict[str, list[float]] = {"healthz": [], "classify": []}
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        while time.monotonic() < until:
+            for name in latencies:
+                t0 = time.perf_counter()
+                if name == "healthz":
+                    r = await client.get("/healthz")
+                else:
+                    r = await client.post("/classify", files={"image": ("a.jpg", image, "image/jpeg")})
+                latencies[name].append(time.perf_counter() - t0)
+                assert r.status_code == 200, r.text
+    return latencies
+
+
+def _sockets(pid: int) -> int:
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("socket:"))
+
+
+def test_tricklers_are_cut_off_and_normal_clients_keep_their_latency(slow_server) -> None:
+    port, url, n = slow_server.port, slow_server.url, 200
+    sockets_before = _sockets(slow_server.pid) if Path("/proc").is_dir() else None
+
+    async def main():
+        baseline = await _normal_clients(url, time.monotonic() + 0.5)
+        header_head = b"GET /healthz HTTP/1.1\r\nHost: t\r\n"  # never finished
+        attack = [_trickle(port, header_head, b"X-Slow: 1\r\n", HEADER_S + 3) for _ in range(n)]
+        # A well-formed upload whose image never ends: the form parser waits for it.
+        body_head = _classify_head(100_000) + PART_HEAD
+        attack += [_trickle(port, body_head, b"x", BODY_S + 3) for _ in range(n)]
+        during = _normal_clients(url, time.monotonic() + BODY_S + 0.5)
+        *results, latencies = await asyncio.gather(*attack, during)
+        return baseline, results[:n], results[n:], latencies
+
+    baseline, headers, bodies, latencies = asyncio.run(main())
+    log.info(
+        "median latency before/during: %s",
+        {k: (statistics.median(baseline[k]), statistics.median(v)) for k, v in latencies.items()},
+    )
+
+    for (seconds, answer), deadline in [(r, HEADER_S) for r in headers] + [(r, BODY_S) for r in bodies]:
+        assert deadline - 0.05 <= seconds <= deadline + SLACK, (deadline, seconds)
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    error = json.loads(bodies[0][1].split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["type"] == "RequestTimeoutError" and "body" in error["message"]
+    for name, during in latencies.items():
+        before = statistics.median(baseline[name])
+        assert statistics.median(during) < 0.5, (name, before, sorted(during))
+    assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    if sockets_before is not None:  # the server let go of all 400
+        assert _sockets(slow_server.pid) <= sockets_before + 5
+
+
+def test_slow_but_in_time_request_succeeds(slow_server) -> None:
+    """Headers over 0.6 s and a body over 1.2 s: past the header deadline in all, within each."""
+    body = _multipart(jpeg())
+    head = _classify_head(len(body))
+
+    async def main():
+        reader, writer = await asyncio.open_connection("127.0.0.1", slow_server.port)
+        for i in range(0, len(head), len(head) // 4 + 1):
+            writer.write(head[i : i + len(head) // 4 + 1])
+            await asyncio.sleep(0.15)
+        step = len(body) // 8 + 1
+        for i in range(0, len(body), step):
+            writer.write(body[i : i + step])
+            await asyncio.sleep(0.15)
+        status, answer = await _read_response(reader)
+        writer.close()
+        return status, json.loads(answer)
+
+    status, answer = asyncio.run(main())
+    assert status == 200, answer
+    assert len(answer["results"]) == 1
+
+
+# -- both uvicorn parsers, on a trivial app --------------------------------------------------------
+
+
+async def _ok_app(scope, receive, send) -> None:
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@contextmanager
+def _serve(http: str, seconds: float) -> Iterator[int]:
+    port = free_port()
+    config = uvicorn.Config(
+        _ok_app, port=port, lifespan="off", log_level="warning", http=header_timeout_protocol(seconds, http)
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_header_deadline_on_both_parsers(http: str) -> None:
+    """A trickler gets a 408 and a close at the deadline, a silent connection a close; a kept-alive
+    connection idle past the deadline between requests, then slow within it, keeps answering."""
+    seconds = 0.5
+    request = b"GET / HTTP/1.1\r\nHost: t\r\n\r\n"
+
+    async def kept_alive(port: int) -> list[int]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        statuses = []
+        for n in range(3):
+            # Idle between requests past the deadline: that is uvicorn's keep-alive's (5 s) business.
+            await asyncio.sleep(0.7 if n else 0)
+            for i in range(0, len(request), 10):  # 0.3 s to send the headers: within the deadline
+                writer.write(request[i : i + 10])
+                await asyncio.sleep(0.1)
+            statuses.append((await _read_response(reader))[0])
+        writer.close()
+        return statuses
+
+    async def main(port: int):
+        return await asyncio.gather(
+            _trickle(port, b"GET / HTTP/1.1\r\n", b"X-Slow: 1\r\n", 3),
+            _trickle(port, b"", b"", 3),
+            kept_alive(port),
+        )
+
+    with _serve(http, seconds) as port:
+        (t_seconds, t_answer), (s_seconds, s_answer), statuses = asyncio.run(main(port))
+    assert seconds - 0.05 <= t_seconds <= seconds + SLACK and t_answer.startswith(b"HTTP/1.1 408 ")
+    assert seconds - 0.05 <= s_seconds <= seconds + SLACK and s_answer == b""
+    assert statuses == [200, 200, 200]
+
+
+def test_unknown_protocol_class_fails_at_start() -> None:
+    with pytest.raises(RuntimeError, match="not supported"):
+        header_timeout_protocol(1.0, "asyncio:Protocol")
+
+
+# -- the body middleware alone ---------------------------------------------------------------------
+
+
+def _run_middleware(chunks: list[tuple[float, bytes]], seconds: float) -> tuple[list[dict], list[dict]]:
+    """``chunks``: (delay, bytes) the client sends. Returns what the app received and what was sent."""
+    received: list[dict] = []
+    sent: list[dict] = []
+
+    async def app(scope, receive, send) -> None:
+        while True:
+            message = await receive()
+            received.append(message)
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
+                break
+        await _ok_app(scope, receive, send)
+
+    async def main() -> None:
+        queue = iter(chunks)
+
+        async def receive() -> dict:
+            delay, data = next(queue)
+            await asyncio.sleep(delay)
+            return {"type": "http.request", "body": data, "more_body": data != b""}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/classify"}
+        await BodyTimeoutMiddleware(app, seconds=seconds)(scope, receive, send)
+
+    asyncio.run(main())
+    return received, sent
+
+
+def test_body_middleware_passes_a_body_within_the_deadline() -> None:
+    received, sent = _run_middleware([(0.05, b"a"), (0.05, b"b"), (0.05, b"")], seconds=0.5)
+    assert [m["body"] for m in received] == [b"a", b"b", b""]
+    assert sent[0]["status"] == 200
+
+
+def test_body_middleware_answers_408_at_the_deadline() -> None:
+    received, sent = _run_middleware([(0.1, b"a")] * 10, seconds=0.35)
+    assert received[-1] == {"type": "http.disconnect"} and len(received) == 4
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]  # app's 200 dropped
+    assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"])["error"]["type"] == "RequestTimeoutError"
