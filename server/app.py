@@ -22,6 +22,7 @@ from memory_core import MemoryViT
 
 from .adapter_service import AdapterService
 from .batching import DynamicBatcher
+from .edge import EdgeMiddleware
 from .errors import install_error_handlers
 from .images import ImageDecoder
 from .metrics import Metrics, MetricsMiddleware
@@ -162,10 +163,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.admin_token is None:
+        if settings.admin_token is None and settings.allow_anonymous_admin:
             log.warning(
-                "!!! MEMVIT_ADMIN_TOKEN is not set: anyone who can reach this port can add and delete "
-                "adapters. Set it for any deployment beyond a laptop. !!!"
+                "!!! MEMVIT_ADMIN_TOKEN is not set and anonymous admin is allowed: anyone who can reach "
+                "this port can add and delete adapters. Set a token for any deployment beyond a laptop. !!!"
+            )
+        elif settings.admin_token is None:
+            log.warning(
+                "MEMVIT_ADMIN_TOKEN is not set: POST/DELETE /adapters answer 403 (set a token, or "
+                "MEMVIT_ALLOW_ANONYMOUS_ADMIN=true to leave them open)"
             )
         state.tasks.append(asyncio.create_task(_start(state), name="loader"))
         yield
@@ -185,6 +191,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.memvit = state
     metrics = state.metrics
+    # Innermost: the admin check and byte caps run before the router parses any body, and their
+    # refusals still pass through the body deadline and the metrics.
+    app.add_middleware(EdgeMiddleware, settings=settings)
     # Inside the metrics middleware, so a body timeout is counted as the 408 the client got.
     app.add_middleware(BodyTimeoutMiddleware, seconds=settings.body_timeout_seconds)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from .train_options import train_config, train_signature
+
+if TYPE_CHECKING:
+    from .settings import Settings
 
 app = typer.Typer(
     help="memvit: one frozen ViT plus learnable-memory adapters in one fused pass.", no_args_is_help=True
@@ -117,6 +120,7 @@ def serve(
     except (ValueError, OSError) as exc:
         raise _fail(exc) from None
     logging.getLogger().setLevel(settings.log_level.upper())
+    settings = loopback_admin_default(settings)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -125,6 +129,29 @@ def serve(
         timeout_graceful_shutdown=10,
         http=header_timeout_protocol(settings.header_timeout_seconds),
     )
+
+
+def loopback_admin_default(settings: Settings) -> Settings:
+    """``memvit serve`` on a loopback address with no admin token leaves adapter management open
+    (the laptop demo stays one command), saying so in one line. Never for any other address (the
+    image binds 0.0.0.0), and never over an explicit MEMVIT_ALLOW_ANONYMOUS_ADMIN."""
+    import ipaddress
+
+    if settings.admin_token is not None or "allow_anonymous_admin" in settings.model_fields_set:
+        return settings
+    host = settings.host.strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: it may resolve to anything
+        loopback = False
+    if not loopback:
+        return settings
+    logging.getLogger("memvit.server").warning(
+        "no MEMVIT_ADMIN_TOKEN and bound to loopback %s: POST/DELETE /adapters are open to local clients "
+        "(set MEMVIT_ADMIN_TOKEN, or MEMVIT_ALLOW_ANONYMOUS_ADMIN=false, to close them)",
+        settings.host,
+    )
+    return settings.model_copy(update={"allow_anonymous_admin": True})
 
 
 def _engine(arch: str | None, weights: Path | None, labels: tuple[str, ...] | None = None):

@@ -10,7 +10,13 @@ from fastapi import Depends, Request
 from memory_core import MemoryViT
 
 from .adapter_service import AdapterService
-from .errors import ForbiddenError, NotAuthenticatedError, NotReadyError, UnsupportedMediaTypeError
+from .errors import (
+    AdminDisabledError,
+    ForbiddenError,
+    NotAuthenticatedError,
+    NotReadyError,
+    UnsupportedMediaTypeError,
+)
 from .pipeline import ClassifyPipeline
 from .settings import Settings
 from .state import AppState, Service
@@ -30,17 +36,32 @@ def get_service(state: Annotated[AppState, Depends(get_state)]) -> Service:
     return state.service
 
 
-def require_admin(request: Request, settings: Annotated[Settings, Depends(get_settings)]) -> None:
-    """POST/DELETE /adapters: a valid ``Authorization: Bearer <token>`` when a token is configured."""
+def check_admin(settings: Settings, authorization: str | None) -> None:
+    """The one rule for POST/DELETE /adapters, given the request's ``Authorization`` header.
+
+    A token configured: ``Bearer <token>`` (compared in constant time) or 401/403. No token: 403,
+    unless ``allow_anonymous_admin`` opts out. Called by the edge middleware before any body is
+    read, and by ``require_admin`` for apps served without it.
+    """
     token = settings.admin_token
     if token is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
+        if settings.allow_anonymous_admin:
+            return
+        raise AdminDisabledError(
+            "adapter management is disabled: no admin token is configured. Set MEMVIT_ADMIN_TOKEN and "
+            "send 'Authorization: Bearer <token>', or set MEMVIT_ALLOW_ANONYMOUS_ADMIN=true to let "
+            "anyone who can reach this port add and delete adapters"
+        )
+    scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not given:
         raise NotAuthenticatedError("this endpoint needs 'Authorization: Bearer <admin token>'")
     if not hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode()):
         raise ForbiddenError("the admin token is not valid")
+
+
+def require_admin(request: Request, settings: Annotated[Settings, Depends(get_settings)]) -> None:
+    """POST/DELETE /adapters: ``check_admin`` on the request's ``Authorization`` header."""
+    check_admin(settings, request.headers.get("authorization"))
 
 
 def require_multipart(request: Request) -> None:

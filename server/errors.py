@@ -97,6 +97,16 @@ class ForbiddenError(ServiceError):
     status = 403
 
 
+class AdminDisabledError(ForbiddenError):
+    """No admin token is configured and anonymous management was not allowed (safe by default)."""
+
+
+class RequestTooLargeError(ServiceError):
+    """The whole request body is over its route's cap (server/edge.py), before any part is parsed."""
+
+    status = 413
+
+
 class NotReadyError(ServiceError):
     status = 503
     expected = True

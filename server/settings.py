@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(40_000_000, ge=1, description="decompression-bomb guard")
     max_bundle_bytes: int = Field(64 * 1024 * 1024, ge=1, description="upload cap per adapter bundle")
     admin_token: SecretStr | None = Field(None, description="Bearer token for POST/DELETE /adapters")
+    # Safe by default: with no token, POST/DELETE /adapters answer 403 unless this opts out.
+    allow_anonymous_admin: bool = Field(
+        False, description="with no admin token, let anyone who can reach the port manage adapters"
+    )
 
     # Slow clients (server/timeouts.py): past these, the client gets a 408 and its connection closes.
     header_timeout_seconds: float = Field(10.0, gt=0, description="deadline for a request's headers")

@@ -71,7 +71,7 @@ def _compose_config(*args: str, env: dict[str, str] | None = None) -> dict:
 
 
 def test_compose_serves_the_demo_with_a_named_adapter_volume() -> None:
-    config = _compose_config()
+    config = _compose_config(env={"MEMVIT_ADMIN_TOKEN": "t"})
     assert set(config["services"]) == {"memvit"}, "the GPU variant only starts with --profile gpu"
     service = config["services"]["memvit"]
     assert (
@@ -85,6 +85,32 @@ def test_compose_serves_the_demo_with_a_named_adapter_volume() -> None:
     assert "adapters" in config["volumes"]
     # Unset variables arrive empty, which the settings read as "not configured" -> the demo.
     assert service["environment"]["MEMVIT_WEIGHTS"] == ""
+
+
+@pytest.mark.parametrize("token", [None, ""], ids=["unset", "empty"])
+def test_compose_refuses_to_start_without_an_admin_token(token) -> None:
+    """Safe by default: `docker compose up` needs MEMVIT_ADMIN_TOKEN, and says how to set it."""
+    env = {"PATH": "/usr/bin:/bin", **({} if token is None else {"MEMVIT_ADMIN_TOKEN": token})}
+    result = subprocess.run(
+        [str(_compose_binary()), "-f", str(ROOT / "docker-compose.yml"), "config", "--quiet"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert result.returncode != 0 and "set MEMVIT_ADMIN_TOKEN" in result.stderr, result.stderr
+    service = _compose_config(env={"MEMVIT_ADMIN_TOKEN": "s3cret"})["services"]["memvit"]
+    assert service["environment"]["MEMVIT_ADMIN_TOKEN"] == "s3cret"
+    assert "MEMVIT_ALLOW_ANONYMOUS_ADMIN" not in service["environment"]
+
+
+def test_the_image_never_opens_management_without_a_token() -> None:
+    """The image binds 0.0.0.0, where `memvit serve` never turns on anonymous admin by itself
+    (tests/server/test_admin.py), and nothing in it turns it on either."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "MEMVIT_HOST=0.0.0.0" in _final_stage(dockerfile)
+    assert "ALLOW_ANONYMOUS_ADMIN" not in dockerfile
+    from server.cli import loopback_admin_default
+    from server.settings import Settings
+
+    assert loopback_admin_default(Settings(_env_file=None, host="0.0.0.0")).allow_anonymous_admin is False
 
 
 def test_compose_gpu_profile_reserves_an_nvidia_device() -> None:

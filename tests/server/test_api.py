@@ -180,8 +180,11 @@ def test_bundle_upload_limits(tiny_weights, store, make_bundle) -> None:
     from server.settings import Settings
     from tests.server.conftest import free_port, running_server
 
-    settings = Settings(weights=tiny_weights, adapter_store=store, port=free_port(), max_bundle_bytes=1000)
-    with running_server(settings) as url, httpx.Client(base_url=url) as client:
+    settings = Settings(
+        weights=tiny_weights, adapter_store=store, port=free_port(), max_bundle_bytes=1000, admin_token=TOKEN
+    )
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    with running_server(settings) as url, httpx.Client(base_url=url, headers=admin) as client:
         r = register(client, make_bundle("big", m=5).to_bytes())
         assert r.status_code == 413 and "1000-byte upload limit" in r.json()["error"]["message"]
         r = client.post("/adapters", json={"bundle": "x"})
@@ -209,6 +212,7 @@ def test_image_byte_and_pixel_caps_over_http(tiny_weights, store) -> None:
         port=free_port(),
         max_image_bytes=50_000,
         max_image_pixels=1_000_000,
+        max_images_per_request=64,  # the request's cap (64 x 50 kB) lets the 1.8 MB photo reach its own
     )
     bomb = io.BytesIO()
     Image.new("L", (2000, 2000)).save(bomb, format="PNG")  # ~8 kB on the wire, 4 Mpx once decoded
