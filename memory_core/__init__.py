@@ -24,6 +24,7 @@ from .fingerprint import state_fingerprint
 from .flops import AdapterCost, adapter_flops, base_flops, flop_ratio, fused_flops, uniform_adapters
 from .model import FusedOutput, MemoryViT
 from .reference import DenseMemoryViT, attention_mask
+from .routing import Route, build_route
 from .spec import ViTSpec, check_supported
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "MemvitError",
     "MissingParentError",
     "PreparedAdapter",
+    "Route",
     "UnknownAdapterError",
     "UnsupportedModelError",
     "ViTSpec",
@@ -54,6 +56,7 @@ __all__ = [
     "adapter_flops",
     "attention_mask",
     "base_flops",
+    "build_route",
     "check_memory_norm",
     "check_name",
     "check_supported",

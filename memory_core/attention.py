@@ -79,16 +79,29 @@ def adapter_attention(
     """Attention of the K adapter class tokens. q_c, k_c, v_c: (B, H, K, d); k_x, v_x: (B, H, T, d).
 
     One softmax per class token over [base keys ; lineage class-token keys ; memory keys].
-    Returns (B, H, K, d).
+    ``memory`` is shared by every image (keys (K, H, P, d), lineage (K, A): every adapter's row in
+    every image) or routed (keys (B, K, H, P, d), lineage (B, K, A): row k of image b is whichever
+    adapter the route put there, memory/routing.py). Returns (B, H, K, d).
     """
-    T, A = k_x.shape[2], memory.lineage.shape[1]
+    T = k_x.shape[2]
     q = q_c * attn.scale
-    k_l, v_l = k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]  # (B, H, K, A, d): own lineage
+    if memory.lineage.ndim == 2:  # shared
+        A = memory.lineage.shape[1]
+        k_l, v_l = k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]  # (B, H, K, A, d): own lineage
+        lineage_bias, memory_bias = memory.lineage_bias, memory.bias  # (K, A), (K, P)
+        m_scores = torch.einsum("bhkd,khpd->bhkp", q, memory.keys)
+    else:  # routed: rows differ per image
+        A = memory.lineage.shape[2]
+        images = torch.arange(q.shape[0], device=q.device)[:, None, None]
+        k_l = k_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)  # (B, H, K, A, d)
+        v_l = v_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)
+        lineage_bias, memory_bias = memory.lineage_bias[:, None], memory.bias[:, None]  # (B, 1, K, ·)
+        m_scores = torch.einsum("bhkd,bkhpd->bhkp", q, memory.keys)
     scores = torch.cat(
         [
-            q @ k_x.transpose(-2, -1),  # (B, H, K, T): every class token reads every base token
-            (q.unsqueeze(3) * k_l).sum(-1) + memory.lineage_bias,  # (B, H, K, A)
-            torch.einsum("bhkd,khpd->bhkp", q, memory.keys) + memory.bias,  # (B, H, K, P)
+            q @ k_x.transpose(-2, -1),  # (B, H, K, T): every class token reads its image's base tokens
+            (q.unsqueeze(3) * k_l).sum(-1) + lineage_bias,  # (B, H, K, A)
+            m_scores + memory_bias,  # (B, H, K, P)
         ],
         dim=-1,
     )
@@ -97,11 +110,11 @@ def adapter_attention(
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     probs = attn.attn_drop(probs)
     p_x, p_l, p_m = probs[..., :T], probs[..., T : T + A], probs[..., T + A :]
-    return (
-        p_x @ v_x  # (B, H, K, d)
-        + (p_l.unsqueeze(-1) * v_l).sum(3)
-        + torch.einsum("bhkp,khpd->bhkd", p_m, memory.values)
-    )
+    if memory.lineage.ndim == 2:
+        o_m = torch.einsum("bhkp,khpd->bhkd", p_m, memory.values)
+    else:
+        o_m = torch.einsum("bhkp,bkhpd->bhkd", p_m, memory.values)
+    return p_x @ v_x + (p_l.unsqueeze(-1) * v_l).sum(3) + o_m  # (B, H, K, d)
 
 
 def _finish(block: Block, x: Tensor, h: Tensor, o: Tensor) -> Tensor:

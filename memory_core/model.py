@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from .attention import merged_block, project_memory, split_block
 from .base_model import BaseModel, create_base
 from .errors import AdapterShapeError, InputError
 from .fingerprint import state_fingerprint
+from .routing import Route, build_route
 from .spec import ViTSpec
 
 log = logging.getLogger(__name__)
@@ -37,24 +38,38 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FusedOutput:
-    """Logits of one fused pass, and the adapter set that produced them."""
+    """Logits of one fused pass, and the adapter set that produced them.
+
+    Without routing every task answers every image: ``adapters[name]`` is (B, C_k) and ``images`` is
+    None. A routed pass (``MemoryViT.forward(..., tasks=...)``) answers only what each image asked:
+    ``adapters[name]`` is (n, C_k) for the n images in ``images[name]`` (ascending indices).
+    """
 
     base: Tensor  # (B, C_0): the base model's own task
-    adapters: dict[str, Tensor]  # name -> (B, C_k), in the set's order
+    adapters: dict[str, Tensor]  # name -> (B, C_k), or (n, C_k) when routed; in the set's order
     adapter_set: AdapterSet
+    images: dict[str, Tensor] | None = None  # routed: name -> (n,) image indices
 
     def __len__(self) -> int:
         return self.base.shape[0]
 
     def __getitem__(self, rows: slice) -> FusedOutput:
         """The same tasks for a slice of the images (e.g. one request's share of a batch)."""
-        if not isinstance(rows, slice):
-            raise TypeError(f"FusedOutput takes a slice of images, got {type(rows).__name__}")
-        return FusedOutput(
-            base=self.base[rows],
-            adapters={name: t[rows] for name, t in self.adapters.items()},
-            adapter_set=self.adapter_set,
-        )
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"FusedOutput takes a contiguous slice of images, got {rows!r}")
+        if self.images is None:
+            return FusedOutput(
+                base=self.base[rows],
+                adapters={name: t[rows] for name, t in self.adapters.items()},
+                adapter_set=self.adapter_set,
+            )
+        start, stop, _ = rows.indices(len(self))
+        adapters, images = {}, {}
+        for name, who in self.images.items():
+            keep = (who >= start) & (who < stop)
+            if bool(keep.any()):
+                adapters[name], images[name] = self.adapters[name][keep], who[keep] - start
+        return FusedOutput(self.base[rows], adapters, self.adapter_set, images=images)
 
     def logits(self) -> dict[str, Tensor]:
         """Every task's logits by task name, the base task first."""
@@ -65,6 +80,7 @@ class FusedOutput:
             base=self.base.to(device, dtype),
             adapters={name: t.to(device, dtype) for name, t in self.adapters.items()},
             adapter_set=self.adapter_set,
+            images=None if self.images is None else {n: i.to(device) for n, i in self.images.items()},
         )
 
 
@@ -267,20 +283,40 @@ class MemoryViT(nn.Module):
         return self.install(AdapterSet(tuple(self.prepare_many(list(adapters)))))
 
     # -- the fused pass ------------------------------------------------------------------------
-    def forward(self, x: Tensor, adapter_set: AdapterSet | None = None, *, path: str = "auto") -> FusedOutput:
-        """Images (B, C, H, W) -> base logits and every adapter's logits, from one pass."""
+    def forward(
+        self,
+        x: Tensor,
+        adapter_set: AdapterSet | None = None,
+        *,
+        tasks: Sequence[Collection[str]] | None = None,
+        path: str = "auto",
+    ) -> FusedOutput:
+        """Images (B, C, H, W) -> base logits and adapter logits, from one pass.
+
+        ``tasks``: None computes every adapter for every image; otherwise ``tasks[b]`` names the
+        adapters image b asks for, and only those rows (plus, in extension mode, their ancestors')
+        are built: an image pays for the base pass plus what it asks for, whatever else is loaded.
+        """
         adapter_set = self._adapters if adapter_set is None else adapter_set  # read the reference once
-        x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
-        return self.forward_head(x_tokens, c_tokens, adapter_set)
+        if tasks is None:
+            x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
+            return self.forward_head(x_tokens, c_tokens, adapter_set)
+        route = build_route(adapter_set, tasks, x.shape[0])
+        x_tokens, c_tokens = self.forward_features(x, route, path=path)
+        if route is None:  # nobody asked for an adapter: a base-only pass
+            return FusedOutput(self.base.forward_head(x_tokens), {}, adapter_set, images={})
+        return self.forward_head(x_tokens, c_tokens, adapter_set, route)
 
     def forward_features(
-        self, x: Tensor, stack: AdapterStack | None, *, path: str = "auto"
+        self, x: Tensor, stack: AdapterStack | Route | None, *, path: str = "auto"
     ) -> tuple[Tensor, Tensor | None]:
         """Images -> final-normed base tokens (B, T, D) and adapter class tokens (B, K, D) or None.
 
-        ``path``: "merged" runs base and class-token rows through each linear layer together (fastest
-        for inference); "split" keeps them apart so that autograd records only the class-token rows
-        (training, docs/design.md §2.3); "auto" picks split exactly when gradients will flow into the stack.
+        ``stack``: every adapter for every image (an ``AdapterStack``), or the rows a ``Route`` picked
+        per image (then K is its R). ``path``: "merged" runs base and class-token rows through each
+        linear layer together (fastest for inference); "split" keeps them apart so that autograd
+        records only the class-token rows (training, docs/design.md §2.3); "auto" picks split exactly
+        when gradients will flow into the stack.
         """
         self._check_input(x)
         base = self.base
@@ -288,7 +324,8 @@ class MemoryViT(nn.Module):
         x = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))  # (B, T, D)
         if stack is None:
             return base.norm(base.blocks(x)), None
-        c = base.norm_pre(stack.cls.expand(x.shape[0], -1, -1))  # (B, K, D)
+        cls = stack.cls if stack.cls.ndim == 3 else stack.cls.expand(x.shape[0], -1, -1)
+        c = base.norm_pre(cls)  # (B, K, D)
         if path == "auto":
             path = "split" if torch.is_grad_enabled() and stack.requires_grad else "merged"
         if path == "split":
@@ -304,14 +341,28 @@ class MemoryViT(nn.Module):
             raise ValueError(f"path must be 'auto', 'merged' or 'split', got {path!r}")
         return base.norm(x), base.norm(c)
 
-    def forward_head(self, x: Tensor, c: Tensor | None, adapter_set: AdapterSet) -> FusedOutput:
-        logits = {}
-        if c is not None:
+    def forward_head(
+        self, x: Tensor, c: Tensor | None, adapter_set: AdapterSet, route: Route | None = None
+    ) -> FusedOutput:
+        """Final tokens -> logits. With a ``route``, only the rows asked for meet a head (ancestors
+        computed for an extension do not), and ``images`` says which images each task answers."""
+        base_logits = self.base.forward_head(x)
+        logits: dict[str, Tensor] = {}
+        if c is None:
+            return FusedOutput(base_logits, logits, adapter_set)
+        if route is None:
             for k, (adapter, (weight, bias)) in enumerate(
                 zip(adapter_set, adapter_set.stack.heads, strict=True)
             ):
                 logits[adapter.name] = F.linear(c[:, k], weight, bias)
-        return FusedOutput(base=self.base.forward_head(x), adapters=logits, adapter_set=adapter_set)
+            return FusedOutput(base_logits, logits, adapter_set)
+        images: dict[str, Tensor] = {}
+        for k, who, rows in route.outputs:
+            weight, bias = adapter_set.stack.heads[k]
+            name = adapter_set.adapters[k].name
+            logits[name] = F.linear(c[who, rows], weight, bias)  # (n, C_k): the n images asking
+            images[name] = who
+        return FusedOutput(base_logits, logits, adapter_set, images=images)
 
     def _check_input(self, x: Tensor) -> None:
         in_chans = self.base.patch_embed.proj.in_channels

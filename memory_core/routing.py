@@ -1,0 +1,102 @@
+"""Per-image task routing: each image pays for the adapters it asks for, not for every one loaded.
+
+A ``Route`` picks, for each image b, the adapters whose class-token rows the fused pass builds: the
+ones the image asks for plus, in extension mode, their ancestors (an extension's class token attends
+to its ancestors' class tokens, so they must be computed too, though they are not returned unless
+asked). Images may ask for different adapters; every image gets R rows, R being the most any image
+needs, and an image that needs fewer repeats its first row (computed and discarded: no -inf rows,
+no NaN). Each row's attention reads its own image's base keys and its own adapter's memory, so a
+row's logits do not depend on which other rows share the pass (docs/design.md §2.7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .adapter_set import AdapterSet, AdapterStack
+from .attention import LayerMemory
+from .errors import InputError
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which class-token rows a pass builds for a batch, and where each asked task's logits come from."""
+
+    cls: Tensor  # (B, R, D): each row's initial class token
+    layers: tuple[LayerMemory, ...]  # per block, routed: keys (B, R, H, P, d), lineage (B, R, A)
+    # Per asked adapter, in the set's order: (adapter index, images asking (n,), their rows (n,)).
+    outputs: tuple[tuple[int, Tensor, Tensor], ...]
+
+    @property
+    def requires_grad(self) -> bool:
+        tensors = [self.cls, *(t for layer in self.layers for t in (layer.keys, layer.values))]
+        return any(t.requires_grad for t in tensors)
+
+
+def build_route(adapter_set: AdapterSet, tasks: Sequence[Collection[str]], batch: int) -> Route | None:
+    """The rows for ``batch`` images where image b asks for the adapters named in ``tasks[b]``.
+
+    Returns None when no image asks for any adapter (a base-only pass). Unknown names raise
+    ``UnknownAdapterError`` (through the set's lookup).
+    """
+    if len(tasks) != batch:
+        raise InputError(f"tasks: {len(tasks)} entries for {batch} images; give one collection per image")
+    stack = adapter_set.stack
+    index = {a.name: k for k, a in enumerate(adapter_set.adapters)}
+    asked: list[list[int]] = []
+    needed: list[list[int]] = []
+    for names in tasks:
+        if isinstance(names, str):
+            raise InputError("tasks: give each image a collection of adapter names, not a string")
+        ks = sorted({index[adapter_set[name].name] for name in names})  # set[name] raises if unknown
+        asked.append(ks)
+        rows = {j for k in ks for j in _lineage(stack, k)}
+        needed.append(sorted(rows))
+    R = max((len(rows) for rows in needed), default=0)
+    if stack is None or R == 0:
+        return None
+    device = stack.cls.device
+    # (B, R) adapter index of each row; short images repeat their first row.
+    padded = [rows + [rows[0]] * (R - len(rows)) if rows else [0] * R for rows in needed]
+    idx = torch.tensor(padded, dtype=torch.long, device=device)
+    # Where each adapter's row sits in its image's row list (-1: not there).
+    position = torch.full((batch, len(adapter_set)), -1, dtype=torch.long, device=device)
+    for b, rows in enumerate(needed):
+        at = torch.tensor(rows, dtype=torch.long, device=device)
+        position[b, at] = torch.arange(len(rows), device=device)
+    images = torch.arange(batch, device=device)[:, None]
+    layers = tuple(_routed(layer, idx, position, images) for layer in stack.layers)
+    outputs = []
+    for k in range(len(adapter_set)):
+        who = [b for b in range(batch) if k in asked[b]]
+        if who:
+            b_idx = torch.tensor(who, dtype=torch.long, device=device)
+            outputs.append((k, b_idx, position[b_idx, k]))
+    return Route(cls=stack.cls[idx], layers=layers, outputs=tuple(outputs))
+
+
+def _lineage(stack: AdapterStack, k: int) -> list[int]:
+    """Adapter ``k`` and the ancestors its class token attends to (from the stack's lineage table)."""
+    layer = stack.layers[0]
+    valid = layer.lineage_bias[k] == 0
+    return [int(j) for j in layer.lineage[k][valid]]
+
+
+def _routed(layer: LayerMemory, idx: Tensor, position: Tensor, images: Tensor) -> LayerMemory:
+    """One layer's memory gathered per image: row r of image b gets adapter idx[b, r]'s memory."""
+    lineage = position[images.expand_as(idx)[..., None], layer.lineage[idx]]  # (B, R, A) rows
+    lineage_bias = layer.lineage_bias[idx]
+    # Padding entries of a lineage point at the adapter itself (always present); -1 never survives
+    # where the bias is 0, because every ancestor of a needed row is needed too.
+    lineage = torch.where(lineage < 0, torch.zeros_like(lineage), lineage)
+    return LayerMemory(
+        keys=layer.keys[idx],  # (B, R, H, P, d)
+        values=layer.values[idx],
+        bias=layer.bias[idx],  # (B, R, P)
+        lineage=lineage,
+        lineage_bias=lineage_bias,
+    )
