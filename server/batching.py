@@ -14,16 +14,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from memory_core import AdapterSet, FusedOutput, MemoryViT
+from memory_core import BASE_TASK, AdapterSet, FusedOutput, MemoryViT
 
-from .errors import OverloadedError
+from .errors import OverloadedError, UnknownTaskError
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 class _Job:
     images: Tensor  # (n, C, H, W)
     future: asyncio.Future[FusedOutput]
+    tasks: frozenset[str] | None = None  # adapters its images ask for; None: every one loaded
 
 
 class DynamicBatcher:
@@ -59,9 +60,16 @@ class DynamicBatcher:
                 await self._task
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    async def run(self, n: int, images: Awaitable[Tensor]) -> FusedOutput:
+    async def run(
+        self, n: int, images: Awaitable[Tensor], tasks: Collection[str] | None = None
+    ) -> FusedOutput:
         """Announce ``n`` images, await them (``images`` decodes them), then queue them for the next
         pass and return their share of its output.
+
+        ``tasks``: the adapters these images ask for (None: every one loaded). Requests with
+        different tasks share one pass, routed so each image pays only for what it asks
+        (memory_core/routing.py); an adapter the batch's snapshot no longer has fails this request
+        alone, with ``UnknownTaskError``.
 
         While ``images`` is awaited a forming batch may wait for these ``n`` images. Leaving that
         announcement and queueing the job happen with no await in between, so the gatherer always
@@ -72,9 +80,10 @@ class DynamicBatcher:
             batch = await images  # (n, C, H, W)
         finally:
             self._expected -= n
-        return await self._enqueue(batch)  # _enqueue queues synchronously, then we wait on its future
+        wanted = None if tasks is None else frozenset(tasks)
+        return await self._enqueue(batch, wanted)  # _enqueue queues synchronously, then we wait on it
 
-    def _enqueue(self, images: Tensor) -> asyncio.Future[FusedOutput]:
+    def _enqueue(self, images: Tensor, tasks: frozenset[str] | None = None) -> asyncio.Future[FusedOutput]:
         n = images.shape[0]
         if self._waiting + n > self.max_queue:
             self.metrics.rejected.inc()
@@ -84,7 +93,7 @@ class DynamicBatcher:
         future = asyncio.get_running_loop().create_future()
         self._waiting += n
         self.metrics.queue_depth.set(self._waiting)
-        self._queue.put_nowait(_Job(images, future))
+        self._queue.put_nowait(_Job(images, future, tasks))
         return future
 
     async def _gather_forever(self) -> None:
@@ -114,11 +123,14 @@ class DynamicBatcher:
 
     async def _run(self, batch: list[_Job], size: int, loop: asyncio.AbstractEventLoop) -> None:
         adapter_set = self.engine.adapters  # one snapshot for the whole batch
-        images = torch.cat([job.images for job in batch]) if len(batch) > 1 else batch[0].images
-        self.metrics.batch_size.observe(size)
-        started = time.perf_counter()
         try:
-            out = await loop.run_in_executor(self._executor, self._forward, images, adapter_set)
+            batch, tasks = self._route(batch, adapter_set)
+            if batch:
+                images = torch.cat([job.images for job in batch]) if len(batch) > 1 else batch[0].images
+                self.metrics.batch_size.observe(images.shape[0])
+                started = time.perf_counter()
+                out = await loop.run_in_executor(self._executor, self._forward, images, adapter_set, tasks)
+                self.metrics.fused_pass_seconds.observe(time.perf_counter() - started)
         except Exception as exc:  # never leave a client hanging
             log.exception("fused pass failed")
             for job in batch:
@@ -128,7 +140,6 @@ class DynamicBatcher:
         finally:
             self._waiting -= size
             self.metrics.queue_depth.set(self._waiting)
-        self.metrics.fused_pass_seconds.observe(time.perf_counter() - started)
         start = 0
         for job in batch:
             n = job.images.shape[0]
@@ -136,8 +147,40 @@ class DynamicBatcher:
                 job.future.set_result(out[start : start + n])
             start += n
 
-    def _forward(self, images: Tensor, adapter_set: AdapterSet) -> FusedOutput:
+    @staticmethod
+    def _route(batch: list[_Job], adapter_set: AdapterSet) -> tuple[list[_Job], list[tuple[str, ...]] | None]:
+        """The jobs the snapshot can answer, and each image's adapters (None: all, for every image).
+
+        A job asking for an adapter the snapshot lacks (removed while it waited) fails alone.
+        """
+        runnable = []
+        for job in batch:
+            unknown = sorted(job.tasks - set(adapter_set.names)) if job.tasks is not None else []
+            if unknown:
+                if not job.future.done():
+                    job.future.set_exception(
+                        UnknownTaskError(
+                            f"unknown task(s) {unknown}: removed while the request waited; "
+                            f"this server has {[BASE_TASK, *adapter_set.names]}",
+                            field="tasks",
+                        )
+                    )
+                continue
+            runnable.append(job)
+        if all(job.tasks is None for job in runnable):
+            return runnable, None  # every image asks for everything: the unrouted pass
+        every = adapter_set.names
+        tasks = [
+            every if job.tasks is None else tuple(n for n in every if n in job.tasks)
+            for job in runnable
+            for _ in range(job.images.shape[0])
+        ]
+        return runnable, tasks
+
+    def _forward(
+        self, images: Tensor, adapter_set: AdapterSet, tasks: list[tuple[str, ...]] | None = None
+    ) -> FusedOutput:
         with torch.inference_mode():
-            out = self.engine(images.to(self.engine.device), adapter_set)
+            out = self.engine(images.to(self.engine.device), adapter_set, tasks=tasks)
         # Hand back float32 CPU tensors: the event loop only slices them and picks the top k.
         return out.to("cpu", torch.float32)

@@ -72,7 +72,9 @@ class ClassifyPipeline:
         wanted = parse_tasks(tasks)
         check_tasks(wanted, self.engine.adapters)  # fail fast, before decoding anything
         names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
-        out = await self.batcher.run(len(uploads), self._decode(uploads, names))
+        # Routed: these images pay for the adapters asked for, not for every one loaded.
+        adapters = None if wanted is None else [t for t in wanted if t != BASE_TASK]
+        out = await self.batcher.run(len(uploads), self._decode(uploads, names), adapters)
         check_tasks(wanted, out.adapter_set)  # an adapter may have been removed meanwhile
         return self.respond(out, names, wanted, top_k=top_k, logits=logits)
 

@@ -24,9 +24,9 @@ def _batcher(engine, max_wait: float) -> tuple[DynamicBatcher, list[int]]:
     sizes: list[int] = []
     forward = batcher._forward
 
-    def counting(x, adapter_set):
+    def counting(x, adapter_set, tasks=None):
         sizes.append(x.shape[0])
-        return forward(x, adapter_set)
+        return forward(x, adapter_set, tasks)
 
     batcher._forward = counting
     return batcher, sizes
@@ -110,3 +110,54 @@ def test_over_http_a_request_still_decoding_joins_the_batch(tiny_weights, tmp_pa
     images_seen = next(s.value for s in batches if s.name.endswith("_sum"))
     assert (count, images_seen) == (1, 2), "the fast request should have waited for the slow one"
     assert elapsed < 2.5, "and no longer than the slow one took to arrive (max_wait is 3 s)"
+
+
+def test_requests_with_different_tasks_share_one_routed_pass(engine) -> None:
+    from memory_core import UnknownAdapterError
+    from server.errors import UnknownTaskError
+    from tests.conftest import random_adapter
+
+    engine.set_adapters([random_adapter(n, engine, m=i) for i, n in enumerate(("a", "b", "c"))])
+    x = images(engine, 6)
+    full = engine(x)
+
+    async def main():
+        batcher, sizes = _batcher(engine, max_wait=0.5)
+        routed: list = []
+        forward = batcher._forward
+
+        def spy(x, adapter_set, tasks=None):
+            routed.append(tasks)
+            return forward(x, adapter_set, tasks)
+
+        batcher._forward = spy
+        await batcher.start()
+        try:
+            jobs = [
+                batcher.run(2, _ready(x[0:2]), ["a"]),
+                batcher.run(1, _ready(x[2:3]), ["b", "c"]),
+                batcher.run(1, _ready(x[3:4]), None),  # every adapter
+                batcher.run(1, _ready(x[4:5]), []),  # the base task only
+                batcher.run(1, _ready(x[5:6]), ["gone"]),  # removed while it waited
+            ]
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+            return results, sizes, routed
+        finally:
+            await batcher.stop()
+
+    results, sizes, routed = asyncio.run(main())
+    assert sizes == [5]  # one pass, without the job that failed
+    assert isinstance(results[4], UnknownTaskError) and "gone" in str(results[4])
+    assert not isinstance(results[4], UnknownAdapterError)
+    assert routed == [[("a",), ("a",), ("b", "c"), ("a", "b", "c"), ()]]  # per image, the set's order
+    expected_tasks = [{"a"}, {"b", "c"}, {"a", "b", "c"}, set()]
+    offsets = [0, 2, 3, 4]
+    for result, asked, start in zip(results[:4], expected_tasks, offsets, strict=True):
+        assert set(result.adapters) == asked  # exactly its tasks
+        for name, logits in result.adapters.items():
+            n = result.base.shape[0]
+            assert result.images[name].tolist() == list(range(n))
+            torch.testing.assert_close(logits, full.adapters[name][start : start + n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            result.base, full.base[start : start + result.base.shape[0]], atol=1e-5, rtol=0
+        )
