@@ -98,6 +98,13 @@ class AdapterSet:
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
+    def index(self, name: str) -> int:
+        """Position of adapter ``name`` in the set (UnknownAdapterError when it is not loaded)."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise UnknownAdapterError(f"no adapter named {name!r} is loaded", field="name") from None
+
     def __getitem__(self, name: str) -> PreparedAdapter:
         try:
             return self.adapters[self._by_name[name]]

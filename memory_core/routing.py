@@ -46,16 +46,18 @@ def build_route(adapter_set: AdapterSet, tasks: Sequence[Collection[str]], batch
     if len(tasks) != batch:
         raise InputError(f"tasks: {len(tasks)} entries for {batch} images; give one collection per image")
     stack = adapter_set.stack
-    index = {a.name: k for k, a in enumerate(adapter_set.adapters)}
+    lineages: dict[int, list[int]] = {}  # per asked adapter, computed once per call
     asked: list[list[int]] = []
     needed: list[list[int]] = []
     for names in tasks:
         if isinstance(names, str):
             raise InputError("tasks: give each image a collection of adapter names, not a string")
-        ks = sorted({index[adapter_set[name].name] for name in names})  # set[name] raises if unknown
+        ks = sorted({adapter_set.index(name) for name in names})  # raises for an unknown name
         asked.append(ks)
-        rows = {j for k in ks for j in _lineage(stack, k)}
-        needed.append(sorted(rows))
+        for k in ks:
+            if k not in lineages:
+                lineages[k] = _lineage(stack, k)
+        needed.append(sorted({j for k in ks for j in lineages[k]}))
     R = max((len(rows) for rows in needed), default=0)
     if stack is None or R == 0:
         return None
@@ -70,12 +72,14 @@ def build_route(adapter_set: AdapterSet, tasks: Sequence[Collection[str]], batch
         position[b, at] = torch.arange(len(rows), device=device)
     images = torch.arange(batch, device=device)[:, None]
     layers = tuple(_routed(layer, idx, position, images) for layer in stack.layers)
+    askers: dict[int, list[int]] = {}
+    for b, ks in enumerate(asked):
+        for k in ks:
+            askers.setdefault(k, []).append(b)
     outputs = []
-    for k in range(len(adapter_set)):
-        who = [b for b in range(batch) if k in asked[b]]
-        if who:
-            b_idx = torch.tensor(who, dtype=torch.long, device=device)
-            outputs.append((k, b_idx, position[b_idx, k]))
+    for k in sorted(askers):  # the set's order
+        b_idx = torch.tensor(askers[k], dtype=torch.long, device=device)
+        outputs.append((k, b_idx, position[b_idx, k]))
     return Route(cls=stack.cls[idx], layers=layers, outputs=tuple(outputs))
 
 
