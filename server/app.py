@@ -126,6 +126,7 @@ async def _start(state: AppState) -> None:
         decode_pool,
         max_images=settings.max_images_per_request,
         max_image_bytes=settings.max_image_bytes,
+        metrics=state.metrics,
     )
     state.service = Service(engine, registry, pipeline, batcher, decode_pool)
     state.tasks.append(

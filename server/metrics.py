@@ -34,6 +34,13 @@ class Metrics:
         self.adapter_set_version = Gauge(
             "memvit_adapter_set_version", "version of the live adapter set", registry=r
         )
+        # Label values are task names: "base" and live adapter names (validated, bounded by the set).
+        self.task_requests = Counter(
+            "memvit_task_requests_total", "classify requests answered, per task asked", ["task"], registry=r
+        )
+        self.task_images = Counter(
+            "memvit_task_images_total", "images answered, per task", ["task"], registry=r
+        )
         self.ready = Gauge("memvit_ready", "1 once the model and the adapter store are loaded", registry=r)
 
     def render(self) -> bytes:

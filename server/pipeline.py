@@ -24,6 +24,7 @@ from memory_core import BASE_TASK, AdapterSet, FusedOutput, MemoryViT
 from .batching import DynamicBatcher
 from .errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError, UnknownTaskError
 from .images import ImageDecoder
+from .metrics import Metrics
 from .schemas import AdapterSetInfo, ClassifyResponse, ImageResult, Prediction, TaskResult
 
 
@@ -54,6 +55,7 @@ class ClassifyPipeline:
         *,
         max_images: int,
         max_image_bytes: int,
+        metrics: Metrics | None = None,
     ) -> None:
         self.engine = engine
         self.decoder = decoder
@@ -61,6 +63,7 @@ class ClassifyPipeline:
         self.decode_pool = decode_pool
         self.max_images = max_images
         self.max_image_bytes = max_image_bytes
+        self.metrics = metrics
 
     async def __call__(
         self, uploads: Sequence[UploadFile], *, tasks: Sequence[str] | None, top_k: int, logits: bool
@@ -76,7 +79,12 @@ class ClassifyPipeline:
         adapters = None if wanted is None else [t for t in wanted if t != BASE_TASK]
         out = await self.batcher.run(len(uploads), self._decode(uploads, names), adapters)
         check_tasks(wanted, out.adapter_set)  # an adapter may have been removed meanwhile
-        return self.respond(out, names, wanted, top_k=top_k, logits=logits)
+        response = self.respond(out, names, wanted, top_k=top_k, logits=logits)
+        if self.metrics is not None:
+            for task in response.results[0].tasks if response.results else ():
+                self.metrics.task_requests.labels(task).inc()
+                self.metrics.task_images.labels(task).inc(len(names))
+        return response
 
     async def _decode(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
         """Every upload read (capped), then decoded in the pool -> (n, C, H, W)."""

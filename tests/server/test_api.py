@@ -85,6 +85,11 @@ def test_classify_one_and_many_with_filters(client, make_bundle) -> None:
         params=[("tasks", "base"), ("tasks", "colours")],
     )
     assert list(r.json()["results"][0]["tasks"]) == ["base", "colours"]
+    # Per-task counters: 1 + 1 + 1 requests asked for colours (1 + 3 + 1 images), base 1 + 1 (1 + 1).
+    metrics = client.get("/metrics").text
+    assert 'memvit_task_requests_total{task="colours"} 3.0' in metrics
+    assert 'memvit_task_images_total{task="colours"} 5.0' in metrics
+    assert 'memvit_task_images_total{task="base"} 2.0' in metrics
 
 
 def test_preprocessing_matches_memvit_eval(client, tiny_weights) -> None:
