@@ -68,7 +68,7 @@ class AdapterSet:
     one (the server gives its store's generation, so replicas serving one state report one number).
     """
 
-    __slots__ = ("_by_name", "adapters", "stack", "version")
+    __slots__ = ("_by_name", "_stack", "adapters", "version")
 
     def __init__(self, adapters: tuple[PreparedAdapter, ...] = (), *, version: int | None = None) -> None:
         self.adapters = tuple(adapters)
@@ -81,8 +81,18 @@ class AdapterSet:
                     f"adapter {a.name!r} extends {a.parent!r}, which is not loaded; load the parent first",
                     field="parent",
                 )
-        self.stack = _build_stack(self.adapters, self._lineages()) if self.adapters else None
+        # Stacked for the all-tasks pass on first use, not here: adding or removing one adapter among
+        # thousands builds a new set in about a millisecond, and routed passes never need it (they
+        # stack only the adapters a batch asks for, memory/routing.py).
+        self._stack: AdapterStack | None = None
         self.version = next(_versions) if version is None else version
+
+    @property
+    def stack(self) -> AdapterStack | None:
+        """Every adapter stacked for the fused pass (None when the set is empty); built once."""
+        if self._stack is None and self.adapters:
+            self._stack = stack_adapters(self.adapters)
+        return self._stack
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -159,7 +169,11 @@ class AdapterSet:
     def at_version(self, version: int) -> AdapterSet:
         """The same adapters under another version number (the stack is shared, not rebuilt)."""
         renumbered = object.__new__(AdapterSet)
-        renumbered.adapters, renumbered._by_name, renumbered.stack = self.adapters, self._by_name, self.stack
+        renumbered.adapters, renumbered._by_name, renumbered._stack = (
+            self.adapters,
+            self._by_name,
+            self._stack,
+        )
         renumbered.version = version
         return renumbered
 
@@ -176,8 +190,17 @@ class AdapterSet:
         self.check_remove(name)
         return AdapterSet(tuple(a for a in self.adapters if a.name != name))
 
-    def _lineages(self) -> list[list[int]]:
-        return [[self._by_name[n] for n in self.lineage(a.name)] for a in self.adapters]
+
+def stack_adapters(adapters: tuple[PreparedAdapter, ...]) -> AdapterStack:
+    """Stack ``adapters`` (each one's ancestors among them) for the fused pass."""
+    by_name = {a.name: i for i, a in enumerate(adapters)}
+    lineages = []
+    for a in adapters:
+        chain = [by_name[a.name]]
+        while (parent := adapters[chain[-1]].parent) is not None:
+            chain.append(by_name[parent])
+        lineages.append(chain)
+    return _build_stack(adapters, lineages)
 
 
 def _build_stack(adapters: tuple[PreparedAdapter, ...], lineages: list[list[int]]) -> AdapterStack:

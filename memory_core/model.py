@@ -253,11 +253,12 @@ class MemoryViT(nn.Module):
         Its adapters must have been prepared by this engine, on its current device and dtype. Passes
         in flight keep the set they started with; every later pass sees the new one.
         """
+        device, dtype = self.device, self.dtype  # once: module attribute lookups cost ~1 µs each
         for adapter in adapter_set:
-            if adapter.cls.device != self.device or adapter.cls.dtype != self.dtype:
+            if adapter.cls.device != device or adapter.cls.dtype != dtype:
                 raise AdapterShapeError(
                     f"adapter {adapter.name!r} was prepared for {adapter.cls.device}/{adapter.cls.dtype}, "
-                    f"the engine runs {self.device}/{self.dtype}; prepare it with this engine",
+                    f"the engine runs {device}/{dtype}; prepare it with this engine",
                     field="name",
                 )
         with self._write_lock:
@@ -357,9 +358,7 @@ class MemoryViT(nn.Module):
                 logits[adapter.name] = F.linear(c[:, k], weight, bias)
             return FusedOutput(base_logits, logits, adapter_set)
         images: dict[str, Tensor] = {}
-        for k, who, rows in route.outputs:
-            weight, bias = adapter_set.stack.heads[k]
-            name = adapter_set.adapters[k].name
+        for name, (weight, bias), who, rows in route.outputs:
             logits[name] = F.linear(c[who, rows], weight, bias)  # (n, C_k): the n images asking
             images[name] = who
         return FusedOutput(base_logits, logits, adapter_set, images=images)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .adapter_set import AdapterSet, AdapterStack
+from .adapter_set import AdapterSet, stack_adapters
 from .attention import LayerMemory
 from .errors import InputError
 
@@ -28,8 +28,8 @@ class Route:
 
     cls: Tensor  # (B, R, D): each row's initial class token
     layers: tuple[LayerMemory, ...]  # per block, routed: keys (B, R, H, P, d), lineage (B, R, A)
-    # Per asked adapter, in the set's order: (adapter index, images asking (n,), their rows (n,)).
-    outputs: tuple[tuple[int, Tensor, Tensor], ...]
+    # Per asked adapter, in the set's order: (name, (head weight, bias), images asking (n,), their rows (n,)).
+    outputs: tuple[tuple[str, tuple[Tensor, Tensor], Tensor, Tensor], ...]
 
     @property
     def requires_grad(self) -> bool:
@@ -40,13 +40,14 @@ class Route:
 def build_route(adapter_set: AdapterSet, tasks: Sequence[Collection[str]], batch: int) -> Route | None:
     """The rows for ``batch`` images where image b asks for the adapters named in ``tasks[b]``.
 
-    Returns None when no image asks for any adapter (a base-only pass). Unknown names raise
-    ``UnknownAdapterError`` (through the set's lookup).
+    Only the adapters some image needs are stacked (not the whole set: a batch asking for 3 of
+    1,000 loaded adapters touches 3). Returns None when no image asks for any adapter (a base-only
+    pass). Unknown names raise ``UnknownAdapterError``.
     """
     if len(tasks) != batch:
         raise InputError(f"tasks: {len(tasks)} entries for {batch} images; give one collection per image")
-    stack = adapter_set.stack
-    lineages: dict[int, list[int]] = {}  # per asked adapter, computed once per call
+    adapters = adapter_set.adapters
+    lineages: dict[int, list[int]] = {}  # per asked adapter: itself and its ancestors (set indices)
     asked: list[list[int]] = []
     needed: list[list[int]] = []
     for names in tasks:
@@ -56,17 +57,21 @@ def build_route(adapter_set: AdapterSet, tasks: Sequence[Collection[str]], batch
         asked.append(ks)
         for k in ks:
             if k not in lineages:
-                lineages[k] = _lineage(stack, k)
+                lineages[k] = [adapter_set.index(n) for n in adapter_set.lineage(adapters[k].name)]
         needed.append(sorted({j for k in ks for j in lineages[k]}))
-    R = max((len(rows) for rows in needed), default=0)
-    if stack is None or R == 0:
+    used = sorted({k for rows in needed for k in rows})  # the set's order: parents before children
+    if not used:
         return None
+    stack = stack_adapters(tuple(adapters[k] for k in used))
+    local = {k: i for i, k in enumerate(used)}
+    needed = [[local[k] for k in rows] for rows in needed]
+    R = max(len(rows) for rows in needed)
     device = stack.cls.device
-    # (B, R) adapter index of each row; short images repeat their first row.
+    # (B, R) stacked index of each row; short images repeat their first row (none: row 0, unused).
     padded = [rows + [rows[0]] * (R - len(rows)) if rows else [0] * R for rows in needed]
     idx = torch.tensor(padded, dtype=torch.long, device=device)
-    # Where each adapter's row sits in its image's row list (-1: not there).
-    position = torch.full((batch, len(adapter_set)), -1, dtype=torch.long, device=device)
+    # Where each stacked adapter's row sits in its image's row list (-1: not there).
+    position = torch.full((batch, len(used)), -1, dtype=torch.long, device=device)
     for b, rows in enumerate(needed):
         at = torch.tensor(rows, dtype=torch.long, device=device)
         position[b, at] = torch.arange(len(rows), device=device)
@@ -78,16 +83,9 @@ def build_route(adapter_set: AdapterSet, tasks: Sequence[Collection[str]], batch
             askers.setdefault(k, []).append(b)
     outputs = []
     for k in sorted(askers):  # the set's order
-        b_idx = torch.tensor(askers[k], dtype=torch.long, device=device)
-        outputs.append((k, b_idx, position[b_idx, k]))
+        who = torch.tensor(askers[k], dtype=torch.long, device=device)
+        outputs.append((adapters[k].name, stack.heads[local[k]], who, position[who, local[k]]))
     return Route(cls=stack.cls[idx], layers=layers, outputs=tuple(outputs))
-
-
-def _lineage(stack: AdapterStack, k: int) -> list[int]:
-    """Adapter ``k`` and the ancestors its class token attends to (from the stack's lineage table)."""
-    layer = stack.layers[0]
-    valid = layer.lineage_bias[k] == 0
-    return [int(j) for j in layer.lineage[k][valid]]
 
 
 def _routed(layer: LayerMemory, idx: Tensor, position: Tensor, images: Tensor) -> LayerMemory:

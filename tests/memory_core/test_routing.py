@@ -134,3 +134,33 @@ def test_routed_output_slices_per_request() -> None:
     assert second.images["m1"].tolist() == [2] and second.images["m5"].tolist() == [1]
     assert max_diff(second.adapters["m5"], out.adapters["m5"][1:]) == 0.0
     assert len(second) == 3 and second.to().images is not None
+
+
+def test_changing_the_set_stacks_nothing_and_routed_passes_stack_only_what_they_use() -> None:
+    """Add/remove build a new set without stacking every adapter; a routed pass stacks only the
+    adapters its batch needs; the all-tasks stack is built once, on first use, and then kept."""
+    from memory_core import adapter_set as adapter_set_module
+
+    engine = tiny_engine()
+    engine.set_adapters([random_adapter(f"a{i}", engine, m=i % 3) for i in range(40)])
+    stacked: list[int] = []
+    real = adapter_set_module._build_stack
+
+    def counting(adapters, lineages):
+        stacked.append(len(adapters))
+        return real(adapters, lineages)
+
+    adapter_set_module._build_stack = counting
+    try:
+        engine.add_adapter(random_adapter("new", engine, m=2))
+        engine.remove_adapter("a3")
+        assert stacked == []  # no change stacked anything
+        x = images(engine, batch=2)
+        engine(x, tasks=[["new"], ["a1", "a2"]])
+        assert stacked == [3]  # only the three adapters asked for
+        engine(x)
+        engine(x)
+        assert stacked == [3, 40]  # the whole set once, then kept
+        assert engine.adapters.at_version(99).stack is engine.adapters.stack
+    finally:
+        adapter_set_module._build_stack = real
