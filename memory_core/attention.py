@@ -84,24 +84,28 @@ def adapter_attention(
     adapter the route put there, memory/routing.py). Returns (B, H, K, d).
     """
     T = k_x.shape[2]
+    A = memory.lineage.shape[-1]
     q = q_c * attn.scale
-    if memory.lineage.ndim == 2:  # shared
-        A = memory.lineage.shape[1]
+    shared = memory.lineage.ndim == 2  # else routed: rows differ per image
+    if A == 1:  # concatenation mode: each row's lineage is itself alone (entry 0), no gather needed
+        k_l, v_l, lineage_bias = k_c.unsqueeze(3), v_c.unsqueeze(3), 0.0  # (B, H, K, 1, d)
+    elif shared:
         k_l, v_l = k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]  # (B, H, K, A, d): own lineage
-        lineage_bias, memory_bias = memory.lineage_bias, memory.bias  # (K, A), (K, P)
-        m_scores = torch.einsum("bhkd,khpd->bhkp", q, memory.keys)
-    else:  # routed: rows differ per image
-        A = memory.lineage.shape[2]
+        lineage_bias = memory.lineage_bias  # (K, A)
+    else:
         images = torch.arange(q.shape[0], device=q.device)[:, None, None]
         k_l = k_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)  # (B, H, K, A, d)
         v_l = v_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)
-        lineage_bias, memory_bias = memory.lineage_bias[:, None], memory.bias[:, None]  # (B, 1, K, ·)
-        m_scores = torch.einsum("bhkd,bkhpd->bhkp", q, memory.keys)
+        lineage_bias = memory.lineage_bias[:, None]  # (B, 1, K, A)
+    if shared:
+        m_scores = torch.einsum("bhkd,khpd->bhkp", q, memory.keys) + memory.bias  # bias (K, P)
+    else:
+        m_scores = torch.einsum("bhkd,bkhpd->bhkp", q, memory.keys) + memory.bias[:, None]  # (B, 1, K, P)
     scores = torch.cat(
         [
             q @ k_x.transpose(-2, -1),  # (B, H, K, T): every class token reads its image's base tokens
             (q.unsqueeze(3) * k_l).sum(-1) + lineage_bias,  # (B, H, K, A)
-            m_scores + memory_bias,  # (B, H, K, P)
+            m_scores,  # (B, H, K, P)
         ],
         dim=-1,
     )
@@ -110,7 +114,7 @@ def adapter_attention(
     probs = scores.softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     probs = attn.attn_drop(probs)
     p_x, p_l, p_m = probs[..., :T], probs[..., T : T + A], probs[..., T + A :]
-    if memory.lineage.ndim == 2:
+    if shared:
         o_m = torch.einsum("bhkp,khpd->bhkd", p_m, memory.values)
     else:
         o_m = torch.einsum("bhkp,bkhpd->bhkd", p_m, memory.values)

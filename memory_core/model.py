@@ -352,10 +352,8 @@ class MemoryViT(nn.Module):
         if c is None:
             return FusedOutput(base_logits, logits, adapter_set)
         if route is None:
-            for k, (adapter, (weight, bias)) in enumerate(
-                zip(adapter_set, adapter_set.stack.heads, strict=True)
-            ):
-                logits[adapter.name] = F.linear(c[:, k], weight, bias)
+            heads = adapter_set.stack.apply_heads(c)  # (B, C_k) each
+            logits = dict(zip(adapter_set.names, heads, strict=True))
             return FusedOutput(base_logits, logits, adapter_set)
         images: dict[str, Tensor] = {}
         for name, (weight, bias), who, rows in route.outputs:

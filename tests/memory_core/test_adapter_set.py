@@ -130,3 +130,17 @@ def test_install_refuses_adapters_prepared_elsewhere(engine) -> None:
     with pytest.raises(AdapterShapeError, match="prepare it with this engine"):
         engine.install(foreign)
     assert len(engine.adapters) == 0
+
+
+def test_all_tasks_stack_applies_heads_per_class_count(engine) -> None:
+    # Interleaved class counts: the groups must scatter each adapter's logits back to its own slot.
+    classes = [3, 5, 3, 7, 5, 3]
+    engine.set_adapters([random_adapter(f"h{i}", engine, classes=c) for i, c in enumerate(classes)])
+    stack = engine.adapters.stack
+    assert sorted(g.weight.shape[1] for g in stack.head_groups) == [3, 5, 7]
+    assert sorted(k for g in stack.head_groups for k in g.members.tolist()) == list(range(len(classes)))
+    c = torch.randn(4, len(classes), engine.spec.width)
+    batched = stack.apply_heads(c)
+    for k, (weight, bias) in enumerate(stack.heads):
+        assert batched[k].shape == (4, classes[k])
+        assert max_diff(batched[k], torch.nn.functional.linear(c[:, k], weight, bias)) <= 1e-5
