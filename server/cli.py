@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from .train_options import train_config, train_signature
+from .train_options import train_config, train_signature, train_sweep
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -188,7 +188,22 @@ def _train_command_options(
         Path | None,
         typer.Option(help="JSON or TOML file of TrainConfig fields; options given here override it"),
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="bundle to write (default: NAME.safetensors)")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="bundle to write (default: NAME.safetensors); with --sweep, a directory (NAME-sweep)"
+        ),
+    ] = None,
+    sweep: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="FIELD=V1,V2,...: train every combination in one run and keep the best on validation "
+            "(repeat for more fields; also a [sweep] table in --config)"
+        ),
+    ] = None,
+    curve_points: Annotated[
+        int, typer.Option(help="with --sweep: validation scores per variant for the learning curves")
+    ] = 8,
     arch: Annotated[str | None, typer.Option(help="timm architecture of the base")] = None,
     weights: Annotated[Path | None, typer.Option(help="base weights (.safetensors/.pth)")] = None,
     checkpoint: Annotated[Path | None, typer.Option(help="checkpoint file (default: OUT.ckpt)")] = None,
@@ -206,6 +221,10 @@ def train(ctx: typer.Context, **options: Any) -> None:
 
     try:
         config = train_config(ctx, options)
+        sweep = train_sweep(options)
+        if sweep:
+            _train_sweep(config, sweep, options)
+            return
         out = options["out"] or Path(f"{config.name}.safetensors")
         result = train_adapter(
             _engine(options["arch"], options["weights"]),
@@ -221,6 +240,32 @@ def train(ctx: typer.Context, **options: Any) -> None:
     typer.echo(
         f"{out}: {result.steps} steps, val top-1 {result.val.top1:.4f}, top-5 {result.val.top5:.4f} "
         f"({result.val.images} images), {result.seconds:.0f}s"
+    )
+
+
+def _train_sweep(config: Any, sweep: dict[str, list[Any]], options: dict[str, Any]) -> None:
+    from adapters.training.sweep import run_sweep
+
+    out_dir = options["out"] or Path(f"{config.name}-sweep")
+    result = run_sweep(
+        _engine(options["arch"], options["weights"]),
+        config,
+        sweep,
+        out_dir=out_dir,
+        progress=not options["quiet"],
+        curve_points=options["curve_points"],
+        checkpoint=options["checkpoint"] or out_dir / "sweep.ckpt",
+        checkpoint_every=options["checkpoint_every"],
+        resume=options["resume"],
+    )
+    for i, variant in enumerate(result.variants):
+        val = variant.result.val
+        mark = "  <- chosen" if i == result.best else ""
+        typer.echo(f"{variant.config.name}: val top-1 {val.top1:.4f}, top-5 {val.top5:.4f}{mark}")
+    typer.echo(
+        f"{out_dir}: {len(result.variants)} variants in one run, {result.chosen.result.steps} steps, "
+        f"{result.chosen.result.seconds:.0f}s; chosen {result.chosen.config.name} as "
+        f"{out_dir / (config.name + '.safetensors')}; report {out_dir / 'sweep.md'}"
     )
 
 

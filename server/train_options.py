@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from adapters.training.trainer import TrainConfig
+from adapters.training.config import TrainConfig
 
 _CONFIG_PANEL = "Training config (TrainConfig; also from --config)"
 
@@ -72,8 +72,8 @@ def _parse_config(text: str, suffix: str) -> Any:
     return tomllib.loads(text)
 
 
-def _read_config_file(path: Path) -> dict[str, Any]:
-    """TrainConfig fields from a JSON or TOML file; keys in snake_case or kebab-case."""
+def _read_config_table(path: Path) -> dict[str, Any]:
+    """The top-level table of a JSON or TOML config file."""
     suffix = path.suffix.lower()
     if suffix not in (".json", ".toml"):
         raise ValueError(f"--config {path}: expected a .json or .toml file")
@@ -89,9 +89,17 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"--config {path}: not valid {suffix[1:].upper()}: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a table of TrainConfig fields")
+    return data
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """TrainConfig fields from a JSON or TOML file; keys in snake_case or kebab-case."""
+    data = _read_config_table(path)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values: dict[str, Any] = {}
     for key, value in data.items():
+        if key == "sweep":  # the variants to train together: read by train_sweep
+            continue
         name = key.replace("-", "_")
         if name not in names:
             raise ValueError(
@@ -151,3 +159,18 @@ def train_config(ctx: typer.Context, options: dict[str, Any]) -> TrainConfig:
         if values[f.name] is None and _is_required(f):
             ctx.fail(f"Missing option '--{f.name.replace('_', '-')}'.")
     return TrainConfig(**values)
+
+
+def train_sweep(options: dict[str, Any]) -> dict[str, list[Any]]:
+    """The sweep: a --config file's ``sweep`` table, then each ``--sweep FIELD=V1,V2`` (which wins)."""
+    from adapters.training.sweep import check_sweep, parse_sweep
+
+    sweep: dict[str, list[Any]] = {}
+    path = options["config"]
+    if path:
+        table = _read_config_table(path).get("sweep", {})
+        if not isinstance(table, dict):
+            raise ValueError(f"--config {path}: 'sweep' must be a table of FIELD = [values]")
+        sweep.update(check_sweep({k.replace("-", "_"): v for k, v in table.items()}))
+    sweep.update(parse_sweep(options["sweep"] or []))
+    return sweep

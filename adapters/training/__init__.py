@@ -1,9 +1,10 @@
 """Making adapters: fine-tune on an image folder (``trainer``), measure accuracy (``metrics``)."""
 
+from .config import TrainConfig, TrainingError
 from .data import DataError, Samples, scan_folder, split
-from .metrics import Accuracy, TaskReport, evaluate_set, evaluate_tasks
+from .metrics import Accuracy, TaskReport, evaluate_many, evaluate_tasks
 from .trainable import TrainableAdapter
-from .trainer import TrainConfig, TrainingError, TrainResult, train_adapter
+from .trainer import TrainResult, train_adapter, train_adapters
 
 __all__ = [
     "Accuracy",
@@ -14,9 +15,10 @@ __all__ = [
     "TrainResult",
     "TrainableAdapter",
     "TrainingError",
-    "evaluate_set",
+    "evaluate_many",
     "evaluate_tasks",
     "scan_folder",
     "split",
     "train_adapter",
+    "train_adapters",
 ]

@@ -62,23 +62,29 @@ def _loader(samples: Samples, transform: Transform, batch_size: int, workers: in
 
 
 @torch.inference_mode()
-def evaluate_set(
+def evaluate_many(
     engine: MemoryViT,
-    weights: AdapterWeights,
+    weights: Sequence[AdapterWeights],
     samples: Samples,
     transform: Transform,
     *,
     batch_size: int = 64,
     workers: int = 0,
     parent: PreparedAdapter | None = None,
-) -> Accuracy:
-    """Accuracy of one adapter (with its parent, if any) on labelled samples."""
-    adapter_set = AdapterSet(((parent,) if parent else ()) + (engine.prepare(weights),))
-    top1 = top5 = 0
+) -> list[Accuracy]:
+    """Accuracy of each adapter (all sharing ``parent``, if any) on the same labelled samples.
+
+    One fused pass per batch scores them all: the images are decoded and the base runs once.
+    """
+    prepared = tuple(engine.prepare_many(list(weights)))
+    adapter_set = AdapterSet(((parent,) if parent else ()) + prepared)
+    counts = [[0, 0] for _ in weights]
     for images, labels in _loader(samples, transform, batch_size, workers):
-        c1, c5 = _count(engine(images, adapter_set).adapters[weights.name], labels)
-        top1, top5 = top1 + c1, top5 + c5
-    return Accuracy(top1 / len(samples), top5 / len(samples), len(samples))
+        out = engine(images, adapter_set)
+        for count, w in zip(counts, weights, strict=True):
+            c1, c5 = _count(out.adapters[w.name], labels)
+            count[0], count[1] = count[0] + c1, count[1] + c5
+    return [Accuracy(c1 / len(samples), c5 / len(samples), len(samples)) for c1, c5 in counts]
 
 
 def _label_map(task: str, samples: Samples, labels: Sequence[str]) -> torch.Tensor:

@@ -37,7 +37,9 @@ class TrainableAdapter(nn.Module):
         parent: PreparedAdapter | None = None,
         labels: tuple[str, ...] | None = None,
         generator: torch.Generator | None = None,
+        memory: Tensor | None = None,
     ) -> None:
+        """``memory``: where the memory tokens start, (L, m, D) (default: the paper's N(0, 0.02))."""
         super().__init__()
         if head_only and memory_tokens:
             raise ValueError("head-only training has no memory tokens; use memory_tokens=0")
@@ -56,7 +58,10 @@ class TrainableAdapter(nn.Module):
         self.name, self.memory_norm, self.labels = name, memory_norm, labels
         self.parent = parent
         self.cls_token = nn.Parameter(start.cls_token, requires_grad=not head_only)
-        self.memory = nn.Parameter(start.memory, requires_grad=memory_tokens > 0)
+        if memory is not None and memory.shape != start.memory.shape:
+            raise ValueError(f"initial memory {tuple(memory.shape)}, expected {tuple(start.memory.shape)}")
+        start_memory = start.memory if memory is None else memory.detach().float().cpu().clone()
+        self.memory = nn.Parameter(start_memory, requires_grad=memory_tokens > 0)
         self.head = nn.Linear(engine.spec.width, num_classes)
         with torch.no_grad():
             self.head.weight.copy_(start.head_weight)

@@ -1,122 +1,46 @@
-"""Fine-tune one adapter against a frozen base: the paper's recipe, resumable, reproducible.
+"""Fine-tune adapters against a frozen base: the paper's recipe, resumable, reproducible.
 
 SGD with momentum, gradient-norm clipping, linear warm-up then cosine decay stepped per optimiser
 step. The base runs without autograd (docs/design.md §2.3): only the class-token path is recorded, so a step
 costs about one inference pass. The result is a ``memvit.adapter/1`` bundle whose ``training``
 metadata records the data, the steps, the hyper-parameters and the validation accuracy.
+
+Several adapters train in ONE pass (``train_adapters``): each batch goes through the base once, with
+every adapter's class-token row alongside (docs/design.md §3.3). Rows never attend to each other, so
+the summed loss gives each adapter exactly the gradient it would get alone; each has its own
+optimiser, learning rates, schedule and clipping, so each ends where it would have ended alone.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import io
 import logging
 import math
+import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from memory_core import AdapterError, MemoryViT, MemvitError, check_memory_norm, check_name
+from memory_core import AdapterSet, MemoryViT, PreparedAdapter
 
 from ..attach import check_compatible
-from ..bundle import AdapterBundle, bundle_for, save_bundle, write_atomic
+from ..bundle import AdapterBundle, bundle_for, save_bundle
 from ..preprocess import eval_transform, train_transform
 from ..reader import read_bundle
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TrainConfig, TrainingError
 from .data import ImageDataset, Samples, StreamSampler, scan_folder, split
-from .metrics import Accuracy, evaluate_set
+from .memory_init import token_memory
+from .metrics import Accuracy, evaluate_many
 from .trainable import TrainableAdapter
 
 log = logging.getLogger(__name__)
-CHECKPOINT_VERSION = 1
-
-
-class TrainingError(MemvitError):
-    """A training run cannot start or resume as asked."""
-
-
-@dataclass
-class TrainConfig:
-    """Everything that defines a run. Recorded in the bundle and checked when resuming.
-
-    Every field is also an option of ``memvit train`` (``--kebab-case``), generated from these
-    declarations by ``server/cli.py``: a field's ``metadata`` gives its ``help`` text; ``path``
-    marks a field holding a filesystem path (the command line takes a path and passes its string);
-    ``cli: False`` keeps a field off the command line (``extra``; a ``--config`` file may still set it).
-    """
-
-    name: str = field(metadata={"help": "the new adapter's name"})
-    train_dir: str = field(metadata={"help": "training images: DIR/<class>/*.jpg|png", "path": True})
-    val_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "validation images (default: hold out val-fraction of train-dir, seeded)",
-            "path": True,
-        },
-    )
-    val_fraction: float = field(default=0.1, metadata={"help": "held-out fraction when no val-dir"})
-    memory_tokens: int = field(
-        default=1, metadata={"help": "memory tokens per layer (0: class token + head)"}
-    )
-    head_only: bool = field(default=False, metadata={"help": "train the head alone"})
-    memory_norm: str = field(default="norm1", metadata={"help": "norm1 (paper) or none"})
-    parent: str | None = field(default=None, metadata={"help": "parent bundle: extension mode", "path": True})
-    epochs: float = field(default=5.0, metadata={"help": "passes over the training images"})
-    steps: int | None = field(default=None, metadata={"help": "optimiser steps (overrides epochs)"})
-    batch_size: int = field(default=32, metadata={"help": "training batch size"})
-    lr: float = field(default=0.05, metadata={"help": "peak SGD learning rate"})
-    token_lr_scale: float = field(
-        default=1.0, metadata={"help": "lr multiplier for the class token and memory (prompt-like inputs)"}
-    )
-    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
-    weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay"})
-    warmup_fraction: float = field(default=0.05, metadata={"help": "share of steps for linear warm-up"})
-    clip_grad: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
-    crop_scale: tuple[float, float] = field(
-        default=(0.35, 1.0), metadata={"help": "area range of the random-resized crops: MIN MAX"}
-    )
-    hflip: float = field(
-        default=0.5,
-        metadata={
-            "help": "horizontal-flip probability (0 where a mirror image changes the answer: digits, text)"
-        },
-    )
-    seed: int = field(
-        default=0, metadata={"help": "seeds the split, the initialisation and the augmentation"}
-    )
-    workers: int = field(default=0, metadata={"help": "data-loading processes"})
-    eval_batch_size: int = field(default=64, metadata={"help": "batch size for validation"})
-    extra: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "free-form run metadata", "cli": False}
-    )
-
-    def __post_init__(self) -> None:
-        # Fail before any data is scanned; the rules themselves are AdapterWeights's.
-        try:
-            check_name(self.name)
-            check_memory_norm(self.memory_norm)
-        except AdapterError as exc:
-            raise TrainingError(str(exc)) from None
-        if self.memory_tokens < 0:
-            raise TrainingError(f"memory tokens must be >= 0, got {self.memory_tokens}")
-        if self.head_only:
-            self.memory_tokens = 0  # head-only has neither memory nor a learned class token
-        if self.batch_size < 1 or (self.steps is not None and self.steps < 1) or self.epochs <= 0:
-            raise TrainingError("batch size, steps and epochs must be positive")
-        if not (
-            self.lr > 0 and 0 <= self.momentum < 1 and self.clip_grad > 0 and 0 <= self.warmup_fraction < 1
-        ):
-            raise TrainingError("need lr > 0, 0 <= momentum < 1, clip_grad > 0 and 0 <= warmup_fraction < 1")
-        self.crop_scale = tuple(self.crop_scale)
-
-    def hyper_parameters(self) -> dict[str, Any]:
-        skip = {"name", "train_dir", "val_dir", "parent", "workers", "eval_batch_size", "extra"}
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
 @dataclass
@@ -126,6 +50,8 @@ class TrainResult:
     steps: int
     seconds: float
     losses: list[float]
+    # (step, validation top-1) at the points asked for (``curve_points``), the last at the end.
+    curve: list[tuple[int, float]] = field(default_factory=list)
 
 
 def warmup_cosine(total: int, warmup: int):
@@ -140,6 +66,78 @@ def warmup_cosine(total: int, warmup: int):
     return factor
 
 
+class Variant:
+    """One adapter being trained: its parameters, optimiser and schedule, and what it has seen."""
+
+    def __init__(
+        self,
+        engine: MemoryViT,
+        config: TrainConfig,
+        classes: tuple[str, ...],
+        parent: PreparedAdapter | None,
+        total: int,
+        init_images: torch.Tensor | None = None,
+    ) -> None:
+        self.config = config
+        memory = None
+        if config.memory_init == "tokens" and config.memory_tokens:
+            assert init_images is not None, "memory_init='tokens' needs images"
+            memory = token_memory(
+                engine,
+                init_images,
+                config.memory_tokens,
+                config.memory_norm,
+                torch.Generator().manual_seed(config.seed + 1),
+            )
+        self.adapter = TrainableAdapter(
+            engine,
+            config.name,
+            num_classes=len(classes),
+            memory_tokens=config.memory_tokens,
+            head_only=config.head_only,
+            memory_norm=config.memory_norm,
+            parent=parent,
+            labels=classes,
+            generator=torch.Generator().manual_seed(config.seed),
+            memory=memory,
+        )
+        a = self.adapter
+        self.params = [p for p in a.parameters() if p.requires_grad]
+        groups = [{"params": list(a.head.parameters())}]
+        if a.cls_token.requires_grad:
+            groups.append({"params": [a.cls_token], "lr": config.lr * config.token_lr_scale})
+        if a.memory.requires_grad:
+            groups.append({"params": [a.memory], "lr": config.memory_lr})
+        self.optimizer = torch.optim.SGD(
+            groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+        warmup = max(1, round(config.warmup_fraction * total))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(total, warmup))
+        self.losses: list[float] = []
+        self.curve: list[tuple[int, float]] = []
+        self.correct = 0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def state(self) -> dict:
+        return {
+            "adapter": self.adapter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "losses": self.losses,
+            "curve": self.curve,
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.adapter.load_state_dict(state["adapter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.losses = list(state["losses"])
+        self.curve = [(int(s), float(a)) for s, a in state["curve"]]
+
+
 def train_adapter(
     engine: MemoryViT,
     config: TrainConfig,
@@ -152,97 +150,160 @@ def train_adapter(
     stop_after: int | None = None,
 ) -> TrainResult | None:
     """Train, validate and (if ``out``) write the bundle. ``stop_after`` ends early (for tests of resume)."""
-    started = time.perf_counter()
-    train_samples, val_samples = _data(config)
-    parent = _parent(engine, config)
-    generator = torch.Generator().manual_seed(config.seed)
-    adapter = TrainableAdapter(
+    results = train_adapters(
         engine,
-        config.name,
-        num_classes=len(train_samples.classes),
-        memory_tokens=config.memory_tokens,
-        head_only=config.head_only,
-        memory_norm=config.memory_norm,
-        parent=parent,
-        labels=train_samples.classes,
-        generator=generator,
+        [config],
+        outs=None if out is None else [out],
+        checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        progress=progress,
+        stop_after=stop_after,
     )
-    params = [p for p in adapter.parameters() if p.requires_grad]
-    tokens = [p for p in (adapter.cls_token, adapter.memory) if p.requires_grad]
-    groups = [{"params": list(adapter.head.parameters())}]
-    if tokens:
-        groups.append({"params": tokens, "lr": config.lr * config.token_lr_scale})
-    optimizer = torch.optim.SGD(
-        groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
-    per_epoch = math.ceil(len(train_samples) / config.batch_size)
-    total = config.steps or max(1, round(config.epochs * per_epoch))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(total, max(1, round(config.warmup_fraction * total)))
-    )
-    step, losses = 0, []
+    return None if results is None else results[0]
+
+
+def train_adapters(
+    engine: MemoryViT,
+    configs: Sequence[TrainConfig],
+    *,
+    outs: Sequence[str | Path] | None = None,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int = 50,
+    resume: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+    curve_points: int = 0,
+) -> list[TrainResult] | None:
+    """Train every config's adapter in one pass over the shared data; results in the same order.
+
+    The configs must agree on ``SHARED_FIELDS`` (the data and the steps) and have distinct names.
+    ``curve_points`` > 0 scores every adapter on the validation split that many times during the run
+    (one fused pass for all of them), for learning curves. Returns None when ``stop_after`` ended it.
+    """
+    started = time.perf_counter()
+    first = _check_together(configs)
+    train_samples, val_samples = _data(first)
+    parent = _parent(engine, first, [c.name for c in configs])
+    per_epoch = math.ceil(len(train_samples) / first.batch_size)
+    total = first.steps or max(1, round(first.epochs * per_epoch))
+    init_images = None
+    if any(c.memory_init == "tokens" and c.memory_tokens for c in configs):
+        init_images = _init_images(engine, train_samples, first.seed)
+    variants = [Variant(engine, c, train_samples.classes, parent, total, init_images) for c in configs]
+    step = 0
     if resume:
         if checkpoint is None or not Path(checkpoint).is_file():
             raise TrainingError(f"nothing to resume: checkpoint {checkpoint} not found")
-        step, losses = _load_checkpoint(checkpoint, engine, config, adapter, optimizer, schedule)
-        log.info("resuming %s at step %d of %d", config.name, step, total)
+        step = load_checkpoint(checkpoint, engine, variants)
+        log.info("resuming %s at step %d of %d", ", ".join(v.name for v in variants), step, total)
 
     dataset = ImageDataset(
-        train_samples, train_transform(engine, scale=config.crop_scale, hflip=config.hflip), seed=config.seed
+        train_samples, train_transform(engine, scale=first.crop_scale, hflip=first.hflip), seed=first.seed
     )
     loader = DataLoader(
         dataset,
-        batch_size=config.batch_size,
+        batch_size=first.batch_size,
         sampler=StreamSampler(
-            len(dataset), config.seed, total * config.batch_size, start=step * config.batch_size
+            len(dataset), first.seed, total * first.batch_size, start=step * first.batch_size
         ),
-        num_workers=config.workers,
+        num_workers=first.workers,
         drop_last=False,
     )
+    scored = {round(total * (i + 1) / curve_points) for i in range(curve_points)} if curve_points else set()
+    desc = first.name if len(variants) == 1 else f"{len(variants)} adapters"
+    bar = tqdm(total=total, initial=step, desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
     engine.train()  # the base stays in eval mode; see MemoryViT.train
-    bar = tqdm(
-        total=total, initial=step, desc=config.name, unit="step", disable=not progress, dynamic_ncols=True
-    )
-    correct = seen = 0
-    tick = time.perf_counter()
+    seen, tick = 0, time.perf_counter()
     for images, labels in loader:
-        logits = adapter(images)
-        loss = F.cross_entropy(logits.float(), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, config.clip_grad)
-        optimizer.step()
-        schedule.step()
-        step += 1
-        losses.append(loss.item())
-        correct += (logits.argmax(-1) == labels).sum().item()
-        seen += len(labels)
+        _step(engine, variants, parent, images, labels)
+        step, seen = step + 1, seen + len(labels)
         now = time.perf_counter()
+        best = max(variants, key=lambda v: v.correct)
         bar.set_postfix(
-            loss=f"{losses[-1]:.3f}", acc=f"{correct / seen:.3f}", img_s=f"{len(labels) / (now - tick):.1f}"
+            loss=f"{min(v.losses[-1] for v in variants):.3f}",
+            acc=f"{best.correct / seen:.3f}",
+            img_s=f"{len(labels) / (now - tick):.1f}",
         )
         bar.update(1)
         tick = now
+        if step in scored and step < total:
+            _score(engine, variants, parent, val_samples, step)
+            engine.train()
         if checkpoint is not None and (step % checkpoint_every == 0 or step == total):
-            _save_checkpoint(checkpoint, engine, config, adapter, optimizer, schedule, step, losses)
+            save_checkpoint(checkpoint, engine, variants, step)
         if stop_after is not None and step >= stop_after and step < total:
             bar.close()
             engine.eval()
             return None
     bar.close()
     engine.eval()
+    finals = _score(engine, variants, parent, val_samples, step)
+    seconds = time.perf_counter() - started
+    results = []
+    for i, (variant, val) in enumerate(zip(variants, finals, strict=True)):
+        bundle = _bundle(engine, variant, train_samples, val_samples, val, step, seconds)
+        if outs is not None:
+            save_bundle(bundle, outs[i])
+            log.info("wrote %s (val top-1 %.4f)", outs[i], val.top1)
+        results.append(TrainResult(bundle, val, step, seconds, variant.losses, variant.curve))
+    return results
 
-    weights = adapter.weights()
-    val = evaluate_set(
+
+def _step(
+    engine: MemoryViT,
+    variants: list[Variant],
+    parent: PreparedAdapter | None,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+) -> None:
+    """One optimiser step for every variant, from one fused pass over the batch."""
+    prepared = tuple(engine.prepare(v.adapter.live_weights()) for v in variants)
+    out = engine(images, AdapterSet(((parent,) if parent else ()) + prepared))
+    losses = [F.cross_entropy(out.adapters[v.name].float(), labels) for v in variants]
+    for v in variants:
+        v.optimizer.zero_grad(set_to_none=True)
+    # Each loss depends on its own adapter's parameters only (rows never attend to each other), so
+    # the sum's gradient for each adapter is that adapter's own loss gradient.
+    torch.stack(losses).sum().backward()
+    for v, loss in zip(variants, losses, strict=True):
+        nn.utils.clip_grad_norm_(v.params, v.config.clip_grad)
+        v.optimizer.step()
+        v.schedule.step()
+        v.losses.append(loss.item())
+        v.correct += int((out.adapters[v.name].argmax(-1) == labels).sum())
+
+
+def _score(
+    engine: MemoryViT, variants: list[Variant], parent: PreparedAdapter | None, val: Samples, step: int
+) -> list[Accuracy]:
+    """Every variant on the validation split in one fused pass per batch; adds a curve point."""
+    config = variants[0].config
+    accuracies = evaluate_many(
         engine,
-        weights,
-        val_samples,
+        [v.adapter.weights() for v in variants],
+        val,
         eval_transform(engine),
         batch_size=config.eval_batch_size,
         workers=config.workers,
         parent=parent,
     )
-    seconds = time.perf_counter() - started
+    for v, accuracy in zip(variants, accuracies, strict=True):
+        if not v.curve or v.curve[-1][0] != step:
+            v.curve.append((step, accuracy.top1))
+    return accuracies
+
+
+def _bundle(
+    engine: MemoryViT,
+    variant: Variant,
+    train_samples: Samples,
+    val_samples: Samples,
+    val: Accuracy,
+    step: int,
+    seconds: float,
+) -> AdapterBundle:
+    config, losses = variant.config, variant.losses
     training = {
         "data": {
             "train_dir": config.train_dir,
@@ -252,7 +313,7 @@ def train_adapter(
             "train_images": len(train_samples),
             "val_images": len(val_samples),
         },
-        "regime": adapter.regime,
+        "regime": variant.adapter.regime,
         "steps": step,
         "epochs": round(step * config.batch_size / len(train_samples), 3),
         "hyper_parameters": config.hyper_parameters(),
@@ -261,11 +322,32 @@ def train_adapter(
         "seconds": round(seconds, 1),
         **config.extra,
     }
-    bundle = bundle_for(weights, engine, training=training)
-    if out is not None:
-        save_bundle(bundle, out)
-        log.info("wrote %s (val top-1 %.4f)", out, val.top1)
-    return TrainResult(bundle=bundle, val=val, steps=step, seconds=seconds, losses=losses)
+    return bundle_for(variant.adapter.weights(), engine, training=training)
+
+
+def _init_images(engine: MemoryViT, samples: Samples, seed: int, count: int = 16) -> torch.Tensor:
+    """A seeded handful of training images, as the model sees them, to draw initial memory from."""
+    indices = random.Random(seed).sample(range(len(samples)), min(count, len(samples)))
+    dataset = ImageDataset(samples.subset(indices), eval_transform(engine))
+    return torch.stack([dataset[i][0] for i in range(len(dataset))])
+
+
+def _check_together(configs: Sequence[TrainConfig]) -> TrainConfig:
+    """The first config, once every config is known to share the data and have its own name."""
+    if not configs:
+        raise TrainingError("nothing to train: give at least one config")
+    first = configs[0]
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise TrainingError(f"adapters trained together need distinct names, got {names}")
+    for c in configs[1:]:
+        differ = sorted(k for k, v in c.shared().items() if first.shared()[k] != v)
+        if differ:
+            raise TrainingError(
+                f"{c.name!r} and {first.name!r} differ in {', '.join(differ)}: adapters trained in one "
+                "pass share the data, the steps, the batch and the augmentation"
+            )
+    return first
 
 
 def _data(config: TrainConfig) -> tuple[Samples, Samples]:
@@ -275,7 +357,7 @@ def _data(config: TrainConfig) -> tuple[Samples, Samples]:
     return split(samples, config.val_fraction, config.seed)
 
 
-def _parent(engine: MemoryViT, config: TrainConfig):
+def _parent(engine: MemoryViT, config: TrainConfig, names: list[str]) -> PreparedAdapter | None:
     if config.parent is None:
         return None
     bundle = read_bundle(config.parent)
@@ -285,51 +367,6 @@ def _parent(engine: MemoryViT, config: TrainConfig):
             f"parent {bundle.name!r} itself extends {bundle.weights.parent!r}; "
             "training on top of a chain is not supported yet"
         )
-    if bundle.name == config.name:
-        raise TrainingError(f"the new adapter cannot have its parent's name {config.name!r}")
+    if bundle.name in names:
+        raise TrainingError(f"the new adapter cannot have its parent's name {bundle.name!r}")
     return engine.prepare(bundle.weights)
-
-
-def _save_checkpoint(path, engine, config, adapter, optimizer, schedule, step, losses) -> None:
-    state = {
-        "version": CHECKPOINT_VERSION,
-        "base_fingerprint": engine.fingerprint,
-        "config": _config_key(config),
-        "step": step,
-        "losses": losses,
-        "adapter": {k: v for k, v in adapter.state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
-    }
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    write_atomic(path, buffer.getvalue())
-
-
-def _load_checkpoint(path, engine, config, adapter, optimizer, schedule) -> tuple[int, list[float]]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
-    except Exception as exc:
-        raise TrainingError(f"cannot read checkpoint {path}: {exc}") from exc
-    if state.get("version") != CHECKPOINT_VERSION:
-        raise TrainingError(f"{path}: unknown checkpoint version {state.get('version')}")
-    if state["base_fingerprint"] != engine.fingerprint:
-        raise TrainingError(f"{path} was written for other base weights")
-    if state["config"] != _config_key(config):
-        changed = sorted(k for k in state["config"] if state["config"][k] != _config_key(config).get(k))
-        raise TrainingError(
-            f"{path} was written with different settings ({', '.join(changed)}); start afresh"
-        )
-    adapter.load_state_dict(state["adapter"])
-    optimizer.load_state_dict(state["optimizer"])
-    schedule.load_state_dict(state["schedule"])
-    return int(state["step"]), list(state["losses"])
-
-
-def _config_key(config: TrainConfig) -> dict[str, Any]:
-    # Everything that shapes the run; workers and eval batch size do not change the result.
-    key = dataclasses.asdict(config)
-    for k in ("workers", "eval_batch_size", "extra"):
-        key.pop(k)
-    key["crop_scale"] = list(key["crop_scale"])
-    return key

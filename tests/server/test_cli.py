@@ -128,7 +128,7 @@ CLI_FIELDS = [f for f in dataclasses.fields(TrainConfig) if f.name != "extra"]
 
 def _changed(f: dataclasses.Field, tmp_path) -> object:
     """A valid value for a field that differs from its default."""
-    special = {"name": "other-name", "memory_norm": "none"}
+    special = {"name": "other-name", "memory_norm": "none", "memory_init": "tokens"}
     if f.name in special:
         return special[f.name]
     hint, default = TRAIN_HINTS[f.name], f.default
@@ -136,7 +136,7 @@ def _changed(f: dataclasses.Field, tmp_path) -> object:
         return not default
     if hint in (int, int | None):
         return (default or 0) + 3
-    if hint is float:
+    if hint in (float, float | None):
         return default / 2 if default else 0.5
     if hint == tuple[float, float]:
         return (0.25, 0.75)

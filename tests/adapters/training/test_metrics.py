@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adapters.training import DataError, evaluate_tasks, train_adapter
-from adapters.training.trainer import TrainConfig
+from adapters.training.config import TrainConfig
 from memory_core import MemoryViT
 from tests.conftest import COLOURS, make_folder, random_adapter
 

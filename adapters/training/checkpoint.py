@@ -1,0 +1,76 @@
+"""Checkpoints of a training run: every adapter's parameters, optimiser and schedule, and the step.
+
+A checkpoint is written atomically and names the base weights and each adapter's settings, so a
+resumed run is the run that was interrupted or nothing: other base weights, other settings or
+another set of adapters are refused with what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memory_core import MemoryViT
+
+from ..bundle import write_atomic
+from .config import TrainConfig, TrainingError
+
+if TYPE_CHECKING:
+    from .trainer import Variant
+
+CHECKPOINT_VERSION = 2  # 2: several adapters per run
+
+
+def save_checkpoint(path: str | Path, engine: MemoryViT, variants: list[Variant], step: int) -> None:
+    state = {
+        "version": CHECKPOINT_VERSION,
+        "base_fingerprint": engine.fingerprint,
+        "configs": [config_key(v.config) for v in variants],
+        "step": step,
+        "variants": [v.state() for v in variants],
+    }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_atomic(path, buffer.getvalue())
+
+
+def load_checkpoint(path: str | Path, engine: MemoryViT, variants: list[Variant]) -> int:
+    """Restore ``variants`` from ``path``; returns the step it was written at."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
+    except Exception as exc:
+        raise TrainingError(f"cannot read checkpoint {path}: {exc}") from exc
+    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
+        version = state.get("version") if isinstance(state, dict) else None
+        raise TrainingError(f"{path}: unknown checkpoint version {version}; start afresh")
+    if state["base_fingerprint"] != engine.fingerprint:
+        raise TrainingError(f"{path} was written for other base weights")
+    saved = state["configs"]
+    if [c["name"] for c in saved] != [v.name for v in variants]:
+        raise TrainingError(
+            f"{path} holds adapters {[c['name'] for c in saved]}, "
+            f"this run trains {[v.name for v in variants]}"
+        )
+    for old, variant in zip(saved, variants, strict=True):
+        new = config_key(variant.config)
+        if old != new:
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            raise TrainingError(
+                f"{path} was written with different settings ({', '.join(changed)}); start afresh"
+            )
+    for variant, variant_state in zip(variants, state["variants"], strict=True):
+        variant.load_state(variant_state)
+    return int(state["step"])
+
+
+def config_key(config: TrainConfig) -> dict[str, Any]:
+    """Everything that shapes the run; workers and eval batch size do not change the result."""
+    key = dataclasses.asdict(config)
+    for k in ("workers", "eval_batch_size", "extra"):
+        key.pop(k)
+    key["crop_scale"] = list(key["crop_scale"])
+    return key

@@ -1,0 +1,140 @@
+"""What defines a training run (``TrainConfig``), and which of it several runs can share.
+
+Several adapters for one base train in ONE pass over the data (``trainer.train_adapters``) when they
+share everything that decides which images a step sees: the data, the split, the number of steps,
+the batch and the augmentation (``SHARED_FIELDS``). Everything else (``VARIANT_FIELDS``) is each
+adapter's own: what learns, the learning rates, the schedule's shape, the clipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from memory_core import AdapterError, MemvitError, check_memory_norm, check_name
+
+from .memory_init import MEMORY_INITS
+
+
+class TrainingError(MemvitError):
+    """A training run cannot start or resume as asked."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run. Recorded in the bundle and checked when resuming.
+
+    Every field is also an option of ``memvit train`` (``--kebab-case``), generated from these
+    declarations by ``server/cli.py``: a field's ``metadata`` gives its ``help`` text; ``path``
+    marks a field holding a filesystem path (the command line takes a path and passes its string);
+    ``cli: False`` keeps a field off the command line (``extra``; a ``--config`` file may still set it).
+    """
+
+    name: str = field(metadata={"help": "the new adapter's name"})
+    train_dir: str = field(metadata={"help": "training images: DIR/<class>/*.jpg|png", "path": True})
+    val_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "validation images (default: hold out val-fraction of train-dir, seeded)",
+            "path": True,
+        },
+    )
+    val_fraction: float = field(default=0.1, metadata={"help": "held-out fraction when no val-dir"})
+    memory_tokens: int = field(
+        default=1, metadata={"help": "memory tokens per layer (0: class token + head)"}
+    )
+    head_only: bool = field(default=False, metadata={"help": "train the head alone"})
+    memory_norm: str = field(default="norm1", metadata={"help": "norm1 (paper) or none"})
+    memory_init: str = field(
+        default="normal",
+        metadata={"help": "where memory starts: normal (paper: N(0, 0.02)) or tokens (real block inputs)"},
+    )
+    parent: str | None = field(default=None, metadata={"help": "parent bundle: extension mode", "path": True})
+    epochs: float = field(default=5.0, metadata={"help": "passes over the training images"})
+    steps: int | None = field(default=None, metadata={"help": "optimiser steps (overrides epochs)"})
+    batch_size: int = field(default=32, metadata={"help": "training batch size"})
+    lr: float = field(default=0.05, metadata={"help": "peak SGD learning rate"})
+    token_lr_scale: float = field(default=1.0, metadata={"help": "lr multiplier for the class token"})
+    memory_lr_scale: float | None = field(
+        default=None, metadata={"help": "lr multiplier for the memory tokens (default: token-lr-scale)"}
+    )
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay"})
+    warmup_fraction: float = field(default=0.05, metadata={"help": "share of steps for linear warm-up"})
+    clip_grad: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
+    crop_scale: tuple[float, float] = field(
+        default=(0.35, 1.0), metadata={"help": "area range of the random-resized crops: MIN MAX"}
+    )
+    hflip: float = field(
+        default=0.5,
+        metadata={
+            "help": "horizontal-flip probability (0 where a mirror image changes the answer: digits, text)"
+        },
+    )
+    seed: int = field(
+        default=0, metadata={"help": "seeds the split, the initialisation and the augmentation"}
+    )
+    workers: int = field(default=0, metadata={"help": "data-loading processes"})
+    eval_batch_size: int = field(default=64, metadata={"help": "batch size for validation"})
+    extra: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "free-form run metadata", "cli": False}
+    )
+
+    def __post_init__(self) -> None:
+        # Fail before any data is scanned; the rules themselves are AdapterWeights's.
+        try:
+            check_name(self.name)
+            check_memory_norm(self.memory_norm)
+        except AdapterError as exc:
+            raise TrainingError(str(exc)) from None
+        if self.memory_init not in MEMORY_INITS:
+            raise TrainingError(
+                f"memory_init must be one of {', '.join(MEMORY_INITS)}, got {self.memory_init!r}"
+            )
+        if self.memory_tokens < 0:
+            raise TrainingError(f"memory tokens must be >= 0, got {self.memory_tokens}")
+        if self.head_only:
+            self.memory_tokens = 0  # head-only has neither memory nor a learned class token
+        if self.batch_size < 1 or (self.steps is not None and self.steps < 1) or self.epochs <= 0:
+            raise TrainingError("batch size, steps and epochs must be positive")
+        if self.token_lr_scale <= 0 or (self.memory_lr_scale is not None and self.memory_lr_scale <= 0):
+            raise TrainingError("learning-rate scales must be positive")
+        if not (
+            self.lr > 0 and 0 <= self.momentum < 1 and self.clip_grad > 0 and 0 <= self.warmup_fraction < 1
+        ):
+            raise TrainingError("need lr > 0, 0 <= momentum < 1, clip_grad > 0 and 0 <= warmup_fraction < 1")
+        self.crop_scale = tuple(self.crop_scale)
+
+    def hyper_parameters(self) -> dict[str, Any]:
+        skip = {"name", "train_dir", "val_dir", "parent", "workers", "eval_batch_size", "extra"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+    @property
+    def memory_lr(self) -> float:
+        return self.lr * (self.token_lr_scale if self.memory_lr_scale is None else self.memory_lr_scale)
+
+    def shared(self) -> dict[str, Any]:
+        """The fields every adapter trained in the same pass must agree on."""
+        return {name: getattr(self, name) for name in SHARED_FIELDS}
+
+
+# What decides the images each step sees: adapters trained together share it.
+SHARED_FIELDS = (
+    "train_dir",
+    "val_dir",
+    "val_fraction",
+    "parent",
+    "epochs",
+    "steps",
+    "batch_size",
+    "crop_scale",
+    "hflip",
+    "seed",
+    "workers",
+    "eval_batch_size",
+)
+# Each adapter's own: what a sweep may vary.
+VARIANT_FIELDS = tuple(
+    f.name for f in dataclasses.fields(TrainConfig) if f.name not in SHARED_FIELDS and f.name != "extra"
+)
