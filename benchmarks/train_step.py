@@ -7,8 +7,11 @@ In interleaved rounds, on the same batch:
 - step:  memvit's training step: fused forward (base rows without autograd, docs/design.md §2.3), loss,
          backward, gradient clipping, SGD update;
 - dense: the same step through the dense-mask model, where autograd records every row of every
-         layer (how the public reproduction trains).
-Ratios are medians of per-round ratios. Targets: step <= 1.5 x infer, dense >= 2 x step.
+         layer (how the public reproduction trains);
+- step N: the trainer's fused step (adapters/training/trainer.py) training N adapters at once (a sweep's
+         variants: different learning rates and memory sizes), against the same step training one.
+Ratios are medians of per-round ratios. Targets: step <= 1.5 x infer, dense >= 2 x step,
+step N <= 1.3 x step 1 at N = 8 (N separate runs cost N x).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from adapters.training import TrainableAdapter
+from adapters.training import TrainableAdapter, TrainConfig
+from adapters.training.trainer import Variant, fused_step
 from benchmarks.common import argument_parser, environment, interleaved, median_ratio, pin_malloc
 from memory_core import AdapterWeights, DenseMemoryViT, MemoryViT
 
@@ -30,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory", type=int, default=5)
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--variants", type=int, default=8, help="adapters trained at once for 'step N'")
     args = parser.parse_args(argv)
     malloc = pin_malloc()
     torch.manual_seed(0)
@@ -68,7 +73,35 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
 
-    times = interleaved({"infer": infer, "step": step, "dense": dense_step}, args.rounds)
+    classes = tuple(f"c{i}" for i in range(args.classes))
+
+    def variants(n: int) -> list[Variant]:
+        # A sweep's variants: learning rates and memory sizes differ, the data is shared.
+        configs = [
+            TrainConfig(
+                name=f"v{i}",
+                train_dir="-",
+                lr=0.01 * (i + 1),
+                memory_tokens=(1, args.memory)[i % 2],
+                steps=1000,
+            )
+            for i in range(n)
+        ]
+        made = [Variant(engine, c, classes, None, total=1000) for c in configs]
+        for v in made:
+            with torch.no_grad():
+                v.adapter.head.weight.normal_(0, 0.02)
+        return made
+
+    one, many = variants(1), variants(args.variants)
+    fns = {
+        "infer": infer,
+        "step": step,
+        "dense": dense_step,
+        "step 1": lambda: fused_step(engine, one, None, x, y),
+        f"step {args.variants}": lambda: fused_step(engine, many, None, x, y),
+    }
+    times = interleaved(fns, args.rounds)
     print(
         environment(
             args.arch,
@@ -87,9 +120,18 @@ def main(argv: list[str] | None = None) -> None:
         f"| {med['infer']:.0f} | {med['step']:.0f} | {med['dense']:.0f} "
         f"| {step_infer:.3f} | {dense_step_ratio:.2f} |"
     )
+    n = args.variants
+    multi = median_ratio(times, f"step {n}", "step 1")
+    print(
+        f"\n| trainer step, 1 adapter (ms) | {n} adapters at once (ms) | {n} at once / 1 "
+        f"| {n} separate runs / 1 |\n|--:|--:|--:|--:|"
+    )
+    ms_one, ms_many = (1e3 * statistics.median(times[k]) for k in ("step 1", f"step {n}"))
+    print(f"| {ms_one:.0f} | {ms_many:.0f} | {multi:.3f} | {n} |")
     print(
         f"targets: step <= 1.5 x infer: {'ok' if step_infer <= 1.5 else 'MISS'}; "
-        f"dense >= 2 x step: {'ok' if dense_step_ratio >= 2 else 'MISS'}"
+        f"dense >= 2 x step: {'ok' if dense_step_ratio >= 2 else 'MISS'}; "
+        f"{n} adapters <= 1.3 x one: {'ok' if multi <= 1.3 else 'MISS'}"
     )
 
 

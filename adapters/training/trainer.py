@@ -216,7 +216,7 @@ def train_adapters(
     engine.train()  # the base stays in eval mode; see MemoryViT.train
     seen, tick = 0, time.perf_counter()
     for images, labels in loader:
-        _step(engine, variants, parent, images, labels)
+        fused_step(engine, variants, parent, images, labels)
         step, seen = step + 1, seen + len(labels)
         now = time.perf_counter()
         best = max(variants, key=lambda v: v.correct)
@@ -250,14 +250,14 @@ def train_adapters(
     return results
 
 
-def _step(
+def fused_step(
     engine: MemoryViT,
     variants: list[Variant],
     parent: PreparedAdapter | None,
     images: torch.Tensor,
     labels: torch.Tensor,
 ) -> None:
-    """One optimiser step for every variant, from one fused pass over the batch."""
+    """One optimiser step for every variant, from one fused pass over the batch (the base runs once)."""
     prepared = tuple(engine.prepare(v.adapter.live_weights()) for v in variants)
     out = engine(images, AdapterSet(((parent,) if parent else ()) + prepared))
     losses = [F.cross_entropy(out.adapters[v.name].float(), labels) for v in variants]
