@@ -81,16 +81,23 @@ def arrays_to_folder(
     return out
 
 
-def cifar_tar_to_folder(tar_path: str | Path, out: str | Path, *, per_class: int | None = None) -> Path:
-    """Extract the first ``per_class`` JPEGs of each class from a CIFAR-10 ``split/<class>/*.jpg`` tarball."""
+def cifar_tar_to_folder(
+    tar_path: str | Path, out: str | Path, *, per_class: int | None = None, skip_per_class: int = 0
+) -> Path:
+    """Extract ``per_class`` JPEGs of each class from a CIFAR-10 ``split/<class>/*.jpg`` tarball, after
+    leaving out the first ``skip_per_class`` of each (to cut disjoint train/val sets from one split)."""
     out = Path(out)
     counts: dict[str, int] = {}
+    skipped: dict[str, int] = {}
     with tarfile.open(tar_path) as tar:
         for member in tar:
             parts = Path(member.name).parts
             if not member.isfile() or len(parts) < 2 or not parts[-1].lower().endswith(".jpg"):
                 continue
             cls = parts[-2]
+            if skipped.get(cls, 0) < skip_per_class:
+                skipped[cls] = skipped.get(cls, 0) + 1
+                continue
             if per_class is not None and counts.get(cls, 0) >= per_class:
                 continue
             counts[cls] = counts.get(cls, 0) + 1

@@ -1,21 +1,29 @@
-"""The paper's Table 2 in miniature, then the concatenation claim, on the real DeiT-Tiny.
+"""The paper's Table 2, powered: four regimes on two datasets, chosen on validation, scored on a test split.
 
-    python -m benchmarks.paper_table                 # ~35 minutes on 2 CPU cores
+    python -m benchmarks.paper_table                                # the full table (~1.5-2 h on 2 CPU cores)
+    python -m benchmarks.paper_table --datasets cifar10 --train-per-class 200 --steps 250 --seeds 0
 
-1. Fine-tunes DeiT-Tiny (frozen, ImageNet weights from the shared data's deit_tiny/) on subsets of
-   CIFAR-10 (the shared data's cifar10/) and Fashion-MNIST (Debian's dataset-fashion-mnist) in four
-   regimes with the same budget each: head only, class token + head, memory 1, memory 5.
-2. Loads the best adapter of each dataset into ONE engine and checks that the fused pass gives the
-   base's ImageNet predictions unchanged (real photos, against plain timm) and both adapters'
-   accuracies unchanged (against each adapter alone).
+On the real DeiT-Tiny (frozen, ImageNet weights from the shared data), for CIFAR-10 (the shared
+JPEGs) and Fashion-MNIST (Debian's dataset-fashion-mnist):
+1. Every regime (head only, class token + head, memory 1, memory 5) at every point of its
+   learning-rate grid, for every seed, trains in ONE fused run per dataset (``train_adapters``): the
+   base runs once per batch for all of them. Seeds vary the adapters' initialisation (``init_seed``);
+   the data order is the run's (one stream shared by every variant).
+2. Per regime and seed, the grid point with the best top-1 on the validation split (cut from the
+   training set, disjoint from it) is scored on the held-out test split.
+3. Paired differences between regimes on the same test images, with two standard errors: over
+   images (the per-image difference averaged over seeds) and over seeds (the per-seed differences).
+4. The best adapter of each dataset is served together in ONE engine: each adapter's accuracy and
+   the base's ImageNet predictions are unchanged.
 
-The shared data is ../shared/data, or $MEMVIT_SHARED_DATA (benchmarks/common.py). Prints markdown
-for benchmarks/RESULTS.md.
+Writes markdown for benchmarks/RESULTS.md and a learning-curve plot per dataset (--plots).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,7 +33,8 @@ import torch
 
 from adapters import attach_bundle
 from adapters.preprocess import eval_transform, to_rgb
-from adapters.training import TrainConfig, evaluate_tasks, train_adapter
+from adapters.training import TrainConfig, evaluate_tasks, scan_folder, train_adapters
+from adapters.training.data import ImageDataset
 from benchmarks.common import (
     CIFAR10,
     DEIT_TINY,
@@ -40,125 +49,285 @@ from benchmarks.datasets import (
     cifar_tar_to_folder,
     fashion_mnist_split,
 )
-from memory_core import MemoryViT
+from memory_core import AdapterSet, MemoryViT
 
-REGIMES = {
+# Each regime's grid: (lr, class-token lr scale, memory lr scale). The class token needs ~30x the
+# head's step (its gradient is ~0.6% of its norm); memory regimes also try each --memory-inits.
+REGIMES: dict[str, dict] = {
     "head only": {"head_only": True},
     "class token + head": {"memory_tokens": 0},
     "memory 1": {"memory_tokens": 1},
     "memory 5": {"memory_tokens": 5},
 }
+GRIDS: dict[str, list[tuple[float, float, float | None]]] = {
+    "head only": [(0.05, 1, None), (0.2, 1, None)],
+    "class token + head": [(0.05, 30, None), (0.2, 10, None)],
+    "memory 1": [(0.05, 30, 1), (0.05, 30, 10)],
+    "memory 5": [(0.05, 30, 1), (0.05, 30, 10)],
+}
 
 
-def prepare_data(root: Path, train_per_class: int, val_per_class: int) -> dict[str, tuple[Path, Path]]:
-    data = {}
-    cifar = root / f"cifar10-{train_per_class}-{val_per_class}"
-    if not (cifar / "val").is_dir():
-        cifar_tar_to_folder(
-            CIFAR10 / "cifar10_jpg_train_50k.tar.gz", cifar / "train", per_class=train_per_class
-        )
-        cifar_tar_to_folder(CIFAR10 / "cifar10_jpg_test_10k.tar.gz", cifar / "val", per_class=val_per_class)
-    data["cifar10"] = (cifar / "train", cifar / "val")
-    fashion = root / f"fashion-mnist-{train_per_class}-{val_per_class}"
-    if not (fashion / "val").is_dir():
-        images, labels = fashion_mnist_split("train")
-        arrays_to_folder(images, labels, FASHION_MNIST_CLASSES, fashion / "train", per_class=train_per_class)
-        images, labels = fashion_mnist_split("t10k")
-        arrays_to_folder(images, labels, FASHION_MNIST_CLASSES, fashion / "val", per_class=val_per_class)
-    data["fashion-mnist"] = (fashion / "train", fashion / "val")
-    return data
+def grid(regime: str, inits: list[str]) -> list[tuple[float, float, float | None, str]]:
+    """The regime's grid points, each with a memory initialisation (memory regimes: every one of inits)."""
+    points = GRIDS[regime]
+    if REGIMES[regime].get("memory_tokens"):
+        return [(*p, init) for init in inits for p in points]
+    return [(*p, "normal") for p in points]
 
 
-def base_predictions_unchanged(engine: MemoryViT) -> tuple[float, list[str]]:
-    """Max |logit| difference between the fused pass and plain timm on the real photos, and top-1s."""
+def prepare_data(root: Path, dataset: str, train: int, val: int, test: int) -> tuple[Path, Path, Path]:
+    """train/val/test folders: val is cut from the training set after the train images (disjoint)."""
+    out = root / f"{dataset}-{train}-{val}-{test}"
+    if not (out / "test").is_dir():
+        if dataset == "cifar10":
+            train_tar = CIFAR10 / "cifar10_jpg_train_50k.tar.gz"
+            cifar_tar_to_folder(train_tar, out / "train", per_class=train)
+            cifar_tar_to_folder(train_tar, out / "val", per_class=val, skip_per_class=train)
+            cifar_tar_to_folder(CIFAR10 / "cifar10_jpg_test_10k.tar.gz", out / "test", per_class=test)
+        elif dataset == "fashion-mnist":
+            images, labels = fashion_mnist_split("train")
+            arrays_to_folder(images, labels, FASHION_MNIST_CLASSES, out / "train", per_class=train)
+            arrays_to_folder(
+                images, labels, FASHION_MNIST_CLASSES, out / "val", per_class=val, skip_per_class=train
+            )
+            images, labels = fashion_mnist_split("t10k")
+            arrays_to_folder(images, labels, FASHION_MNIST_CLASSES, out / "test", per_class=test)
+        else:
+            raise ValueError(f"unknown dataset {dataset!r}")
+    return out / "train", out / "val", out / "test"
+
+
+@torch.inference_mode()
+def test_correct(engine: MemoryViT, results: dict, test_dir: Path, batch: int) -> dict[str, torch.Tensor]:
+    """Per chosen adapter, which test images it gets right (bool (N,)), from one fused pass per batch."""
+    samples = scan_folder(test_dir)
+    adapter_set = AdapterSet(tuple(engine.prepare_many([r.bundle.weights for r in results.values()])))
+    loader = torch.utils.data.DataLoader(ImageDataset(samples, eval_transform(engine)), batch_size=batch)
+    correct: dict[str, list[torch.Tensor]] = {name: [] for name in results}
+    for images, labels in loader:
+        out = engine(images, adapter_set)
+        for name in results:
+            correct[name].append(out.adapters[name].argmax(-1) == labels)
+    return {name: torch.cat(parts) for name, parts in correct.items()}
+
+
+def paired(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
+    """Regime a minus regime b on the same images, per seed: mean, SE over images, SE over seeds."""
+    per_seed = [float(x.float().mean() - y.float().mean()) for x, y in zip(a, b, strict=True)]
+    per_image = torch.stack([x.float() - y.float() for x, y in zip(a, b, strict=True)]).mean(0)
+    se_images = float(per_image.std()) / math.sqrt(per_image.numel())
+    se_seeds = statistics.stdev(per_seed) / math.sqrt(len(per_seed)) if len(per_seed) > 1 else float("nan")
+    return {
+        "diff": sum(per_seed) / len(per_seed),
+        "se_images": se_images,
+        "se_seeds": se_seeds,
+        "per_seed": per_seed,
+    }
+
+
+def base_predictions_unchanged(engine: MemoryViT) -> float:
+    """Max |logit| difference, fused pass against plain timm, on the real photos (inf if a top-5 differs)."""
     from PIL import Image
 
     reference = timm.create_model("deit_tiny_patch16_224", num_classes=1000)
     reference.load_state_dict(timm.models.load_state_dict(str(DEIT_TINY)))
     reference.eval()
     transform = eval_transform(engine)
-    photos = natural_photos()
-    x = torch.stack([transform(to_rgb(Image.open(p))) for p in photos])
+    x = torch.stack([transform(to_rgb(Image.open(p))) for p in natural_photos()])
     with torch.inference_mode():
-        fused = engine(x).base
-        plain = reference(x)
-    labels = engine.labels or ()
-    tops = [
-        f"{p.name}: {labels[int(i)].split(' ', 1)[-1]}" for p, i in zip(photos, fused.argmax(-1), strict=True)
-    ]
+        fused, plain = engine(x).base, reference(x)
     same = bool((fused.topk(5).indices == plain.topk(5).indices).all())
-    return (fused - plain).abs().max().item() if same else float("inf"), tops
+    return (fused - plain).abs().max().item() if same else float("inf")
+
+
+def plot_curves(path: Path, dataset: str, chosen: dict[str, dict[int, object]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from adapters.training.report import _smooth
+
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
+    for i, (regime, by_seed) in enumerate(chosen.items()):
+        colour = f"C{i}"
+        for j, result in enumerate(by_seed.values()):
+            label = regime if j == 0 else None
+            loss_ax.plot(_smooth(result.losses, 50), color=colour, linewidth=1, label=label)
+            acc_ax.plot(*zip(*result.curve, strict=True), color=colour, marker="o", markersize=2, label=label)
+    loss_ax.set(title=f"{dataset}: training loss (mean of 50 steps)", xlabel="step", ylabel="cross-entropy")
+    acc_ax.set(title=f"{dataset}: validation top-1 (chosen grid point, each seed)", xlabel="step")
+    acc_ax.legend()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_dataset(engine: MemoryViT, dataset: str, dirs: tuple[Path, Path, Path], args) -> dict:
+    train_dir, val_dir, test_dir = dirs
+    configs, where = [], []
+    for regime, overrides in REGIMES.items():
+        for g, (lr, tls, mls, init) in enumerate(grid(regime, args.memory_inits)):
+            for seed in args.seeds:
+                name = f"{dataset}-{regime.replace(' + ', '-').replace(' ', '-')}-g{g}-s{seed}"
+                configs.append(
+                    TrainConfig(
+                        name=name,
+                        train_dir=str(train_dir),
+                        val_dir=str(val_dir),
+                        steps=args.steps,
+                        batch_size=args.batch_size,
+                        lr=lr,
+                        token_lr_scale=tls,
+                        memory_lr_scale=mls,
+                        memory_init=init,
+                        seed=args.data_seed,
+                        init_seed=seed,
+                        workers=args.workers,
+                        eval_batch_size=128,
+                        **overrides,
+                    )
+                )
+                where.append((regime, g, seed))
+    started = time.perf_counter()
+    results = train_adapters(engine, configs, progress=args.progress, curve_points=args.curve_points)
+    seconds = time.perf_counter() - started
+    # Per regime and seed: the grid point with the best validation top-1 (ties: the first).
+    chosen: dict[str, dict[int, object]] = {}
+    grid_val: dict[tuple[str, int], list[float]] = {}
+    for (regime, g, seed), result in zip(where, results, strict=True):
+        grid_val.setdefault((regime, g), []).append(result.val.top1)
+        best = chosen.setdefault(regime, {}).get(seed)
+        if best is None or result.val.top1 > best.val.top1:
+            chosen[regime][seed] = result
+    picked = {r.bundle.name: r for by_seed in chosen.values() for r in by_seed.values()}
+    correct = test_correct(engine, picked, test_dir, 128)
+    per_regime = {regime: [correct[chosen[regime][s].bundle.name] for s in args.seeds] for regime in REGIMES}
+    return {
+        "seconds": seconds,
+        "variants": len(configs),
+        "chosen": chosen,
+        "grid_val": grid_val,
+        "correct": per_regime,
+        "test_images": len(next(iter(correct.values()))),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__file__, __doc__)
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/memvit-paper"))
-    parser.add_argument("--train-per-class", type=int, default=200)
+    parser.add_argument("--datasets", nargs="+", default=["cifar10", "fashion-mnist"])
+    parser.add_argument("--train-per-class", type=int, default=500)
     parser.add_argument("--val-per-class", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--test-per-class", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument(
-        "--token-lr-scale", type=float, default=1.0, help="lr multiplier, class token + memory"
-    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="initialisation seeds")
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--memory-inits", nargs="+", default=["tokens"], choices=["normal", "tokens"])
+    parser.add_argument("--curve-points", type=int, default=10)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plots", type=Path, default=None, help="directory for the learning-curve PNGs")
+    parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
     if not DEIT_TINY.is_file():
         sys.exit(f"needs the real DeiT-Tiny weights at {DEIT_TINY} (set MEMVIT_SHARED_DATA)")
     pin_malloc()
     started = time.perf_counter()
     engine = deit_tiny_engine(labels=True)
-    data = prepare_data(args.data_dir, args.train_per_class, args.val_per_class)
-    bundles = args.data_dir / "bundles"
-    bundles.mkdir(parents=True, exist_ok=True)
-
-    results: dict[str, dict[str, dict]] = {}
-    for dataset, (train_dir, val_dir) in data.items():
-        for regime, overrides in REGIMES.items():
-            name = f"{dataset}-{regime.replace(' + ', '-').replace(' ', '-')}"
-            config = TrainConfig(
-                name=name, train_dir=str(train_dir), val_dir=str(val_dir), steps=args.steps,
-                batch_size=args.batch_size, lr=args.lr, token_lr_scale=args.token_lr_scale, seed=args.seed,
-                workers=args.workers, **overrides,
-            )  # fmt: skip
-            result = train_adapter(engine, config, out=bundles / f"{name}.safetensors", progress=False)
-            results.setdefault(dataset, {})[regime] = {
-                "name": name,
-                "top1": result.val.top1,
-                "top5": result.val.top5,
-                "seconds": round(result.seconds),
-                "final_loss": round(result.bundle.training["final_train_loss"], 4),
-            }
-            print(json.dumps({"dataset": dataset, "regime": regime, **results[dataset][regime]}), flush=True)
-
-    print(
-        f"\n{args.train_per_class} training and {args.val_per_class} validation images per class, "
-        f"{args.steps} steps of batch {args.batch_size}, lr {args.lr} "
-        f"(x{args.token_lr_scale} for class token and memory), seed {args.seed}\n"
-    )
-    print("| regime | " + " | ".join(f"{d} top-1" for d in data) + " |")
-    print("|---|" + "--:|" * len(data))
-    for regime in REGIMES:
-        print(f"| {regime} | " + " | ".join(f"{results[d][regime]['top1']:.3f}" for d in data) + " |")
-
-    best = {d: max(r.values(), key=lambda r: r["top1"])["name"] for d, r in results.items()}
-    for name in best.values():
-        attach_bundle(engine, bundles / f"{name}.safetensors")
-    reports = evaluate_tasks(engine, {best[d]: data[d][1] for d in data})
-    diff, tops = base_predictions_unchanged(engine)
-    print(f"\nOne engine serving {list(engine.adapters.names)}:")
-    print("| task | fused top-1 | alone top-1 | max logit diff | unchanged |\n|---|--:|--:|--:|---|")
-    for r in reports:
-        print(
-            f"| {r.task} | {r.fused.top1:.3f} | {r.alone.top1:.3f} | {r.max_logit_diff:.1e} | {r.unchanged} |"
+    per_dataset = {}
+    for dataset in args.datasets:
+        dirs = prepare_data(
+            args.data_dir, dataset, args.train_per_class, args.val_per_class, args.test_per_class
         )
-    print(
-        f"| base (ImageNet, {len(tops)} photos, vs plain timm) | - | - | {diff:.1e} "
-        f"| top-5 identical: {diff != float('inf')} |"
-    )
-    print("\nBase top-1 through the fused pass: " + "; ".join(tops))
+        per_dataset[dataset] = run_dataset(engine, dataset, dirs, args)
+        r = per_dataset[dataset]
+        print(f"{dataset}: {r['variants']} variants in one run, {r['seconds']:.0f} s", flush=True)
+        if args.plots:
+            args.plots.mkdir(parents=True, exist_ok=True)
+            plot_curves(args.plots / f"paper_table_{dataset}.png", dataset, r["chosen"])
+    report(per_dataset, args)
+    # The concatenation claim: the best adapter of each dataset, served together in one engine.
+    best = {}
+    for dataset, r in per_dataset.items():
+        scores = {
+            regime: statistics.mean(c.float().mean().item() for c in cs)
+            for regime, cs in r["correct"].items()
+        }
+        regime = max(scores, key=scores.get)
+        best[dataset] = r["chosen"][regime][args.seeds[0]]
+        attach_bundle(engine, best[dataset].bundle)
+    test_dirs = {
+        best[d].bundle.name: args.data_dir
+        / f"{d}-{args.train_per_class}-{args.val_per_class}-{args.test_per_class}"
+        / "test"
+        for d in best
+    }
+    reports = evaluate_tasks(engine, test_dirs)
+    print(f"\nOne engine serving {list(engine.adapters.names)} (test splits):")
+    print("| task | fused top-1 | alone top-1 | max logit diff | unchanged |\n|---|--:|--:|--:|---|")
+    for t in reports:
+        print(
+            f"| {t.task} | {t.fused.top1:.4f} | {t.alone.top1:.4f} | {t.max_logit_diff:.1e} | {t.unchanged} |"
+        )
+    diff = base_predictions_unchanged(engine)
+    print(f"| base (ImageNet, real photos, vs plain timm) | - | - | {diff:.1e} | - |")
     print(f"\nTotal {time.perf_counter() - started:.0f} s")
+
+
+def report(per_dataset: dict, args) -> None:
+    print(
+        f"\n{args.train_per_class} training, {args.val_per_class} validation (for choosing) and "
+        f"{args.test_per_class} test images per class; {args.steps} steps of batch {args.batch_size}; "
+        f"initialisation seeds {args.seeds}; memory inits {args.memory_inits}\n"
+    )
+    datasets = list(per_dataset)
+    print("| regime | " + " | ".join(f"{d} test top-1 (mean ± sd over seeds)" for d in datasets) + " |")
+    print("|---|" + "--:|" * len(datasets))
+    for regime in REGIMES:
+        cells = []
+        for d in datasets:
+            accs = [c.float().mean().item() for c in per_dataset[d]["correct"][regime]]
+            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+            cells.append(f"{statistics.mean(accs):.4f} ± {sd:.4f}")
+        print(f"| {regime} | " + " | ".join(cells) + " |")
+    print(
+        "\nGrid (lr, class-token scale, memory scale) -> mean validation top-1 over seeds; chosen per seed:"
+    )
+    for d in datasets:
+        r = per_dataset[d]
+        for regime in REGIMES:
+            points = [
+                f"{point}: {statistics.mean(r['grid_val'][(regime, g)]):.4f}"
+                for g, point in enumerate(grid(regime, args.memory_inits))
+            ]
+            picks = [r["chosen"][regime][s].bundle.name.rsplit("-", 2)[-2] for s in args.seeds]
+            print(f"- {d}, {regime}: {'; '.join(points)}; chosen {picks}")
+    print("\nPaired differences on the same test images (test top-1 points; SE over images | over seeds):")
+    print("| dataset | comparison | difference | SE images | SE seeds | per seed | >= 2 SE (larger) |")
+    print("|---|---|--:|--:|--:|---|---|")
+    pairs = [
+        ("memory 5", "head only"),
+        ("memory 5", "class token + head"),
+        ("memory 1", "head only"),
+        ("memory 1", "class token + head"),
+        ("class token + head", "head only"),
+        ("memory 5", "memory 1"),
+    ]
+    for d in datasets:
+        correct = per_dataset[d]["correct"]
+        for a, b in pairs:
+            p = paired(correct[a], correct[b])
+            se = max(p["se_images"], 0.0 if math.isnan(p["se_seeds"]) else p["se_seeds"])
+            seeds = ", ".join(f"{x:+.4f}" for x in p["per_seed"])
+            print(
+                f"| {d} | {a} - {b} | {p['diff']:+.4f} | {p['se_images']:.4f} | {p['se_seeds']:.4f} "
+                f"| {seeds} | {'yes' if p['diff'] > 0 and p['diff'] >= 2 * se else 'no'} |"
+            )
+    print(
+        json.dumps(
+            {d: {"seconds": round(r["seconds"]), "variants": r["variants"]} for d, r in per_dataset.items()}
+        )
+    )
 
 
 if __name__ == "__main__":

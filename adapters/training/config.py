@@ -75,6 +75,10 @@ class TrainConfig:
     seed: int = field(
         default=0, metadata={"help": "seeds the split, the initialisation and the augmentation"}
     )
+    init_seed: int | None = field(
+        default=None,
+        metadata={"help": "seeds the adapter's initialisation alone (default: seed); sweepable"},
+    )
     workers: int = field(default=0, metadata={"help": "data-loading processes"})
     eval_batch_size: int = field(default=64, metadata={"help": "batch size for validation"})
     extra: dict[str, Any] = field(
@@ -113,6 +117,11 @@ class TrainConfig:
     @property
     def memory_lr(self) -> float:
         return self.lr * (self.token_lr_scale if self.memory_lr_scale is None else self.memory_lr_scale)
+
+    @property
+    def start_seed(self) -> int:
+        """What seeds the initialisation: ``init_seed``, else ``seed``."""
+        return self.seed if self.init_seed is None else self.init_seed
 
     def shared(self) -> dict[str, Any]:
         """The fields every adapter trained in the same pass must agree on."""

@@ -6,10 +6,14 @@ large share of the class token's attention and moves its features before trainin
 anything, and the first steps go into undoing that (RESULTS §2.5).
 
 ``tokens``: each layer's memory starts as real token inputs of that block, drawn from the base's
-pass over a few training images. At step 0 a memory token is then a copy of a token the class token
-already sees, so the adapter starts close to the base (and the memory's key and value are those of
-real tokens, in scale and direction). Under ``memory_norm="none"`` the drawn tokens are stored
-normalised by the block's norm1, so their keys and values at step 0 are the same as under norm1.
+pass over a few training images. At step 0 a memory token's key and value are then those of a token
+the class token already sees, so the adapter starts close to the base. Under ``memory_norm="norm1"``
+the drawn token is stored standardised and scaled to the paper's N(0, 0.02) size: LayerNorm does
+not see the scale (so the key is the real token's), while SGD does (a LayerNorm'd parameter's
+effective step shrinks with the square of its norm, and real tokens are 30-70x larger than 0.02 per
+feature), so the paper's learning rates keep their meaning. Under ``memory_norm="none"`` the drawn
+tokens are stored as the block's norm1 outputs, so their keys and values at step 0 are the same as
+under norm1.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from torch import Tensor
 
 from memory_core import MemoryViT
+from memory_core.adapter import MEMORY_INIT_STD
 
 MEMORY_INITS = ("normal", "tokens")
 
@@ -51,5 +56,9 @@ def token_memory(
                 f"{num_memory} memory tokens from {tokens.shape[0]} image tokens: use more images"
             )
         picked = tokens[torch.randperm(tokens.shape[0], generator=generator)[:num_memory]]
-        layers.append(block.norm1(picked) if memory_norm == "none" else picked)
+        if memory_norm == "none":
+            layers.append(block.norm1(picked))
+        else:  # the direction LayerNorm sees, at the paper's initial scale
+            centred = picked - picked.mean(-1, keepdim=True)
+            layers.append(centred / centred.std(-1, keepdim=True) * MEMORY_INIT_STD)
     return torch.stack(layers).float().cpu()

@@ -44,6 +44,7 @@ _TAGS = {
     "weight_decay": "wd",
     "warmup_fraction": "wu",
     "clip_grad": "clip",
+    "init_seed": "s",
 }
 
 

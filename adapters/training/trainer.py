@@ -6,7 +6,7 @@ costs about one inference pass. The result is a ``memvit.adapter/1`` bundle whos
 metadata records the data, the steps, the hyper-parameters and the validation accuracy.
 
 Several adapters train in ONE pass (``train_adapters``): each batch goes through the base once, with
-every adapter's class-token row alongside (docs/design.md §3.3). Rows never attend to each other, so
+every adapter's class-token row alongside (docs/design.md §2.8). Rows never attend to each other, so
 the summed loss gives each adapter exactly the gradient it would get alone; each has its own
 optimiser, learning rates, schedule and clipping, so each ends where it would have ended alone.
 """
@@ -87,7 +87,7 @@ class Variant:
                 init_images,
                 config.memory_tokens,
                 config.memory_norm,
-                torch.Generator().manual_seed(config.seed + 1),
+                torch.Generator().manual_seed(config.start_seed + 1),
             )
         self.adapter = TrainableAdapter(
             engine,
@@ -98,7 +98,7 @@ class Variant:
             memory_norm=config.memory_norm,
             parent=parent,
             labels=classes,
-            generator=torch.Generator().manual_seed(config.seed),
+            generator=torch.Generator().manual_seed(config.start_seed),
             memory=memory,
         )
         a = self.adapter

@@ -61,3 +61,8 @@ def test_cifar_tarball_subset(tmp_path) -> None:
                 tar.addfile(info, io.BytesIO(buf.getvalue()))
     out = cifar_tar_to_folder(tar_path, tmp_path / "out", per_class=2)
     assert scan_folder(out).per_class() == {"cat": 2, "dog": 2}
+    # A validation set cut after the training images shares no file with them.
+    val = cifar_tar_to_folder(tar_path, tmp_path / "val", per_class=2, skip_per_class=2)
+    train_names = {p.name for p in scan_folder(out).paths}
+    val_names = {p.name for p in scan_folder(val).paths}
+    assert val_names == {"0002.jpg", "0003.jpg"} and not train_names & val_names

@@ -23,17 +23,23 @@ def test_token_memory_is_drawn_from_each_blocks_inputs(memory_norm) -> None:
     assert inputs[0].shape == (3 * engine.base.patch_embed.num_patches, engine.spec.width)
     memory = token_memory(engine, x, 4, memory_norm, torch.Generator().manual_seed(0))
     assert memory.shape == (engine.spec.depth, 4, engine.spec.width)
+    # What the block makes of each memory token is what it makes of a token it really sees: exactly
+    # under "none"; under norm1 up to LayerNorm's eps (1e-6 against a variance of 0.02^2: 0.1%).
+    tol = 0.0 if memory_norm == "none" else 2e-2
     for layer, (block, tokens) in enumerate(zip(engine.base.blocks, inputs, strict=True)):
-        pool = block.norm1(tokens) if memory_norm == "none" else tokens
-        for row in memory[layer]:
-            assert torch.isclose(pool, row, atol=1e-6).all(-1).any(), "a memory token that no layer input is"
+        seen = block.norm1(tokens)
+        made = memory[layer] if memory_norm == "none" else block.norm1(memory[layer])
+        for row in made:
+            assert ((seen - row).abs().amax(-1) <= tol).any(), "a memory token no layer input is"
         assert len({tuple(r.tolist()) for r in memory[layer]}) == 4  # drawn without replacement
+    if memory_norm == "norm1":  # at the paper's initial scale, so its learning rates keep their meaning
+        assert memory.std(-1).mean().item() == pytest.approx(0.02, rel=1e-3)
     # Under either norm a memory token's key at step 0 is the key of the token it was drawn from.
     same = token_memory(engine, x, 4, "norm1", torch.Generator().manual_seed(0))
     other = token_memory(engine, x, 4, "none", torch.Generator().manual_seed(0))
     k1, _ = engine.project_memory(same, "norm1")
     k2, _ = engine.project_memory(other, "none")
-    assert torch.allclose(k1, k2, atol=1e-5)
+    assert torch.allclose(k1, k2, atol=1e-2, rtol=1e-2)
 
 
 def test_tokens_init_trains_and_is_recorded(image_folder, tiny_weights) -> None:
@@ -42,7 +48,7 @@ def test_tokens_init_trains_and_is_recorded(image_folder, tiny_weights) -> None:
     config = dataclasses.replace(config, memory_tokens=2, memory_init="tokens")
     result = train_adapter(engine, config, progress=False)
     assert result.bundle.training["hyper_parameters"]["memory_init"] == "tokens"
-    # Real tokens have the scale of the residual stream, far from N(0, 0.02).
-    assert result.bundle.weights.memory.std() > 0.1
+    # Real tokens' directions at the paper's scale: every token standardised to std 0.02 at the start.
+    assert 0.01 < result.bundle.weights.memory.std().item() < 0.04
     with pytest.raises(TrainingError, match="memory_init must be one of"):
         TrainConfig(name="x", train_dir=str(image_folder), memory_init="zeros")
