@@ -61,7 +61,7 @@ REGIMES: dict[str, dict] = {
 }
 GRIDS: dict[str, list[tuple[float, float, float | None]]] = {
     "head only": [(0.05, 1, None), (0.2, 1, None)],
-    "class token + head": [(0.05, 30, None), (0.2, 10, None)],
+    "class token + head": [(0.05, 30, None), (0.05, 100, None)],
     "memory 1": [(0.05, 30, 1), (0.05, 30, 10)],
     "memory 5": [(0.05, 30, 1), (0.05, 30, 10)],
 }
