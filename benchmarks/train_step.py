@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             for i in range(n)
         ]
-        made = [Variant(engine, c, classes, None, total=1000) for c in configs]
+        made = [Variant(engine, c, classes, None, total=1000, init_images=x[:4]) for c in configs]
         for v in made:
             with torch.no_grad():
                 v.adapter.head.weight.normal_(0, 0.02)

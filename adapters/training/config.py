@@ -47,7 +47,7 @@ class TrainConfig:
     head_only: bool = field(default=False, metadata={"help": "train the head alone"})
     memory_norm: str = field(default="norm1", metadata={"help": "norm1 (paper) or none"})
     memory_init: str = field(
-        default="normal",
+        default="tokens",
         metadata={"help": "where memory starts: normal (paper: N(0, 0.02)) or tokens (real block inputs)"},
     )
     parent: str | None = field(default=None, metadata={"help": "parent bundle: extension mode", "path": True})
@@ -55,10 +55,11 @@ class TrainConfig:
     steps: int | None = field(default=None, metadata={"help": "optimiser steps (overrides epochs)"})
     batch_size: int = field(default=32, metadata={"help": "training batch size"})
     lr: float = field(default=0.05, metadata={"help": "peak SGD learning rate"})
-    token_lr_scale: float = field(default=1.0, metadata={"help": "lr multiplier for the class token"})
-    memory_lr_scale: float | None = field(
-        default=None, metadata={"help": "lr multiplier for the memory tokens (default: token-lr-scale)"}
+    token_lr_scale: float = field(
+        default=30.0,
+        metadata={"help": "lr multiplier for the class token (its gradients are ~1% of its norm)"},
     )
+    memory_lr_scale: float = field(default=1.0, metadata={"help": "lr multiplier for the memory tokens"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     weight_decay: float = field(default=0.0, metadata={"help": "SGD weight decay"})
     warmup_fraction: float = field(default=0.05, metadata={"help": "share of steps for linear warm-up"})
@@ -102,7 +103,7 @@ class TrainConfig:
             self.memory_tokens = 0  # head-only has neither memory nor a learned class token
         if self.batch_size < 1 or (self.steps is not None and self.steps < 1) or self.epochs <= 0:
             raise TrainingError("batch size, steps and epochs must be positive")
-        if self.token_lr_scale <= 0 or (self.memory_lr_scale is not None and self.memory_lr_scale <= 0):
+        if self.token_lr_scale <= 0 or self.memory_lr_scale <= 0:
             raise TrainingError("learning-rate scales must be positive")
         if not (
             self.lr > 0 and 0 <= self.momentum < 1 and self.clip_grad > 0 and 0 <= self.warmup_fraction < 1
@@ -116,7 +117,7 @@ class TrainConfig:
 
     @property
     def memory_lr(self) -> float:
-        return self.lr * (self.token_lr_scale if self.memory_lr_scale is None else self.memory_lr_scale)
+        return self.lr * self.memory_lr_scale
 
     @property
     def start_seed(self) -> int:

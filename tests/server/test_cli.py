@@ -128,7 +128,7 @@ CLI_FIELDS = [f for f in dataclasses.fields(TrainConfig) if f.name != "extra"]
 
 def _changed(f: dataclasses.Field, tmp_path) -> object:
     """A valid value for a field that differs from its default."""
-    special = {"name": "other-name", "memory_norm": "none", "memory_init": "tokens"}
+    special = {"name": "other-name", "memory_norm": "none", "memory_init": "normal"}
     if f.name in special:
         return special[f.name]
     hint, default = TRAIN_HINTS[f.name], f.default

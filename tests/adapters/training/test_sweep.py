@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 from adapters import read_bundle
 from adapters.training import TrainConfig, TrainingError, train_adapter, train_adapters
 from adapters.training.sweep import expand, parse_sweep
+from adapters.training.trainer import Variant
 from memory_core import MemoryViT
 from server.cli import app
-from tests.conftest import max_diff
+from tests.conftest import max_diff, tiny_engine
 
 TOL = 2e-5  # float32: one pass with 8 rows against one with 1 rounds a little differently
 
@@ -122,16 +123,16 @@ def test_bad_sweeps_are_refused(items, match) -> None:
 
 
 def test_equal_variants_train_once_and_names_say_what_changed(image_folder) -> None:
-    sweep = parse_sweep(["head-only=false,true", "memory-tokens=0,5", "memory-lr-scale=none,3"])
+    sweep = parse_sweep(["head-only=false,true", "memory-tokens=0,5", "memory-lr-scale=1,3"])
     variants = expand(_config(image_folder), sweep)
     names = [c.name for c, _ in variants]
     # Head-only forces memory 0, and memory's lr scale means nothing without memory: of the 8
     # combinations, 4 are different runs (head-only; m0; m5 with either scale).
     assert names == [
-        "colours-head0-m0-mlsnone",
-        "colours-head0-m5-mlsnone",
+        "colours-head0-m0-mls1",
+        "colours-head0-m5-mls1",
         "colours-head0-m5-mls3",
-        "colours-head1-m0-mlsnone",
+        "colours-head1-m0-mls1",
     ]
     assert len(set(names)) == len(names)
 
@@ -175,7 +176,10 @@ def test_cli_refuses_a_sweep_of_shared_fields(tmp_path, image_folder, tiny_weigh
     assert "cannot sweep 'seed'" in result.output
 
 
-def test_memory_lr_scale_defaults_to_the_class_token_scale(image_folder) -> None:
-    config = _config(image_folder, lr=0.1, token_lr_scale=30)
-    assert config.memory_lr == pytest.approx(3.0)
-    assert dataclasses.replace(config, memory_lr_scale=2).memory_lr == pytest.approx(0.2)
+def test_class_token_and_memory_have_their_own_lr_scales(image_folder) -> None:
+    config = _config(image_folder, lr=0.1, token_lr_scale=30, memory_lr_scale=2)
+    assert config.memory_lr == pytest.approx(0.2)
+    config = dataclasses.replace(config, memory_tokens=2, memory_init="normal")
+    variant = Variant(tiny_engine(), config, ("a", "b"), None, total=10)
+    lrs = [group["initial_lr"] for group in variant.optimizer.param_groups]
+    assert lrs == pytest.approx([0.1, 3.0, 0.2])  # head, class token, memory
