@@ -59,15 +59,15 @@ REGIMES: dict[str, dict] = {
     "memory 1": {"memory_tokens": 1},
     "memory 5": {"memory_tokens": 5},
 }
-GRIDS: dict[str, list[tuple[float, float, float | None]]] = {
-    "head only": [(0.05, 1, None), (0.2, 1, None)],
-    "class token + head": [(0.05, 30, None), (0.05, 100, None)],
+GRIDS: dict[str, list[tuple[float, float, float]]] = {
+    "head only": [(0.05, 1, 1), (0.2, 1, 1)],
+    "class token + head": [(0.05, 30, 1), (0.05, 100, 1)],
     "memory 1": [(0.05, 30, 1), (0.05, 30, 10)],
     "memory 5": [(0.05, 30, 1), (0.05, 30, 10)],
 }
 
 
-def grid(regime: str, inits: list[str]) -> list[tuple[float, float, float | None, str]]:
+def grid(regime: str, inits: list[str]) -> list[tuple[float, float, float, str]]:
     """The regime's grid points, each with a memory initialisation (memory regimes: every one of inits)."""
     points = GRIDS[regime]
     if REGIMES[regime].get("memory_tokens"):
