@@ -57,7 +57,7 @@ class TrainConfig:
     lr: float = field(default=0.05, metadata={"help": "peak SGD learning rate"})
     token_lr_scale: float = field(
         default=30.0,
-        metadata={"help": "lr multiplier for the class token (its gradients are ~1% of its norm)"},
+        metadata={"help": "lr multiplier for the class token (its gradient is ~0.25% of its norm per step)"},
     )
     memory_lr_scale: float = field(default=1.0, metadata={"help": "lr multiplier for the memory tokens"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
