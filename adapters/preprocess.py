@@ -6,6 +6,7 @@ training, so there is one function for each and everything calls these.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,9 @@ from torch import Tensor
 from memory_core import MemoryViT
 
 Transform = Callable[[Image.Image], Tensor]
+# How uploads and evaluation images are decoded: "exact" decodes every pixel (what training saw);
+# "fast" lets the decoder shrink large images first (benchmarks/RESULTS.md measures what it costs).
+DECODE_MODES = ("exact", "fast")
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -28,6 +32,38 @@ def to_rgb(image: Image.Image) -> Image.Image:
         canvas.paste(rgba, mask=rgba.getchannel("A"))
         return canvas
     return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def load_rgb(image: Image.Image, *, shrink_to: int | None = None) -> Image.Image:
+    """An opened image -> its first frame, decoded, as upright RGB (``to_rgb``).
+
+    ``shrink_to`` (the "fast" decode; see ``decode_target``) lets the decoder skip pixels the
+    resize would average away anyway: a JPEG is decoded at 1/2, 1/4 or 1/8 scale in the DCT domain
+    (libjpeg's scaled IDCT) to the smallest size whose sides are all >= ``shrink_to``; any image
+    still over twice that on its short side is box-reduced by an integer factor to between two
+    and four times it. The same resize, crop and normalisation follow, so only the pixels the
+    resize starts from differ.
+    """
+    image.seek(0)  # the first frame of an animation or multi-picture file
+    if shrink_to:
+        image.draft(None, (shrink_to, shrink_to))  # JPEG only; a no-op for other formats
+    image.load()
+    rgb = to_rgb(image)
+    if shrink_to and (factor := min(rgb.size) // (2 * shrink_to)) >= 2:
+        rgb = rgb.reduce(factor)
+    return rgb
+
+
+def decode_target(engine: MemoryViT, decode: str) -> int | None:
+    """``shrink_to`` for ``load_rgb``: None for "exact"; for "fast", the side the eval transform
+    resizes to before its centre crop (so the image never drops below what the resize needs)."""
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+    if decode == "exact":
+        return None
+    config = engine.data_config()
+    crop_pct = config.get("crop_pct") or 1.0
+    return max(math.floor(side / crop_pct) for side in config["input_size"][-2:])
 
 
 def eval_transform(engine: MemoryViT) -> Transform:

@@ -28,7 +28,7 @@ from .images import ImageDecoder
 from .metrics import Metrics, MetricsMiddleware
 from .openapi import customise as customise_openapi
 from .pipeline import ClassifyPipeline
-from .routers import adapters, classify, health
+from .routers import adapters, classify, health, ui
 from .settings import Settings, get_settings
 from .state import AppState, Service
 from .store import AdapterStore, StoreUnavailableError, open_store
@@ -117,8 +117,13 @@ async def _start(state: AppState) -> None:
         metrics=state.metrics,
     )
     await batcher.start()
-    decode_pool = ThreadPoolExecutor(max_workers=settings.decode_workers, thread_name_prefix="decode")
-    decoder = ImageDecoder(engine, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
+    decode_pool = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="decode")
+    decoder = ImageDecoder(
+        engine,
+        max_bytes=settings.max_image_bytes,
+        max_pixels=settings.max_image_pixels,
+        decode=settings.decode,
+    )
     pipeline = ClassifyPipeline(
         engine,
         decoder,
@@ -203,4 +208,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(classify.router)
     app.include_router(adapters.router)
     app.include_router(health.router)
+    app.include_router(ui.router)  # the page at /: a client of the routes above
     return app

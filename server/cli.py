@@ -286,6 +286,9 @@ def evaluate(
         Path | None,
         typer.Option(help="class names of the base's head, one per line (for weights that carry none)"),
     ] = None,
+    decode: Annotated[
+        str, typer.Option(help="exact (every pixel) or fast (large JPEGs shrunk while decoding), as serve's")
+    ] = "exact",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Top-1/top-5 of the base and of each adapter through ONE fused model, checked against each alone."""
@@ -300,7 +303,9 @@ def evaluate(
         engine = _engine(arch, weights, labels=_read_labels(labels) if labels else None)
         for path in adapter or []:
             attach_bundle(engine, path)
-        reports = evaluate_tasks(engine, tasks, batch_size=batch_size, workers=workers, limit=limit)
+        reports = evaluate_tasks(
+            engine, tasks, batch_size=batch_size, workers=workers, limit=limit, decode=decode
+        )
     except LabelMatchError as exc:
         if exc.task == BASE_TASK and exc.matches == 0 and engine is not None and engine.labels is None:
             raise _fail(

@@ -4,7 +4,8 @@ Runs in a worker pool, never on the event loop. Only raster formats are opened (
 plugins it may use, so nothing hands a file to Ghostscript or the like); the pixel count is checked
 from the header before anything is decoded (decompression bombs); the first frame of animations and
 multi-picture files is used; EXIF orientation is applied; CMYK, grey, palette and alpha images become
-RGB. Preprocessing is ``adapters.preprocess.eval_transform``: exactly what ``memvit eval`` uses.
+RGB. Decoding (``load_rgb``, exact or fast) and preprocessing (``eval_transform``) are exactly what
+``memvit eval`` uses.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import warnings
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
-from adapters.preprocess import eval_transform, to_rgb
+from adapters.preprocess import decode_target, eval_transform, load_rgb
 from memory_core import MemoryViT
 
 from .errors import BrokenImageError, EmptyImageError, ImageTooLargeError, NotAnImageError
@@ -43,8 +44,9 @@ def sniff(data: bytes) -> str | None:
 
 
 class ImageDecoder:
-    def __init__(self, engine: MemoryViT, *, max_bytes: int, max_pixels: int) -> None:
+    def __init__(self, engine: MemoryViT, *, max_bytes: int, max_pixels: int, decode: str = "exact") -> None:
         self.transform = eval_transform(engine)
+        self.shrink_to = decode_target(engine, decode)  # None: decode every pixel
         self.max_bytes = max_bytes
         self.max_pixels = max_pixels
 
@@ -81,9 +83,7 @@ class ImageDecoder:
                 field=name,
             )
         try:
-            image.seek(0)
-            image.load()
-            rgb = to_rgb(image)
+            rgb = load_rgb(image, shrink_to=self.shrink_to)
         except (OSError, ValueError, SyntaxError, EOFError) as exc:
             message = str(exc) or type(exc).__name__
             raise BrokenImageError(

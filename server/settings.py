@@ -6,6 +6,7 @@ adapter store in ``./adapter-store``.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -34,7 +35,11 @@ class Settings(BaseSettings):
     max_batch: int = Field(32, ge=1, description="images per fused pass")
     max_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits for more requests")
     max_queue: int = Field(256, ge=1, description="images waiting before requests get 503")
-    decode_workers: int = Field(2, ge=1, description="threads decoding and preprocessing images")
+    # None: one per core this process may run on (Pillow releases the GIL while it decodes and resizes).
+    decode_workers: int | None = Field(None, ge=1, description="threads decoding images (default: cores)")
+    decode: Literal["exact", "fast"] = Field(
+        "exact", description="exact: every pixel; fast: large JPEGs shrunk in the decoder (RESULTS)"
+    )
     max_images_per_request: int = Field(16, ge=1)
 
     max_image_bytes: int = Field(20 * 1024 * 1024, ge=1, description="upload cap per image")
@@ -72,6 +77,17 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_token_is_none(cls, value: SecretStr | None) -> SecretStr | None:
         return value if value is None or value.get_secret_value() else None
+
+    @property
+    def decode_threads(self) -> int:
+        """``decode_workers``, or one per core this process may run on (its CPU affinity, so a
+        container limited by cpuset gets its own count, not the host's)."""
+        if self.decode_workers is not None:
+            return self.decode_workers
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not on Linux
+            return max(1, os.cpu_count() or 1)
 
     @property
     def uses_demo(self) -> bool:

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, Sampler
 
 from memory_core import MemvitError
 
-from ..preprocess import to_rgb
+from ..preprocess import load_rgb
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +129,11 @@ def split(samples: Samples, fraction: float, seed: int) -> tuple[Samples, Sample
     return samples.subset(sorted(train)), samples.subset(sorted(val))
 
 
-def load_image(path: Path) -> Image.Image:
+def load_image(path: Path, *, shrink_to: int | None = None) -> Image.Image:
+    """One file -> upright RGB (``load_rgb``; ``shrink_to`` for the fast decode)."""
     try:
         with Image.open(path) as image:
-            image.seek(0)
-            return to_rgb(image)
+            return load_rgb(image, shrink_to=shrink_to)
     except (OSError, UnidentifiedImageError, ValueError) as exc:
         raise DataError(f"cannot decode {path}: {exc}") from exc
 
@@ -141,17 +141,25 @@ def load_image(path: Path) -> Image.Image:
 class ImageDataset(Dataset):
     """``Samples`` through a transform; index ``epoch * len + i`` is sample i, augmented for that epoch."""
 
-    def __init__(self, samples: Samples, transform: Callable[[Image.Image], Tensor], seed: int = 0) -> None:
+    def __init__(
+        self,
+        samples: Samples,
+        transform: Callable[[Image.Image], Tensor],
+        seed: int = 0,
+        *,
+        shrink_to: int | None = None,
+    ) -> None:
         self.samples = samples
         self.transform = transform
         self.seed = seed
+        self.shrink_to = shrink_to  # the fast decode (adapters.preprocess.decode_target)
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         i = index % len(self.samples)
-        image = load_image(self.samples.paths[i])
+        image = load_image(self.samples.paths[i], shrink_to=self.shrink_to)
         # timm's and torchvision's transforms draw from the global RNGs: seed them per sample and
         # epoch, and put them back afterwards so that nothing else in the process is disturbed.
         sample_seed = hash((self.seed, index)) & 0x7FFFFFFF

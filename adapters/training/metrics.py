@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from memory_core import BASE_TASK, AdapterSet, AdapterWeights, MemoryViT, PreparedAdapter
 
-from ..preprocess import Transform, eval_transform
+from ..preprocess import Transform, decode_target, eval_transform
 from .data import DataError, ImageDataset, Samples, scan_folder
 
 
@@ -57,8 +57,11 @@ def _count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
     return int((top[:, 0] == labels).sum()), int((top == labels[:, None]).any(-1).sum())
 
 
-def _loader(samples: Samples, transform: Transform, batch_size: int, workers: int) -> DataLoader:
-    return DataLoader(ImageDataset(samples, transform), batch_size=batch_size, num_workers=workers)
+def _loader(
+    samples: Samples, transform: Transform, batch_size: int, workers: int, shrink_to: int | None = None
+) -> DataLoader:
+    dataset = ImageDataset(samples, transform, shrink_to=shrink_to)
+    return DataLoader(dataset, batch_size=batch_size, num_workers=workers)
 
 
 @torch.inference_mode()
@@ -110,10 +113,14 @@ def evaluate_tasks(
     batch_size: int = 64,
     workers: int = 0,
     limit: int | None = None,
+    decode: str = "exact",
 ) -> list[TaskReport]:
-    """Score each task ("base" or an adapter name) on its folder, through the engine's live set."""
+    """Score each task ("base" or an adapter name) on its folder, through the engine's live set.
+
+    ``decode``: "exact" or "fast", as the server's ``MEMVIT_DECODE`` (the same ``load_rgb``)."""
     live = engine.adapters
     transform = eval_transform(engine)
+    shrink_to = decode_target(engine, decode)
     reports = []
     for task, folder in val_dirs.items():
         if task == BASE_TASK:
@@ -130,7 +137,7 @@ def evaluate_tasks(
         fused = [0, 0]
         alone = [0, 0]
         max_diff, same = 0.0, True
-        for images, folder_labels in _loader(samples, transform, batch_size, workers):
+        for images, folder_labels in _loader(samples, transform, batch_size, workers, shrink_to):
             target = rows[folder_labels]
             out = engine(images, live)
             logits = out.base if task == BASE_TASK else out.adapters[task]

@@ -294,6 +294,11 @@ def test_eval_base_with_labels_file(tmp_path, tiny_weights) -> None:
     assert result.exit_code == 0, result.output
     (report,) = json.loads(result.output)
     assert report["task"] == "base" and report["images"] == 6 and report["unchanged"] is True
+    result = runner.invoke(app, [*args, "--labels", str(labels), "--decode", "fast"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)[0]["images"] == 6
+    result = runner.invoke(app, [*args, "--labels", str(labels), "--decode", "quick"])
+    assert result.exit_code == 2 and "decode must be one of exact, fast" in result.output
 
     result = runner.invoke(app, args)  # the weights carry no class names: a hint, not just a mismatch
     assert result.exit_code == 2
