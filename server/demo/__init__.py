@@ -11,6 +11,8 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent
 BASE_WEIGHTS = DEMO_DIR / "base.safetensors"
 ADAPTERS_DIR = DEMO_DIR / "adapters"
+# Images the demo answers right, with where each comes from (samples/README.md); the page offers them.
+SAMPLES_DIR = DEMO_DIR / "samples"
 
 
 def demo_adapters() -> list[Path]:

@@ -1,0 +1,165 @@
+"""The page at / in a real browser: headless Chromium (Debian's ``chromium``) driven by Playwright,
+against a real ``memvit serve`` of the embedded demo with an admin token.
+
+It uploads sample images through the file input and checks every task's rendered predictions against
+server/demo/samples/README.md, shows an API error, registers an adapter with the token (a wrong token
+first), sees it answer, deletes it, and checks the page asked nothing of any other origin.
+
+A full-page screenshot is kept as ``page.png`` in the test's tmp dir, and copied into
+``$MEMVIT_TEST_ARTIFACTS`` when that variable names a directory to keep test artifacts in (CI).
+Skips when Chromium (``apt-get install chromium``) or Playwright (``pip install playwright``; its own
+browser download is not needed) is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from adapters import bundle_for
+from memory_core import MemoryViT
+from server.demo import BASE_WEIGHTS
+from tests.factories import random_adapter
+from tests.server.conftest import TOKEN, ServerProcess
+from tests.server.samples import SampleRow, sample_rows
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = [
+    pytest.mark.skipif(not BASE_WEIGHTS.is_file(), reason="the demo is not built"),
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (Debian: apt-get install chromium)"),
+]
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="Playwright is not installed (pip install playwright)"
+)
+expect = sync_api.expect
+TIMEOUT_MS = 20_000  # per step: generous for a loaded CI machine
+
+
+@pytest.fixture
+def demo_server(tmp_path) -> Iterator[str]:
+    server = ServerProcess(None, tmp_path / "store", MEMVIT_ADMIN_TOKEN=TOKEN).start(timeout=120)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def page(tmp_path) -> Iterator:
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 900})
+            page.set_default_timeout(TIMEOUT_MS)
+            expect.set_options(timeout=TIMEOUT_MS)
+            yield page
+        finally:
+            browser.close()
+
+
+def bundle_file(tmp_path: Path, name: str) -> Path:
+    """An adapter bundle for the demo base, named ``name`` (random weights, 3 classes)."""
+    engine = MemoryViT.from_timm(weights=BASE_WEIGHTS)
+    path = tmp_path / f"{name}.safetensors"
+    path.write_bytes(bundle_for(random_adapter(name, engine, m=1, classes=3), engine).to_bytes())
+    return path
+
+
+def check_answers(page, row: SampleRow, top_k: int) -> None:
+    """The card of ``row``'s image shows ``top_k`` bars per task, the README's top-1 first."""
+    card = page.locator(f'article.result[data-image="{row.file}"]')
+    for task, (label, probability) in row.answers.items():
+        bars = card.locator(f'section.task-result[data-task="{task}"] li.prediction')
+        expect(bars).to_have_count(top_k)
+        expect(bars.first.locator(".label")).to_have_text(label)
+        shown = float(bars.first.locator(".percent").inner_text().rstrip("%")) / 100
+        assert shown == pytest.approx(probability, abs=0.011), (row.file, task)
+
+
+def keep_screenshot(page, tmp_path: Path) -> Path:
+    shot = page.screenshot(path=tmp_path / "page.png", full_page=True)
+    assert shot.startswith(b"\x89PNG")
+    if artifacts := os.environ.get("MEMVIT_TEST_ARTIFACTS"):
+        Path(artifacts).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tmp_path / "page.png", Path(artifacts) / "page.png")
+    return tmp_path / "page.png"
+
+
+def test_upload_predict_register_and_delete_in_a_browser(demo_server, page, tmp_path) -> None:
+    requests: list[str] = []
+    page_errors: list[str] = []
+    page.on("request", lambda request: requests.append(request.url))
+    page.on("pageerror", lambda error: page_errors.append(str(error)))
+    rows = {row.file: row for row in sample_rows()}
+    garment, digit = rows["trouser.png"], rows["digit-7.png"]
+
+    page.goto(f"{demo_server}/")
+    # The live set, and a task checkbox per task.
+    expect(page.locator("#adapter-rows tr[data-adapter]")).to_have_count(2)
+    expect(page.locator("#set-version")).to_contain_text("2 adapters")
+    expect(page.locator("#task-list input")).to_have_count(3)
+    expect(page.locator("#sample-list button")).to_have_count(len(rows))
+
+    # A file that is not an image: the API's error, shown as it came.
+    page.set_input_files("#images", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"hi"}])
+    expect(page.locator("#classify-error")).to_contain_text("415 NotAnImageError (notes.txt)")
+
+    # A sample button sends that sample: every task answered, as the samples' README says.
+    turned = rows["ankle-boot-rotated-90.png"]
+    page.get_by_role("button", name=f"Classify the sample {turned.file}").click()
+    expect(page.locator("article.result")).to_have_count(1)
+    expect(page.locator("#classify-error")).to_be_hidden()
+    check_answers(page, turned, top_k=3)
+
+    # Fewer labels, one task off: the page asks again with top_k and tasks.
+    page.fill("#top-k", "1")
+    page.dispatch_event("#top-k", "change")
+    page.uncheck('#task-list input[value="digits"]')
+    expect(page.locator('section.task-result[data-task="digits"]')).to_have_count(0)
+    expect(page.locator("li.prediction")).to_have_count(2)
+    page.check('#task-list input[value="digits"]')
+    page.fill("#top-k", "3")
+    page.dispatch_event("#top-k", "change")
+    check_answers(page, turned, top_k=3)
+
+    # Registering: a wrong token is refused by the API, the right one makes the adapter live.
+    bundle = bundle_file(tmp_path, "page-test")
+    page.fill("#token", "not-the-token")
+    page.set_input_files("#bundle", str(bundle))
+    page.click("#register")
+    expect(page.locator("#admin-error")).to_contain_text("403 ForbiddenError")
+    page.fill("#token", TOKEN)
+    page.click("#register")
+    expect(page.locator("#admin-status")).to_contain_text("Registered page-test")
+    expect(page.locator("#admin-error")).to_be_hidden()
+    expect(page.locator('#adapter-rows tr[data-adapter="page-test"]')).to_be_visible()
+    expect(page.locator("#set-version")).to_contain_text("3 adapters")
+    expect(page.locator("#task-list input")).to_have_count(4)
+    assert "page-test" in httpx.get(f"{demo_server}/adapters").json()["adapter_set"]["adapters"]
+
+    # Two images in one upload, answered by every task, the new adapter's included.
+    page.set_input_files("#images", [str(garment.path), str(digit.path)])
+    expect(page.locator("article.result")).to_have_count(2)
+    for row in (garment, digit):
+        check_answers(page, row, top_k=3)
+    expect(page.locator('section.task-result[data-task="page-test"] li.prediction')).to_have_count(2 * 3)
+    screenshot = keep_screenshot(page, tmp_path)
+
+    # Deleting, after the page's confirmation.
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Delete adapter page-test").click()
+    expect(page.locator('#adapter-rows tr[data-adapter="page-test"]')).to_have_count(0)
+    expect(page.locator("#admin-status")).to_contain_text("Deleted page-test")
+    assert httpx.get(f"{demo_server}/adapters/page-test").status_code == 404
+
+    assert page_errors == []
+    elsewhere = [
+        url for url in requests if not url.startswith(demo_server) and not url.startswith(("blob:", "data:"))
+    ]
+    assert elsewhere == [], "the page asked another origin"
+    assert screenshot.stat().st_size > 10_000
