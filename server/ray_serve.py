@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -40,13 +41,21 @@ log = logging.getLogger("memvit.ray")
 REPLICA_HEADER = "x-memvit-replica"
 
 
-class ReplicaHeaderMiddleware:
-    """Names the replica that answered (``X-Memvit-Replica``): which one served a request, for logs
-    and for checking that every replica serves a change."""
+@dataclass
+class InFlight:
+    """HTTP requests this replica holds right now (``describe()`` reports it)."""
 
-    def __init__(self, app: ASGIApp, replica: str) -> None:
+    count: int = 0
+
+
+class ReplicaMiddleware:
+    """Names the replica that answered (``X-Memvit-Replica``: which one served a request, for logs
+    and for checking that every replica serves a change) and counts the requests it holds."""
+
+    def __init__(self, app: ASGIApp, replica: str, in_flight: InFlight) -> None:
         self.app = app
         self.header = (REPLICA_HEADER.encode(), replica.encode())
+        self.in_flight = in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -58,7 +67,11 @@ class ReplicaHeaderMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), self.header]}
             await send(message)
 
-        await self.app(scope, receive, send_named)
+        self.in_flight.count += 1
+        try:
+            await self.app(scope, receive, send_named)
+        finally:
+            self.in_flight.count -= 1
 
 
 def replica_settings() -> Settings:
@@ -103,13 +116,14 @@ class MemvitDeployment:
         # Bad weights path, unreachable bucket, no device: Serve shows this line in `serve status`.
         preflight(self.settings)
         self.replica = serve.get_replica_context().replica_tag
+        self.in_flight = InFlight()
         self._app: FastAPI | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         from .app import create_app
 
         app = create_app(self.settings)
-        app.add_middleware(ReplicaHeaderMiddleware, replica=self.replica)
+        app.add_middleware(ReplicaMiddleware, replica=self.replica, in_flight=self.in_flight)
         self._app = app
         return app
 
@@ -139,6 +153,7 @@ class MemvitDeployment:
             "actor_name": context.get_actor_name(),
             "node_id": context.get_node_id(),
             "ready": service is not None,
+            "in_flight": self.in_flight.count,
             "adapters": list(service.engine.adapters.names) if service is not None else [],
         }
 
