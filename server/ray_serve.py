@@ -143,7 +143,8 @@ class MemvitDeployment:
             await asyncio.sleep(0.05)
 
     def describe(self) -> dict[str, Any]:
-        """Where this replica runs and what it serves (through a Serve handle, not over HTTP)."""
+        """Where this replica runs, whether it is loaded, what it serves and how many HTTP requests it
+        holds (through a Serve handle, not over HTTP: ``handle.describe.remote()``)."""
         import ray
 
         context = ray.get_runtime_context()
