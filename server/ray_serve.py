@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
     from .state import AppState
 
-log = logging.getLogger("memvit.ray")
 REPLICA_HEADER = "x-memvit-replica"
 
 
@@ -113,7 +112,8 @@ class MemvitDeployment:
             logging.getLogger().setLevel(level)
         else:
             logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-        # Bad weights path, unreachable bucket, no device: Serve shows this line in `serve status`.
+        # Bad weights path, unreachable bucket, no device: this one line is in the controller's log
+        # for each try, and after Serve's retries the deployment is marked failed.
         preflight(self.settings)
         self.replica = serve.get_replica_context().replica_tag
         self.in_flight = InFlight()
