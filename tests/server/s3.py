@@ -58,17 +58,21 @@ def s3_server() -> Iterator[dict[str, str]]:
         proc.wait(timeout=10)
 
 
-def new_bucket(env: dict[str, str]) -> str:
-    """A fresh bucket; returns its name."""
+def s3_client(env: dict[str, str]):
+    """A boto3 S3 client for the test server ``env`` describes (the ``s3_env`` fixture's variables)."""
     import boto3
 
-    name = f"memvit-{uuid.uuid4().hex[:12]}"
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=env["AWS_ENDPOINT_URL"],
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name=env["AWS_REGION"],
     )
-    client.create_bucket(Bucket=name)
+
+
+def new_bucket(env: dict[str, str]) -> str:
+    """A fresh bucket; returns its name."""
+    name = f"memvit-{uuid.uuid4().hex[:12]}"
+    s3_client(env).create_bucket(Bucket=name)
     return name

@@ -148,15 +148,9 @@ def _test_config(path: Path, port: int, store: str, weights: Path, region: str) 
 
 
 def _fill_with_junk(env: dict[str, str], bucket: str, count: int) -> set[str]:
-    import boto3
+    from tests.server.s3 import s3_client
 
-    client = boto3.client(
-        "s3",
-        endpoint_url=env["AWS_ENDPOINT_URL"],
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        region_name=env["AWS_REGION"],
-    )
+    client = s3_client(env)
     names = {f"junk-{i:04d}" for i in range(count)}
     for name in names:
         client.put_object(Bucket=bucket, Key=f"adapters/{name}.safetensors", Body=b"not a bundle")
