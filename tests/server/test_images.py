@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import io
-import os
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from pydantic import ValidationError
 
 from adapters.preprocess import decode_target, eval_transform, load_rgb, to_rgb
 from adapters.training.data import ImageDataset, scan_folder
 from memory_core import MemoryViT
 from server.errors import BrokenImageError, EmptyImageError, ImageTooLargeError, NotAnImageError
 from server.images import ImageDecoder
-from server.settings import Settings
 from tests.server.conftest import photo
 
 GOOD = [
@@ -166,16 +163,3 @@ def test_serve_and_eval_decode_identically(tmp_path, tiny_weights, decode) -> No
     served = ImageDecoder(engine, max_bytes=5_000_000, max_pixels=4_000_000, decode=decode)
     for i, path in enumerate(samples.paths):
         assert torch.equal(dataset[i][0], served(path.read_bytes())), path.name
-
-
-def test_settings_choose_the_decode_and_its_threads(monkeypatch) -> None:
-    monkeypatch.delenv("MEMVIT_DECODE_WORKERS", raising=False)
-    settings = Settings(_env_file=None)
-    assert settings.decode == "exact" and settings.decode_threads == len(os.sched_getaffinity(0))
-    monkeypatch.setenv("MEMVIT_DECODE", "fast")
-    monkeypatch.setenv("MEMVIT_DECODE_WORKERS", "3")
-    settings = Settings(_env_file=None)
-    assert settings.decode == "fast" and settings.decode_threads == 3
-    monkeypatch.setenv("MEMVIT_DECODE", "quick")
-    with pytest.raises(ValidationError, match="decode"):
-        Settings(_env_file=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -46,4 +47,17 @@ def test_values_from_the_environment(monkeypatch) -> None:
 def test_bad_values_are_rejected(monkeypatch, name: str, value: str) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(ValidationError, match=name.removeprefix("MEMVIT_").lower()):
+        Settings(_env_file=None)
+
+
+def test_settings_choose_the_decode_and_its_threads(monkeypatch) -> None:
+    monkeypatch.delenv("MEMVIT_DECODE_WORKERS", raising=False)
+    settings = Settings(_env_file=None)
+    assert settings.decode == "exact" and settings.decode_threads == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("MEMVIT_DECODE", "fast")
+    monkeypatch.setenv("MEMVIT_DECODE_WORKERS", "3")
+    settings = Settings(_env_file=None)
+    assert settings.decode == "fast" and settings.decode_threads == 3
+    monkeypatch.setenv("MEMVIT_DECODE", "quick")
+    with pytest.raises(ValidationError, match="decode"):
         Settings(_env_file=None)
