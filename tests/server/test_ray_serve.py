@@ -108,11 +108,17 @@ class Cluster:
         """Each running replica's own account (through a Serve handle: Serve picks the replica)."""
         handle = serve.get_deployment_handle(DEPLOYMENT, app_name=APP)
         found: dict[str, dict] = {}
-        for _ in range(tries):
-            info = handle.describe.remote().result(timeout_s=30)
-            found[info["replica"]] = info
-            if len(found) >= want:
-                break
+        try:
+            for _ in range(tries):
+                info = handle.describe.remote().result(timeout_s=30)
+                found[info["replica"]] = info
+                if len(found) >= want:
+                    break
+        finally:
+            # A handle starts a router thread in this process that outlives ray.shutdown(): left
+            # running, its metrics push calls ray.wait, whose auto-init starts a whole new local Ray
+            # in the test process, which then eats the CPU of every test after this module.
+            handle.shutdown()
         return found
 
     def both_replicas(self) -> dict[str, dict]:
