@@ -1,7 +1,8 @@
 # memvit: one frozen ViT plus hot-loaded memory adapters, served as one fused pass.
 #
-#   docker build -t memvit .                      # python:3.11-slim-bookworm from a registry
-#   docker/smoke.sh                               # offline: local stand-in base + local wheelhouse
+#   docker build -t memvit:latest .                          # python:3.11-slim-bookworm from a registry
+#   docker build --build-arg TORCH_VARIANT=cpu -t memvit:cpu .  # CPU-only torch (PyTorch's CPU index)
+#   docker/build.sh                                          # offline: stand-in base + local wheelhouse
 #
 # With nothing configured the container serves the embedded demo; mount a self-describing base at
 # /models and set MEMVIT_WEIGHTS to serve your own. Adapters live in the /data/adapters volume.
@@ -9,6 +10,9 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS build
+# Lets docker/build.sh find and remove this stage's image after a build (the legacy builder keeps it
+# as a dangling image the size of the whole venv).
+LABEL memvit.stage=build
 # Build-time pip settings only (a mirror, or a wheelhouse served over HTTP as docker/smoke.sh does);
 # an ARG that is not passed is not set, and none of them reaches the runtime stage.
 ARG PIP_INDEX_URL
@@ -16,13 +20,20 @@ ARG PIP_EXTRA_INDEX_URL
 ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
 ARG PIP_TRUSTED_HOST
+# cuda (default): PyPI's torch, which carries CUDA, so one image serves CPU and GPU hosts (about 6 GB).
+# cpu: torch and torchvision from PyTorch's CPU wheel index, for CPU-only hosts (docker/README.md).
+ARG TORCH_VARIANT=cuda
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 WORKDIR /src
 # Dependencies first, from the lock, so that a code change does not reinstall torch.
-COPY docker/requirements.txt docker/requirements.txt
-RUN /opt/venv/bin/pip install -r docker/requirements.txt
+COPY docker/requirements.txt docker/torch-variant.sh docker/
+# The CPU index is added only for the cpu variant: on it, 2.x+cpu would satisfy the cuda lock's torch==2.x too.
+RUN sh docker/torch-variant.sh "$TORCH_VARIANT" docker/requirements.txt > /tmp/requirements.txt \
+    && if [ "$TORCH_VARIANT" = cpu ]; then set -- --extra-index-url "$TORCH_CPU_INDEX_URL"; fi \
+    && /opt/venv/bin/pip install "$@" -r /tmp/requirements.txt
 COPY pyproject.toml README.md ./
 COPY memory_core memory_core
 COPY adapters adapters

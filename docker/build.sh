@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Build the memvit image where no container registry is reachable (the offline path): a stand-in base
+# image (docker/base-image.sh) and a wheelhouse filled by this machine's own pip, served to the build
+# over loopback. With a registry, `docker compose build` or `docker build -t memvit:latest .` does the
+# same from python:3.11-slim-bookworm and needs none of this.
+#
+#   sudo docker/build.sh                               # -> memvit:latest, what `docker compose up` runs
+#   sudo TORCH_VARIANT=cpu docker/build.sh memvit:cpu  # CPU-only torch: pip must reach PyTorch's CPU index
+#
+# Environment:
+#   TORCH_VARIANT        cuda (default; PyPI's torch, which carries CUDA) or cpu
+#   TORCH_CPU_INDEX_URL  the cpu variant's index (default https://download.pytorch.org/whl/cpu)
+#   MEMVIT_BASE_IMAGE    build FROM this image instead of the stand-in memvit-base:bookworm
+#   MEMVIT_WHEELHOUSE    the wheelhouse folder (default /tmp/memvit-wheelhouse)
+#   BUILD_KEEP=1         keep the wheelhouse and the build stage, so that a rebuild takes about a minute
+#   MEMVIT_KEPT_FILE     append the list of what was kept to this file instead of printing it
+#
+# What it leaves: the image; the stand-in base (about 0.2 GB, needed to rebuild); a running Docker
+# engine if it had to start one; Debian packages it installed (docker.io, debootstrap). The last lines
+# it prints list each of them with the command that removes it. Without BUILD_KEEP it removes the
+# wheelhouse it filled (about 3 GB) and the build stage's image (as large as the image).
+# Needs root (apt, dockerd, debootstrap).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source docker/common.sh
+
+IMAGE="${1:-memvit:latest}"
+VARIANT="${TORCH_VARIANT:-cuda}"
+CPU_INDEX="${TORCH_CPU_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+WHEELHOUSE="${MEMVIT_WHEELHOUSE:-/tmp/memvit-wheelhouse}"
+KEEP="${BUILD_KEEP:-0}"
+WHEEL_SERVER=""
+WHEELHOUSE_CREATED=0
+KEPT=()
+
+cleanup() {
+    local rc=$?
+    [[ -z "$WHEEL_SERVER" ]] || kill "$WHEEL_SERVER" 2>/dev/null || true
+    rm -f "${REQUIREMENTS:-}"
+    if [[ $WHEELHOUSE_CREATED == 1 ]]; then
+        if [[ $KEEP == 1 ]]; then
+            KEPT+=("wheelhouse $WHEELHOUSE ($(du -sh "$WHEELHOUSE" | cut -f1)): rm -rf $WHEELHOUSE")
+        else
+            rm -rf "$WHEELHOUSE"
+        fi
+    elif [[ -d "$WHEELHOUSE" ]]; then
+        KEPT+=("wheelhouse $WHEELHOUSE (it was there before this run): rm -rf $WHEELHOUSE")
+    fi
+    if [[ -n "${MEMVIT_KEPT_FILE:-}" ]]; then  # docker/smoke.sh reports for both
+        [[ ${#KEPT[@]} -eq 0 ]] || printf '%s\n' "${KEPT[@]}" >>"$MEMVIT_KEPT_FILE"
+    elif [[ ${#KEPT[@]} -gt 0 ]]; then
+        echo
+        echo "kept:"
+        printf '  %s\n' "${KEPT[@]}"
+    fi
+    exit $rc
+}
+trap cleanup EXIT
+
+docker/torch-variant.sh "$VARIANT" docker/requirements.txt >/dev/null  # fails fast on a bad variant
+
+step "Docker engine"
+ensure_engine
+[[ $ENGINE_STARTED == 0 ]] || KEPT+=("a running dockerd, started by this script: kill \$(cat /var/run/docker.pid)")
+
+step "Base image"
+BASE_IMAGE="${MEMVIT_BASE_IMAGE:-}"
+if [[ -z "$BASE_IMAGE" ]]; then
+    BASE_IMAGE=memvit-base:bookworm
+    bash docker/base-image.sh "$BASE_IMAGE"
+    KEPT+=("base $BASE_IMAGE ($(image_size "$BASE_IMAGE"), needed to rebuild): docker image rm $BASE_IMAGE")
+fi
+
+step "Wheelhouse $WHEELHOUSE ($VARIANT torch) from the host's pip"
+[[ -d "$WHEELHOUSE" ]] || WHEELHOUSE_CREATED=1
+mkdir -p "$WHEELHOUSE"
+# The image's Python is 3.11 on x86_64 glibc 2.36 (bookworm): the host's own wheel tags must match.
+python3 -c 'import platform, sys; assert sys.version_info[:2] == (3, 11) and platform.machine() == "x86_64"' \
+    || fail "the wheelhouse needs a host python3.11 on x86_64 (the image's interpreter)"
+REQUIREMENTS="$(mktemp)"
+docker/torch-variant.sh "$VARIANT" docker/requirements.txt > "$REQUIREMENTS"
+INDEX_ARGS=()
+[[ $VARIANT != cpu ]] || INDEX_ARGS=(--extra-index-url "$CPU_INDEX")
+python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: "${INDEX_ARGS[@]}" \
+    -r "$REQUIREMENTS" "setuptools>=77" -d "$WHEELHOUSE" 2>&1 | { grep -v 'is ignored' || true; }
+[[ -n "$(ls "$WHEELHOUSE"/torch-*.whl 2>/dev/null)" ]] || fail "the wheelhouse has no torch wheel"
+WHEEL_PORT="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+python3 -m http.server --bind 127.0.0.1 --directory "$WHEELHOUSE" "$WHEEL_PORT" >/dev/null 2>&1 &
+WHEEL_SERVER=$!
+
+step "docker build $IMAGE (FROM $BASE_IMAGE, TORCH_VARIANT=$VARIANT)"
+# The build stage's images from before this build are someone's cache: only new ones are removed.
+STAGES_BEFORE="$(docker image ls -q --no-trunc --filter dangling=true --filter label=memvit.stage=build)"
+BUILD_STARTED=$SECONDS
+docker build --network host --quiet \
+    --build-arg BASE_IMAGE="$BASE_IMAGE" \
+    --build-arg TORCH_VARIANT="$VARIANT" \
+    --build-arg PIP_NO_INDEX=1 \
+    --build-arg PIP_FIND_LINKS="http://127.0.0.1:$WHEEL_PORT/" \
+    -t "$IMAGE" .
+BUILD_SECONDS=$((SECONDS - BUILD_STARTED))
+[[ "$(docker image inspect "$IMAGE" --format '{{.Config.User}}')" != "" ]] || fail "image runs as root"
+for stage in $(docker image ls -q --no-trunc --filter dangling=true --filter label=memvit.stage=build); do
+    grep -qx "$stage" <<<"$STAGES_BEFORE" && continue
+    if [[ $KEEP == 1 ]]; then
+        KEPT+=("build stage ${stage:7:12} (the cache for a rebuild): docker image rm ${stage:7:12}")
+    else
+        docker image rm "$stage" >/dev/null
+    fi
+done
+if docker buildx version >/dev/null 2>&1 && [[ "${DOCKER_BUILDKIT:-1}" != 0 ]]; then
+    KEPT+=("BuildKit's build cache, which holds the build stage ($(docker buildx du 2>/dev/null | awk '/^Total/ {print $2}')): docker buildx prune")
+fi
+echo "built $IMAGE: $(image_size "$IMAGE") in $BUILD_SECONDS s"
+KEPT+=("image $IMAGE ($(image_size "$IMAGE")): docker image rm $IMAGE")
