@@ -9,9 +9,9 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------------------------------------
-FROM ${BASE_IMAGE} AS build
-# Lets docker/build.sh find and remove this stage's image after a build (the legacy builder keeps it
-# as a dangling image the size of the whole venv).
+FROM ${BASE_IMAGE} AS deps
+# Lets docker/build.sh find and remove the build stages' images after a build (the legacy builder
+# keeps them as dangling images the size of the whole venv).
 LABEL memvit.stage=build
 # Build-time pip settings only (a mirror, or a wheelhouse served over HTTP as docker/smoke.sh does);
 # an ARG that is not passed is not set, and none of them reaches the runtime stage.
@@ -34,12 +34,23 @@ COPY docker/requirements.txt docker/torch-variant.sh docker/
 RUN sh docker/torch-variant.sh "$TORCH_VARIANT" docker/requirements.txt > /tmp/requirements.txt \
     && if [ "$TORCH_VARIANT" = cpu ]; then set -- --extra-index-url "$TORCH_CPU_INDEX_URL"; fi \
     && /opt/venv/bin/pip install "$@" -r /tmp/requirements.txt
+
+# ---------------------------------------------------------------------------------------------
+# memvit itself, apart from its dependencies: a code change rebuilds and ships a layer of a few MB,
+# not the 6 GB venv, which stays the same layer from one release to the next.
+FROM deps AS build
+# An ARG belongs to the stage that declares it: pip's settings again, for the build backend.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
+ARG PIP_TRUSTED_HOST
 COPY pyproject.toml README.md ./
 COPY memory_core memory_core
 COPY adapters adapters
 COPY server server
-RUN /opt/venv/bin/pip install --no-deps . \
-    && /opt/venv/bin/python -c "from server.demo import BASE_WEIGHTS; assert BASE_WEIGHTS.is_file(), BASE_WEIGHTS"
+RUN /opt/venv/bin/pip install --no-deps --target /opt/memvit . \
+    && PYTHONPATH=/opt/memvit /opt/venv/bin/python -c "from server.demo import BASE_WEIGHTS; assert BASE_WEIGHTS.is_file(), BASE_WEIGHTS"
 
 # ---------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE}
@@ -47,8 +58,10 @@ RUN groupadd --system --gid 10001 memvit \
     && useradd --system --uid 10001 --gid memvit --home-dir /home/memvit --create-home memvit \
     && mkdir -p /data/adapters /models \
     && chown memvit:memvit /data/adapters
-COPY --from=build /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH \
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=build /opt/memvit /opt/memvit
+ENV PATH=/opt/memvit/bin:/opt/venv/bin:$PATH \
+    PYTHONPATH=/opt/memvit \
     PYTHONUNBUFFERED=1 \
     MEMVIT_HOST=0.0.0.0 \
     MEMVIT_PORT=8000 \

@@ -16,12 +16,19 @@ if docker image inspect "$TAG" >/dev/null 2>&1; then
     exit 0
 fi
 command -v debootstrap >/dev/null || {
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
 }
 
 ROOTFS="$(mktemp -d /tmp/memvit-rootfs.XXXXXX)"
-trap 'rm -rf "$ROOTFS"' EXIT
-debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$ROOTFS" "$MIRROR"
+LOG="$(mktemp /tmp/memvit-debootstrap.XXXXXX.log)"
+trap 'rm -rf "$ROOTFS" "$LOG"' EXIT
+echo "debootstrap bookworm from $MIRROR (about a minute)"
+if ! debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$ROOTFS" "$MIRROR" \
+    >"$LOG" 2>&1; then
+    tail -40 "$LOG" >&2
+    echo "debootstrap failed (its last lines above)" >&2
+    exit 1
+fi
 # Keep the image small: no apt lists, caches or docs.
 rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/*.bin "$ROOTFS"/usr/share/doc/* "$ROOTFS"/usr/share/man/*
 tar -C "$ROOTFS" -c . | docker import \

@@ -23,6 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source docker/common.sh
+SECONDS="${MEMVIT_ELAPSED:-0}"  # docker/smoke.sh passes its clock, so the step times read on
 
 IMAGE="${1:-memvit:latest}"
 VARIANT="${TORCH_VARIANT:-cuda}"
@@ -33,9 +34,47 @@ WHEEL_SERVER=""
 WHEELHOUSE_CREATED=0
 KEPT=()
 
+# The build stages' images this build made (the legacy builder keeps them, dangling, even when the
+# build fails) and the image the tag named before: removed, or listed when BUILD_KEEP=1.
+new_stages() {
+    local stage
+    # -a: a failed build leaves its finished steps as intermediate images, which are not "dangling"
+    for stage in $(docker image ls -a -q --no-trunc --filter label=memvit.stage=build); do
+        grep -qx "$stage" <<<"$STAGES_BEFORE" || echo "$stage"
+    done
+}
+tidy_build() {
+    local stage
+    if [[ $KEEP == 1 ]]; then
+        for stage in $(new_stages); do
+            KEPT+=("build stage ${stage:7:12} (the cache for a rebuild): docker image rm ${stage:7:12}")
+        done
+    else
+        # Removing one stage's image can take another's with it (a parent no longer needed): go
+        # round until none is left, and say so if one will not go.
+        for _ in 1 2 3; do
+            for stage in $(new_stages); do docker image rm "$stage" >/dev/null 2>&1 || true; done
+        done
+        [[ -z "$(new_stages)" ]] \
+            || KEPT+=("build stages that would not go: docker image ls --filter label=memvit.stage=build")
+    fi
+    # A rebuilt tag leaves the image it named before untagged: nothing refers to it any more.
+    local now
+    now="$(docker image inspect "$IMAGE" --format '{{.Id}}' 2>/dev/null || true)"
+    if [[ -n "$PREVIOUS" && "$PREVIOUS" != "$now" ]]; then
+        if [[ -z "$(docker image inspect "$PREVIOUS" --format '{{join .RepoTags ","}}' 2>/dev/null)" ]] \
+            && docker image rm "$PREVIOUS" >/dev/null 2>&1; then
+            echo "removed the image $IMAGE named before this build (${PREVIOUS:7:12})"
+        else
+            KEPT+=("the image $IMAGE named before this build (${PREVIOUS:7:12}; a container may use it)")
+        fi
+    fi
+}
+
 cleanup() {
     local rc=$?
     [[ -z "$WHEEL_SERVER" ]] || kill "$WHEEL_SERVER" 2>/dev/null || true
+    [[ -z "${STAGES_BEFORE+set}" ]] || tidy_build
     rm -f "${REQUIREMENTS:-}"
     if [[ $WHEELHOUSE_CREATED == 1 ]]; then
         if [[ $KEEP == 1 ]]; then
@@ -80,19 +119,28 @@ python3 -c 'import platform, sys; assert sys.version_info[:2] == (3, 11) and pla
 REQUIREMENTS="$(mktemp)"
 docker/torch-variant.sh "$VARIANT" docker/requirements.txt > "$REQUIREMENTS"
 INDEX_ARGS=()
-[[ $VARIANT != cpu ]] || INDEX_ARGS=(--extra-index-url "$CPU_INDEX")
+if [[ $VARIANT == cpu ]]; then
+    # Fail in seconds, not after pip's minutes of retries, where the index is out of reach.
+    python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=15)' \
+        "$CPU_INDEX" 2>/dev/null \
+        || fail "cannot reach $CPU_INDEX, where the cpu variant's torch comes from (TORCH_CPU_INDEX_URL names a mirror)"
+    INDEX_ARGS=(--extra-index-url "$CPU_INDEX")
+fi
 python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: "${INDEX_ARGS[@]}" \
     -r "$REQUIREMENTS" "setuptools>=77" -d "$WHEELHOUSE" 2>&1 | { grep -v 'is ignored' || true; }
 [[ -n "$(ls "$WHEELHOUSE"/torch-*.whl 2>/dev/null)" ]] || fail "the wheelhouse has no torch wheel"
-WHEEL_PORT="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+# A fixed port: the build's PIP_FIND_LINKS names it, and a build argument that changes from one build
+# to the next would invalidate the cached dependency layer.
+WHEEL_PORT="${MEMVIT_WHEEL_PORT:-18081}"
 python3 -m http.server --bind 127.0.0.1 --directory "$WHEELHOUSE" "$WHEEL_PORT" >/dev/null 2>&1 &
 WHEEL_SERVER=$!
 
 step "docker build $IMAGE (FROM $BASE_IMAGE, TORCH_VARIANT=$VARIANT)"
-# The build stage's images from before this build are someone's cache: only new ones are removed.
-STAGES_BEFORE="$(docker image ls -q --no-trunc --filter dangling=true --filter label=memvit.stage=build)"
+# The build stages' images from before this build are someone's cache: only new ones are removed.
+STAGES_BEFORE="$(docker image ls -a -q --no-trunc --filter label=memvit.stage=build)"
+PREVIOUS="$(docker image inspect "$IMAGE" --format '{{.Id}}' 2>/dev/null || true)"
 BUILD_STARTED=$SECONDS
-docker build --network host --quiet \
+docker build --network host --quiet --force-rm \
     --build-arg BASE_IMAGE="$BASE_IMAGE" \
     --build-arg TORCH_VARIANT="$VARIANT" \
     --build-arg PIP_NO_INDEX=1 \
@@ -100,14 +148,6 @@ docker build --network host --quiet \
     -t "$IMAGE" .
 BUILD_SECONDS=$((SECONDS - BUILD_STARTED))
 [[ "$(docker image inspect "$IMAGE" --format '{{.Config.User}}')" != "" ]] || fail "image runs as root"
-for stage in $(docker image ls -q --no-trunc --filter dangling=true --filter label=memvit.stage=build); do
-    grep -qx "$stage" <<<"$STAGES_BEFORE" && continue
-    if [[ $KEEP == 1 ]]; then
-        KEPT+=("build stage ${stage:7:12} (the cache for a rebuild): docker image rm ${stage:7:12}")
-    else
-        docker image rm "$stage" >/dev/null
-    fi
-done
 if docker buildx version >/dev/null 2>&1 && [[ "${DOCKER_BUILDKIT:-1}" != 0 ]]; then
     KEPT+=("BuildKit's build cache, which holds the build stage ($(docker buildx du 2>/dev/null | awk '/^Total/ {print $2}')): docker buildx prune")
 fi

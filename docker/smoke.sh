@@ -99,7 +99,8 @@ if MEMVIT_ADMIN_TOKEN='' "$COMPOSE_BIN" -f docker-compose.yml config --quiet 2>/
 fi
 
 image_exists "$IMAGE" && IMAGE_EXISTED=1
-MEMVIT_BASE_IMAGE="$BASE_IMAGE" MEMVIT_KEPT_FILE="$KEPT_FILE" BUILD_KEEP="$KEEP" bash docker/build.sh "$IMAGE"
+MEMVIT_BASE_IMAGE="$BASE_IMAGE" MEMVIT_KEPT_FILE="$KEPT_FILE" BUILD_KEEP="$KEEP" MEMVIT_ELAPSED=$SECONDS \
+    bash docker/build.sh "$IMAGE"
 
 step "docker compose up -d --wait"
 MODELS_DIR="$(mktemp -d)"
