@@ -98,13 +98,13 @@ trap cleanup EXIT
 
 docker/torch-variant.sh "$VARIANT" docker/requirements.txt >/dev/null  # fails fast on a bad variant
 
-step "Docker engine"
+docker info >/dev/null 2>&1 || step "Docker engine"
 ensure_engine
 [[ $ENGINE_STARTED == 0 ]] || KEPT+=("a running dockerd, started by this script: kill \$(cat /var/run/docker.pid)")
 
-step "Base image"
 BASE_IMAGE="${MEMVIT_BASE_IMAGE:-}"
 if [[ -z "$BASE_IMAGE" ]]; then
+    step "Base image"
     BASE_IMAGE=memvit-base:bookworm
     bash docker/base-image.sh "$BASE_IMAGE"
     KEPT+=("base $BASE_IMAGE ($(image_size "$BASE_IMAGE"), needed to rebuild): docker image rm $BASE_IMAGE")
