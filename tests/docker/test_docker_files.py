@@ -28,7 +28,8 @@ def test_runtime_stage_is_non_root_with_healthcheck_and_volumes() -> None:
     assert "MEMVIT_ADAPTER_STORE=/data/adapters" in final and "MEMVIT_HOST=0.0.0.0" in final
     assert re.search(r"COPY --from=deps /opt/venv /opt/venv", final), "the runtime stage uses the venv"
     # memvit in a layer of its own, after the dependencies' (which a code change leaves untouched).
-    assert final.index("COPY --from=deps /opt/venv") < final.index("COPY --from=build /opt/memvit /opt/memvit")
+    own_layer = final.index("COPY --from=build /opt/memvit /opt/memvit")
+    assert final.index("COPY --from=deps /opt/venv") < own_layer
     assert "PATH=/opt/memvit/bin:/opt/venv/bin:" in final and "PYTHONPATH=/opt/memvit " in final
 
 
