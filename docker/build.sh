@@ -12,6 +12,7 @@
 #   TORCH_CPU_INDEX_URL  the cpu variant's index (default https://download.pytorch.org/whl/cpu)
 #   MEMVIT_BASE_IMAGE    build FROM this image instead of the stand-in memvit-base:bookworm
 #   MEMVIT_WHEELHOUSE    the wheelhouse folder (default /tmp/memvit-wheelhouse)
+#   MEMVIT_WHEEL_PORT    the loopback port it is served on to the build (default 18081)
 #   BUILD_KEEP=1         keep the wheelhouse and the build stage, so that a rebuild takes about a minute
 #   MEMVIT_KEPT_FILE     append the list of what was kept to this file instead of printing it
 #
@@ -134,6 +135,9 @@ python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: 
 WHEEL_PORT="${MEMVIT_WHEEL_PORT:-18081}"
 python3 -m http.server --bind 127.0.0.1 --directory "$WHEELHOUSE" "$WHEEL_PORT" >/dev/null 2>&1 &
 WHEEL_SERVER=$!
+# Ours, not something else already on that port (pip would then fail minutes into the build).
+for _ in $(seq 20); do curl -fs "http://127.0.0.1:$WHEEL_PORT/" | grep -q 'torch-' && break; sleep 0.5; done
+kill -0 "$WHEEL_SERVER" 2>/dev/null || fail "cannot serve the wheelhouse on 127.0.0.1:$WHEEL_PORT (in use? set MEMVIT_WHEEL_PORT)"
 
 step "docker build $IMAGE (FROM $BASE_IMAGE, TORCH_VARIANT=$VARIANT)"
 # The build stages' images from before this build are someone's cache: only new ones are removed.

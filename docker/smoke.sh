@@ -45,8 +45,11 @@ cleanup() {
     mapfile -t kept <"$KEPT_FILE"
     rm -f "$KEPT_FILE"
     if [[ $KEEP != 1 ]]; then
-        # build.sh listed what it left; this script made those for itself, so they go too.
-        kept=()
+        # build.sh listed the image it built, which goes now unless it was there before; the rest of
+        # its list (a wheelhouse that was there before, a stage that would not go) still stands.
+        local line rest=()
+        for line in "${kept[@]}"; do [[ $line == "image $IMAGE "* ]] || rest+=("$line"); done
+        kept=("${rest[@]}")
         if [[ $IMAGE_EXISTED == 0 ]] && image_exists "$IMAGE"; then docker image rm "$IMAGE" >/dev/null; fi
         if [[ $BASE_CREATED == 1 ]]; then docker image rm "$BASE_IMAGE" >/dev/null; fi
         if [[ $TOOLS_CREATED == 1 ]]; then rm -rf "$TOOLS"; fi
