@@ -1,0 +1,260 @@
+"""Tenant API keys: who may read and who may change which adapters.
+
+One service serves many customers' fine-tunes on one base, so one admin token is not enough: a key
+names the adapters it covers (a glob over names, e.g. ``acme-*``) and whether it may read them,
+change them, or both. Keys live in one JSON file (``MEMVIT_API_KEYS_FILE``), hashed at rest::
+
+    {"format": "memvit.keys/1",
+     "keys": [{"id": "acme", "sha256": "<hex sha256 of the key>", "names": "acme-*",
+               "read": true, "write": true, "created": "2026-11-25T10:00:00+00:00"}]}
+
+The key itself is shown once, by ``memvit keys add``, and never stored, logged or returned: a request
+is matched by the sha256 of the bearer value it sends. ``KeyFile`` re-reads the file when it changes
+(checked at most every ``reload_seconds``), so a revoked key is refused within one interval; a file
+that turns malformed keeps the last good keys and says why in the log, never opens the door.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("memvit.server.keys")
+FORMAT = "memvit.keys/1"
+KEY_PREFIX = "mvk_"
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class KeysFileError(ValueError):
+    """The keys file is malformed; the message names the entry and the field."""
+
+
+def hash_key(key: str) -> str:
+    """The hex sha256 a key is stored and looked up by."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh random key (256 bits), shown once to whoever creates it."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One tenant key, as stored: never the key itself."""
+
+    id: str  # a label for the log and the audit trail
+    sha256: str
+    names: tuple[str, ...]  # globs over adapter names (fnmatch, case-sensitive); ("*",) covers all
+    read: bool = True
+    write: bool = False
+    created: str = ""
+
+    def covers(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.names)
+
+    def may_read(self, name: str) -> bool:
+        return self.read and self.covers(name)
+
+    def may_write(self, name: str) -> bool:
+        return self.write and self.covers(name)
+
+    def to_json(self) -> dict:
+        entry = asdict(self)
+        entry["names"] = self.names[0] if len(self.names) == 1 else list(self.names)
+        return entry
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    """The keys of one version of the file, looked up by hash."""
+
+    keys: tuple[ApiKey, ...] = ()
+    _by_hash: dict[str, ApiKey] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_hash.update({k.sha256: k for k in self.keys})
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def lookup(self, presented: str) -> ApiKey | None:
+        """The key whose hash the presented bearer value has, or None. A dict lookup on a sha256 leaks
+        nothing useful through timing: finding a hash's neighbours does not help find a key."""
+        return self._by_hash.get(hash_key(presented))
+
+    def by_id(self, key_id: str) -> ApiKey | None:
+        return next((k for k in self.keys if k.id == key_id), None)
+
+    @classmethod
+    def parse(cls, text: str, where: str = "keys file") -> KeyRing:
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise KeysFileError(f"{where}: not JSON ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise KeysFileError(f'{where}: expected an object with "format": "{FORMAT}"')
+        entries = doc.get("keys")
+        if not isinstance(entries, list):
+            raise KeysFileError(f"{where}: 'keys' must be a list")
+        keys = [_parse_entry(entry, f"{where}: keys[{i}]") for i, entry in enumerate(entries)]
+        for what in ("id", "sha256"):
+            seen: set[str] = set()
+            for key in keys:
+                value = getattr(key, what)
+                if value in seen:
+                    raise KeysFileError(
+                        f"{where}: two keys share the {what} {value if what == 'id' else '…'}"
+                    )
+                seen.add(value)
+        return cls(tuple(keys))
+
+    def dumps(self) -> str:
+        return json.dumps({"format": FORMAT, "keys": [k.to_json() for k in self.keys]}, indent=2) + "\n"
+
+
+def _parse_entry(entry: object, where: str) -> ApiKey:
+    if not isinstance(entry, dict):
+        raise KeysFileError(f"{where}: must be an object")
+    unknown = set(entry) - {"id", "sha256", "names", "read", "write", "created"}
+    if unknown:
+        raise KeysFileError(f"{where}: unknown field(s) {sorted(unknown)}")
+    key_id, digest, names = entry.get("id"), entry.get("sha256"), entry.get("names")
+    if not isinstance(key_id, str) or not _ID.match(key_id):
+        raise KeysFileError(f"{where}.id: 1-64 letters, digits, '.', '_' or '-', got {key_id!r}")
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise KeysFileError(f"{where}.sha256: the lower-case hex sha256 of the key (64 characters)")
+    patterns = [names] if isinstance(names, str) else names
+    if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise KeysFileError(f"{where}.names: a glob over adapter names (e.g. 'acme-*') or a list of them")
+    flags = {}
+    for flag, default in (("read", True), ("write", False)):
+        value = entry.get(flag, default)
+        if not isinstance(value, bool):
+            raise KeysFileError(f"{where}.{flag}: true or false, got {value!r}")
+        flags[flag] = value
+    created = entry.get("created", "")
+    if not isinstance(created, str):
+        raise KeysFileError(f"{where}.created: a string")
+    return ApiKey(key_id, digest, tuple(patterns), flags["read"], flags["write"], created)
+
+
+class KeyFile:
+    """A keys file watched for changes: ``ring()`` is the current keys, re-read when the file changed.
+
+    ``stat`` costs microseconds, but it is still only looked at every ``reload_seconds``: a request
+    path that asks ``ring()`` on every call pays a clock read, nothing more, between checks.
+    """
+
+    def __init__(
+        self, path: str | Path, *, reload_seconds: float = 2.0, clock: Callable[[], float] = time.monotonic
+    ):
+        self.path = Path(path)
+        self.reload_seconds = reload_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._signature: tuple[int, int, int] | None = None
+        self._checked = float("-inf")
+        self._ring = self._read()  # at start-up a bad or missing file is fatal: raise here
+
+    def ring(self) -> KeyRing:
+        now = self._clock()
+        if now - self._checked < self.reload_seconds:
+            return self._ring
+        with self._lock:
+            if now - self._checked >= self.reload_seconds:
+                self._checked = now
+                self._reload_if_changed()
+        return self._ring
+
+    def _reload_if_changed(self) -> None:
+        try:
+            signature = self._stat()
+        except OSError as exc:
+            log.error(
+                "keys file %s cannot be read (%s); keeping the %d keys loaded",
+                self.path,
+                exc,
+                len(self._ring),
+            )
+            return
+        if signature == self._signature:
+            return
+        try:
+            self._ring = self._read()
+            log.info("keys file %s reloaded: %d keys", self.path, len(self._ring))
+        except (OSError, KeysFileError) as exc:
+            log.error(
+                "keys file %s is invalid (%s); keeping the %d keys loaded", self.path, exc, len(self._ring)
+            )
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = os.stat(self.path)
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _read(self) -> KeyRing:
+        signature = self._stat()
+        ring = KeyRing.parse(self.path.read_text(encoding="utf-8"), str(self.path))
+        self._signature = signature
+        return ring
+
+
+# -- managing the file (memvit keys add/list/revoke) -------------------------------------------------
+def load_or_empty(path: Path) -> KeyRing:
+    return KeyRing.parse(path.read_text(encoding="utf-8"), str(path)) if path.exists() else KeyRing()
+
+
+def write_ring(path: Path, ring: KeyRing) -> None:
+    """Atomically replace ``path`` (readable by its owner only): a reader sees the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(ring.dumps())
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def add_key(path: Path, key_id: str, names: Iterable[str], *, read: bool, write: bool) -> str:
+    """Adds a key to the file and returns it (the only time it is ever seen)."""
+    ring = load_or_empty(path)
+    if ring.by_id(key_id) is not None:
+        raise KeysFileError(f"a key with id {key_id!r} exists already; revoke it first or pick another id")
+    key = new_key()
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    entry = _parse_entry(
+        {"id": key_id, "sha256": hash_key(key), "names": list(names), "read": read, "write": write,
+         "created": created},
+        f"new key {key_id!r}",
+    )  # fmt: skip
+    write_ring(path, KeyRing((*ring.keys, entry)))
+    return key
+
+
+def revoke_key(path: Path, key_id: str) -> ApiKey:
+    ring = load_or_empty(path)
+    gone = ring.by_id(key_id)
+    if gone is None:
+        raise KeysFileError(f"no key with id {key_id!r} in {path}")
+    write_ring(path, KeyRing(tuple(k for k in ring.keys if k.id != key_id)))
+    return gone
