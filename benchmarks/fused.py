@@ -1,6 +1,6 @@
 """Fused pass vs the base alone, vs K+1 separate timm passes, vs the dense-mask oracle, in one run.
 
-    python -m benchmarks.fused                       # the issue's grid, ~12 minutes on 2 CPU cores
+    python -m benchmarks.fused                       # the default grid, ~12 minutes on 2 CPU cores
     python -m benchmarks.fused --archs deit_tiny_patch16_224 --ks 0,8 --rounds 3   # a quick look
 
 Random weights (timing does not depend on them; the adapters come from tests/factories.py). Each
