@@ -30,11 +30,11 @@ from .output import FusedOutput
 from .routing import Route, build_route
 from .spec import ViTSpec
 
-NO_ADAPTERS = AdapterSet()  # what a pass without a set runs: the base alone
+_BASE_ONLY = AdapterSet()  # what a pass without a set runs: no adapters
 
 
 class MemoryViT(nn.Module):
-    """A frozen timm ViT that serves its own task and every loaded adapter in one pass."""
+    """A frozen timm ViT that serves its own task and every adapter of the set it is given, in one pass."""
 
     def __init__(
         self,
@@ -79,6 +79,9 @@ class MemoryViT(nn.Module):
         return cls(base, device=device, dtype=dtype)
 
     # -- device, dtype, mode -------------------------------------------------------------------
+    # ``.to()``/``.half()`` are nn.Module's own and move the base only. Adapters stay prepared for the
+    # device and dtype they were prepared on, and a pass refuses them after a move (forward_features):
+    # ``LiveAdapters.move_to`` moves an engine and re-prepares its live set in one step.
     @property
     def device(self) -> torch.device:
         return self.base.cls_token.device
@@ -193,7 +196,7 @@ class MemoryViT(nn.Module):
         mode, their ancestors') are built: an image pays for the base pass plus what it asks for,
         whatever else the set holds.
         """
-        adapter_set = NO_ADAPTERS if adapter_set is None else adapter_set
+        adapter_set = _BASE_ONLY if adapter_set is None else adapter_set
         if tasks is None:
             x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
             return self.forward_head(x_tokens, c_tokens, adapter_set)
