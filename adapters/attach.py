@@ -1,10 +1,10 @@
-"""Putting bundles on an engine: the checks that need the base, then one atomic swap."""
+"""Putting bundles on an engine's live set: the checks that need the base, then one atomic swap."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from memory_core import AdapterSet, AdapterShapeError, MemoryViT
+from memory_core import AdapterSet, AdapterShapeError, LiveAdapters, MemoryViT
 
 from .bundle import AdapterBundle
 from .errors import BaseMismatchError
@@ -36,9 +36,10 @@ def check_compatible(bundle: AdapterBundle, engine: MemoryViT) -> None:
 
 
 def attach_bundle(
-    engine: MemoryViT, source: AdapterBundle | str | Path | bytes, *, replace: bool = False
+    live: LiveAdapters, source: AdapterBundle | str | Path | bytes, *, replace: bool = False
 ) -> AdapterSet:
-    """Validate ``source`` completely, then make it live. On any error the live set is unchanged."""
+    """Validate ``source`` completely against ``live``'s engine, then make it live. Returns the new
+    set; on any error the live set is unchanged."""
     bundle = source if isinstance(source, AdapterBundle) else read_bundle(source)
-    check_compatible(bundle, engine)
-    return engine.add_adapter(bundle.weights, replace=replace)
+    check_compatible(bundle, live.engine)
+    return live.add(bundle.weights, replace=replace)

@@ -1,8 +1,8 @@
 """Adding and removing one adapter with K loaded, and what a loaded adapter costs in memory.
 
 For K in {10, 100, 1,000} adapters (m memory tokens, C classes) on a random-init base (the cost
-does not depend on the weights): the median time of ``engine.add_adapter`` (prepare + new set +
-install) and ``engine.remove_adapter`` with K loaded, and of the routed pass of one image
+does not depend on the weights): the median time of ``LiveAdapters.add`` (prepare + new set +
+install) and ``LiveAdapters.remove`` with K loaded, and of the routed pass of one image
 asking for the new adapter, timed apart (a lazily built structure would show there); and the
 resident memory (RSS) the K adapters add, against the bytes of their prepared tensors.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from memory_core import MemoryViT
+from memory_core import LiveAdapters, MemoryViT
 from tests.factories import random_adapter
 
 from .common import argument_parser, environment, pin_malloc
@@ -39,9 +39,9 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def tensor_bytes(engine: MemoryViT) -> int:
+def tensor_bytes(live: LiveAdapters) -> int:
     total = 0
-    for a in engine.adapters:
+    for a in live.current:
         for t in (a.cls, a.memory_keys, a.memory_values, a.head_weight, a.head_bias):
             total += t.numel() * t.element_size()
     return total
@@ -58,31 +58,32 @@ def main(argv: list[str] | None = None) -> None:
     print(environment(pin_malloc(), f"{args.arch}, m={args.memory}, {args.classes} classes"))
     torch.set_grad_enabled(False)
     engine = MemoryViT.from_timm(args.arch)
+    live = LiveAdapters(engine)
     x = torch.randn(1, 3, *engine.spec.img_size)
     print("| adapters loaded | add (ms) | remove (ms) | next routed pass, 1 image (ms) "
           "| RSS per adapter (kB) | tensor bytes per adapter (kB) | ratio |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for count in args.counts:
-        engine.set_adapters([])
+        live.replace_all([])
         gc.collect()
         before = rss_bytes()
         weights = [random_adapter(f"a{i}", engine, m=args.memory, classes=args.classes) for i in range(count)]
-        engine.set_adapters(weights)
+        live.replace_all(weights)
         del weights
         gc.collect()
         added_rss = rss_bytes() - before
-        per_adapter = tensor_bytes(engine) / count
+        per_adapter = tensor_bytes(live) / count
         extra = random_adapter("extra", engine, m=args.memory, classes=args.classes)
         adds, removes, passes = [], [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            engine.add_adapter(extra)
+            live.add(extra)
             adds.append(time.perf_counter() - start)
             start = time.perf_counter()
-            engine(x, tasks=[["extra"]])  # the first pass on the new set: nothing lazy left to build
+            engine(x, live.current, tasks=[["extra"]])  # the first pass on the new set: nothing lazy left
             passes.append(time.perf_counter() - start)
             start = time.perf_counter()
-            engine.remove_adapter("extra")
+            live.remove("extra")
             removes.append(time.perf_counter() - start)
         print(
             f"| {count:,} | {statistics.median(adds) * 1000:.2f} | {statistics.median(removes) * 1000:.2f} "

@@ -27,7 +27,7 @@ from adapters import attach_bundle
 from benchmarks.build_demo import ORIENTATIONS
 from benchmarks.common import argument_parser
 from benchmarks.datasets import DIGITS, FASHION_MNIST_CLASSES, fashion_mnist_split
-from memory_core import BASE_TASK, MemoryViT
+from memory_core import BASE_TASK, LiveAdapters, MemoryViT
 from server.demo import BASE_WEIGHTS, DEMO_DIR, demo_adapters
 from server.images import ImageDecoder
 
@@ -87,24 +87,25 @@ def png_bytes(image: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-def demo_engine() -> MemoryViT:
-    engine = MemoryViT.from_timm(weights=BASE_WEIGHTS)
+def demo_live() -> LiveAdapters:
+    """The demo's base with its adapters live, as the server loads them."""
+    live = LiveAdapters(MemoryViT.from_timm(weights=BASE_WEIGHTS))
     for path in demo_adapters():
-        attach_bundle(engine, path)
-    return engine
+        attach_bundle(live, path)
+    return live
 
 
-def answer(engine: MemoryViT, decoder: ImageDecoder, pngs: list[bytes]) -> list[dict[str, list[float]]]:
+def answer(live: LiveAdapters, decoder: ImageDecoder, pngs: list[bytes]) -> list[dict[str, list[float]]]:
     """Every task's probabilities for each PNG, through the served decode path."""
     x = torch.stack([decoder(png) for png in pngs])
     with torch.inference_mode():
-        logits = engine(x).logits()
+        logits = live.engine(x, live.current).logits()
     probabilities = {task: values.softmax(-1) for task, values in logits.items()}
     return [{task: p[i].tolist() for task, p in probabilities.items()} for i in range(len(pngs))]
 
 
-def task_labels(engine: MemoryViT) -> dict[str, tuple[str, ...]]:
-    return {BASE_TASK: engine.labels, **{a.name: a.weights.labels for a in engine.adapters}}
+def task_labels(live: LiveAdapters) -> dict[str, tuple[str, ...]]:
+    return {BASE_TASK: live.engine.labels, **{a.name: a.weights.labels for a in live.current}}
 
 
 def candidates(sample: Sample) -> Iterator[tuple[int, np.ndarray]]:
@@ -135,11 +136,11 @@ def right(sample: Sample) -> dict[str, str]:
     return {BASE_TASK: sample.label, "orientation": sample.orientation}
 
 
-def pick(engine: MemoryViT, decoder: ImageDecoder, sample: Sample) -> Picked:
-    labels = task_labels(engine)
+def pick(live: LiveAdapters, decoder: ImageDecoder, sample: Sample) -> Picked:
+    labels = task_labels(live)
     found = list(candidates(sample))
     pngs = [png_bytes(image) for _, image in found]
-    for (index, _), png, probabilities in zip(found, pngs, answer(engine, decoder, pngs), strict=True):
+    for (index, _), png, probabilities in zip(found, pngs, answer(live, decoder, pngs), strict=True):
         top: dict[str, tuple[str, float]] = {}
         clear = True
         for task, p in probabilities.items():
@@ -196,9 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEMO_DIR / "samples")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    engine = demo_engine()
-    decoder = ImageDecoder(engine, max_bytes=2**20, max_pixels=2**20)
-    picked = [pick(engine, decoder, sample) for sample in SAMPLES]
+    live = demo_live()
+    decoder = ImageDecoder(live.engine, max_bytes=2**20, max_pixels=2**20)
+    picked = [pick(live, decoder, sample) for sample in SAMPLES]
     args.out.mkdir(parents=True, exist_ok=True)
     for p in picked:
         (args.out / p.sample.file).write_bytes(p.png)

@@ -94,8 +94,11 @@ def bench_arch(arch: str, ks: list[int], ms: list[int], args: argparse.Namespace
                 random_adapter(f"a{i}", engine, m=m or 0, classes=args.classes, memory_std=0.02)
                 for i in range(k)
             ]
-            engine.set_adapters(adapters)
-            fns: dict[str, Callable[[], object]] = {"base": lambda: base(x), "fused": lambda: engine(x)}
+            adapter_set = engine.prepare_set(adapters)
+            fns: dict[str, Callable[[], object]] = {
+                "base": lambda: base(x),
+                "fused": lambda s=adapter_set: engine(x, s),
+            }
             if k > 0 and not args.no_dense:
                 dense = DenseMemoryViT(base, adapters)
                 trimmed = DenseMemoryViT(base, adapters, trim_memory=True)

@@ -49,7 +49,7 @@ from benchmarks.datasets import (
     cifar_tar_to_folder,
     fashion_mnist_split,
 )
-from memory_core import AdapterSet, MemoryViT
+from memory_core import AdapterSet, LiveAdapters, MemoryViT
 
 # Each regime's grid: (lr, class-token lr scale, memory lr scale). The class token needs ~30x the
 # head's step (its gradient is ~0.25% of its norm, RESULTS §2.5); memory regimes also try each
@@ -102,7 +102,7 @@ def prepare_data(root: Path, dataset: str, train: int, val: int, test: int) -> t
 def test_correct(engine: MemoryViT, results: dict, test_dir: Path, batch: int) -> dict[str, torch.Tensor]:
     """Per chosen adapter, which test images it gets right (bool (N,)), from one fused pass per batch."""
     samples = scan_folder(test_dir)
-    adapter_set = AdapterSet(tuple(engine.prepare_many([r.bundle.weights for r in results.values()])))
+    adapter_set = engine.prepare_set(r.bundle.weights for r in results.values())
     loader = torch.utils.data.DataLoader(ImageDataset(samples, eval_transform(engine)), batch_size=batch)
     correct: dict[str, list[torch.Tensor]] = {name: [] for name in results}
     for images, labels in loader:
@@ -126,8 +126,9 @@ def paired(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
     }
 
 
-def base_predictions_unchanged(engine: MemoryViT) -> float:
-    """Max |logit| difference, fused pass against plain timm, on the real photos (inf if a top-5 differs)."""
+def base_predictions_unchanged(engine: MemoryViT, adapter_set: AdapterSet) -> float:
+    """Max |logit| difference, fused pass (with ``adapter_set``) against plain timm, on the real photos
+    (inf if a top-5 differs)."""
     from PIL import Image
 
     reference = timm.create_model("deit_tiny_patch16_224", num_classes=1000)
@@ -136,7 +137,7 @@ def base_predictions_unchanged(engine: MemoryViT) -> float:
     transform = eval_transform(engine)
     x = torch.stack([transform(to_rgb(Image.open(p))) for p in natural_photos()])
     with torch.inference_mode():
-        fused, plain = engine(x).base, reference(x)
+        fused, plain = engine(x, adapter_set).base, reference(x)
     same = bool((fused.topk(5).indices == plain.topk(5).indices).all())
     return (fused - plain).abs().max().item() if same else float("inf")
 
@@ -248,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
             plot_curves(args.plots / f"paper_table_{dataset}.png", dataset, r["chosen"])
     report(per_dataset, args)
     # The concatenation claim: the best adapter of each dataset, served together in one engine.
+    live = LiveAdapters(engine)
     best = {}
     for dataset, r in per_dataset.items():
         scores = {
@@ -256,21 +258,21 @@ def main(argv: list[str] | None = None) -> None:
         }
         regime = max(scores, key=scores.get)
         best[dataset] = r["chosen"][regime][args.seeds[0]]
-        attach_bundle(engine, best[dataset].bundle)
+        attach_bundle(live, best[dataset].bundle)
     test_dirs = {
         best[d].bundle.name: args.data_dir
         / f"{d}-{args.train_per_class}-{args.val_per_class}-{args.test_per_class}"
         / "test"
         for d in best
     }
-    reports = evaluate_tasks(engine, test_dirs)
-    print(f"\nOne engine serving {list(engine.adapters.names)} (test splits):")
+    reports = evaluate_tasks(live, test_dirs)
+    print(f"\nOne engine serving {list(live.current.names)} (test splits):")
     print("| task | fused top-1 | alone top-1 | max logit diff | unchanged |\n|---|--:|--:|--:|---|")
     for t in reports:
         print(
             f"| {t.task} | {t.fused.top1:.4f} | {t.alone.top1:.4f} | {t.max_logit_diff:.1e} | {t.unchanged} |"
         )
-    diff = base_predictions_unchanged(engine)
+    diff = base_predictions_unchanged(engine, live.current)
     print(f"| base (ImageNet, real photos, vs plain timm) | - | - | {diff:.1e} | - |")
     print(f"\nTotal {time.perf_counter() - started:.0f} s")
 

@@ -125,20 +125,20 @@ def main(argv: list[str] | None = None) -> None:
         engine.base.load_state_dict(plain.base.state_dict())
         x = torch.randn(args.batch, 3, *engine.spec.img_size)
         for count in args.counts:
-            engine.set_adapters(
+            loaded = engine.prepare_set(
                 random_adapter(f"a{i}", engine, m=args.memory, classes=args.classes) for i in range(count)
             )
-            names = list(engine.adapters.names)
+            names = list(loaded.names)
             rng = random.Random(count)
             one = [[rng.choice(names)] for _ in range(args.batch)]
             eight = [rng.sample(names, min(8, count)) for _ in range(args.batch)]
             fns = {
                 "base": lambda plain=plain, x=x: plain(x),
-                "1": lambda engine=engine, x=x, one=one: engine(x, tasks=one),
-                "8": lambda engine=engine, x=x, eight=eight: engine(x, tasks=eight),
+                "1": lambda engine=engine, x=x, s=loaded, one=one: engine(x, s, tasks=one),
+                "8": lambda engine=engine, x=x, s=loaded, eight=eight: engine(x, s, tasks=eight),
             }
             if count <= args.all_up_to:
-                fns["all"] = lambda engine=engine, x=x: engine(x)
+                fns["all"] = lambda engine=engine, x=x, s=loaded: engine(x, s)
             times = interleaved(fns, args.rounds)
             for mode in ("1", "8", "all"):
                 if mode not in times:

@@ -61,7 +61,7 @@ from benchmarks.common import (
     pin_malloc,
 )
 from benchmarks.loadgen import LoadResult, classify_requests, load
-from memory_core import AdapterWeights, MemoryViT, save_base
+from memory_core import AdapterSet, AdapterWeights, MemoryViT, save_base
 from server.images import ImageDecoder
 from server.settings import Settings
 from tests.factories import random_adapter
@@ -75,13 +75,15 @@ def adapter(name: str, engine: MemoryViT) -> AdapterWeights:
     return random_adapter(name, engine, m=1, classes=100, memory_std=0.02)
 
 
-def raw_rate(engine: MemoryViT, x: torch.Tensor, seconds: float) -> tuple[float, float]:
+def raw_rate(
+    engine: MemoryViT, adapter_set: AdapterSet, x: torch.Tensor, seconds: float
+) -> tuple[float, float]:
     """(images/s, CPU seconds per image) of the fused pass on ``x``: at least ``seconds`` and 2 passes."""
     with torch.inference_mode():
-        engine(x)  # warm
+        engine(x, adapter_set)  # warm
         done, cpu0, start = 0, time.process_time(), time.perf_counter()
         while done < 2 * len(x) or time.perf_counter() - start < seconds:
-            engine(x)
+            engine(x, adapter_set)
             done += len(x)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu0
     return done / wall, cpu / done
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     real_weights = args.arch == "deit_tiny_patch16_224" and DEIT_TINY.is_file()
     engine = deit_tiny_engine() if real_weights else MemoryViT.from_timm(args.arch)
     adapters = [adapter(f"task-{i}", engine) for i in range(8)]
-    engine.set_adapters(adapters)
+    served = engine.prepare_set(adapters)  # what the server's store will hold
     cores = torch.get_num_threads()
 
     if args.inputs == "model-size":
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     batch_of = {b: pixels[torch.arange(b) % len(pixels)] for b in BATCHES}
     # Two passes over the batch sizes, the second in reverse order, so that a slow minute of the host
     # does not crown one batch size; each size's figure is the mean of its two.
-    passes = [{b: raw_rate(engine, batch_of[b], args.raw_seconds)[0] for b in order}
+    passes = [{b: raw_rate(engine, served, batch_of[b], args.raw_seconds)[0] for b in order}
               for order in (BATCHES, BATCHES[::-1])]  # fmt: skip
     sweep = {b: statistics.fmean(p[b] for p in passes) for b in BATCHES}
     best_batch = max(sweep, key=sweep.get)
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             low = [asyncio.run(load("127.0.0.1", port, requests, c, args.seconds)) for c in (1, 8)]
             rounds = []
             for _ in range(args.rounds):
-                before = raw_rate(engine, batch_of[best_batch], args.raw_seconds)
+                before = raw_rate(engine, served, batch_of[best_batch], args.raw_seconds)
                 cpu0, batched0 = process_cpu(server.pid), batches(server.url)
                 plain = asyncio.run(load("127.0.0.1", port, requests, 32, args.seconds))
                 cpu1, batched1 = process_cpu(server.pid), batches(server.url)
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                 hot_row = asyncio.run(
                     load("127.0.0.1", port, requests, 32, args.seconds, hot_bundle=hot_bundle)
                 )
-                after = raw_rate(engine, batch_of[best_batch], args.raw_seconds)
+                after = raw_rate(engine, served, batch_of[best_batch], args.raw_seconds)
                 server_cpu = None if cpu0 is None else (cpu1 - cpu0) / plain.completed
                 rounds.append((before, plain, hot_row, after, server_cpu, mean_batch))
         finally:

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from adapters import bundle_for
-from memory_core import MemoryViT
+from memory_core import LiveAdapters, MemoryViT
 from server.adapter_service import AdapterService
 from server.store import AdapterStore, open_store
 from tests.factories import random_adapter
@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> None:
                     fill_s = timed(lambda: fill(store, engine, count, m=args.memory, classes=args.classes))  # noqa: B023
                     ready = server_ready_seconds(location)
                     service = AdapterService(
-                        MemoryViT.from_timm(weights=str(DEIT_TINY)),
+                        LiveAdapters(MemoryViT.from_timm(weights=str(DEIT_TINY))),
                         open_store(location),
                         max_bundle_bytes=1 << 26,
                     )
                     first = timed(service.sync)
-                    assert len(service.engine.adapters) == count, service.invalid
+                    assert len(service.live.current) == count, service.invalid
                     read = service.bundles_read
                     idle = timed(service.sync)
                     idle_reads = service.bundles_read - read

@@ -47,11 +47,11 @@ def main(argv: list[str] | None = None) -> None:
         adapter.head.weight.normal_(0, 0.02)
     params = [p for p in adapter.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    engine.add_adapter(adapter.weights())
+    served = engine.prepare_set([adapter.weights()])
 
     def infer() -> None:
         with torch.inference_mode():
-            engine(x)
+            engine(x, served)
 
     def step() -> None:
         loss = F.cross_entropy(adapter(x), y)

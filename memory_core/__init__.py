@@ -22,9 +22,11 @@ from .errors import (
 )
 from .fingerprint import state_fingerprint
 from .flops import AdapterCost, adapter_flops, base_flops, flop_ratio, fused_flops, uniform_adapters
-from .model import FusedOutput, MemoryViT
+from .live import LiveAdapters
+from .model import MemoryViT
+from .output import FusedOutput
 from .reference import DenseMemoryViT, attention_mask
-from .routing import Route, build_route
+from .routing import Route, RouteOutput, build_route
 from .spec import ViTSpec, check_supported
 
 __all__ = [
@@ -44,11 +46,13 @@ __all__ = [
     "FusedOutput",
     "InputError",
     "InvalidAdapterError",
+    "LiveAdapters",
     "MemoryViT",
     "MemvitError",
     "MissingParentError",
     "PreparedAdapter",
     "Route",
+    "RouteOutput",
     "UnknownAdapterError",
     "UnsupportedModelError",
     "ViTSpec",

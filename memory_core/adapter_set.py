@@ -9,7 +9,7 @@ stacked once, when the set is built, not on every pass.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,6 +20,7 @@ from .adapter import AdapterWeights
 from .attention import LayerMemory
 from .errors import (
     AdapterInUseError,
+    AdapterShapeError,
     DuplicateAdapterError,
     MissingParentError,
     UnknownAdapterError,
@@ -220,6 +221,22 @@ class AdapterSet:
         return AdapterSet(tuple(a for a in self.adapters if a.name != name))
 
 
+def check_prepared_for(adapters: Iterable[PreparedAdapter], device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ``AdapterShapeError`` unless every adapter was prepared for ``device`` and ``dtype``.
+
+    A prepared adapter is fixed to the device and dtype of the engine that prepared it; after the
+    engine moves, its old adapters must be prepared again (``LiveAdapters.move_to`` does).
+    """
+    for a in adapters:
+        if a.cls.device != device or a.cls.dtype != dtype:
+            raise AdapterShapeError(
+                f"adapter {a.name!r} was prepared for {a.cls.device}/{a.cls.dtype}, not {device}/{dtype}: "
+                "prepare it with the engine that runs it (LiveAdapters.move_to moves an engine and "
+                "re-prepares its live adapters)",
+                field="name",
+            )
+
+
 def stack_adapters(adapters: tuple[PreparedAdapter, ...], *, group_heads: bool = False) -> AdapterStack:
     """Stack ``adapters`` (each one's ancestors among them) for the fused pass.
 
@@ -256,6 +273,8 @@ def _group_heads(adapters: tuple[PreparedAdapter, ...]) -> tuple[HeadGroup, ...]
 def _build_stack(adapters: tuple[PreparedAdapter, ...], lineages: list[list[int]]) -> AdapterStack:
     first = adapters[0]
     device, dtype = first.cls.device, first.cls.dtype
+    # One device and dtype for all: torch would silently promote a mix while stacking.
+    check_prepared_for(adapters, device, dtype)
     K = len(adapters)
     L, H, _, d = first.memory_keys.shape
     # Each adapter sees its own memory and, in extension mode, its ancestors'. Memory is constant,

@@ -1,21 +1,17 @@
 """MemoryViT: a frozen timm ViT plus any number of memory adapters, in one fused forward pass.
 
-    forward(x) = forward_head(*forward_features(x, stack))
+    forward(x, adapter_set) = forward_head(*forward_features(x, adapter_set.stack), adapter_set)
 
 ``forward_features`` runs the base tokens through every block exactly as timm does, and the K
 adapter class tokens alongside them (``attention.py``); ``forward_head`` applies the base's own head
-to the base tokens and each adapter's head to its class token. The live adapters are an immutable
-``AdapterSet``; ``install`` is the one way to change them (under the engine's one write lock), and
-readers never lock: a pass reads the reference once and keeps that snapshot.
+to the base tokens and each adapter's head to its class token. The engine holds no adapters: it
+``prepare``s them and runs whichever immutable ``AdapterSet`` it is handed. Which set is live, and
+how it changes, is ``live.py``'s (``LiveAdapters``).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,68 +20,21 @@ import torch.nn.functional as F
 from timm.data import resolve_data_config
 from torch import Tensor, nn
 
-from .adapter import BASE_TASK, AdapterWeights
+from .adapter import AdapterWeights
 from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
 from .attention import merged_block, project_memory, split_block
 from .base_model import BaseModel, create_base
 from .errors import AdapterShapeError, InputError
 from .fingerprint import state_fingerprint
+from .output import FusedOutput
 from .routing import Route, build_route
 from .spec import ViTSpec
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FusedOutput:
-    """Logits of one fused pass, and the adapter set that produced them.
-
-    Without routing every task answers every image: ``adapters[name]`` is (B, C_k) and ``images`` is
-    None. A routed pass (``MemoryViT.forward(..., tasks=...)``) answers only what each image asked:
-    ``adapters[name]`` is (n, C_k) for the n images in ``images[name]`` (ascending indices).
-    """
-
-    base: Tensor  # (B, C_0): the base model's own task
-    adapters: dict[str, Tensor]  # name -> (B, C_k), or (n, C_k) when routed; in the set's order
-    adapter_set: AdapterSet
-    images: dict[str, Tensor] | None = None  # routed: name -> (n,) image indices
-
-    def __len__(self) -> int:
-        return self.base.shape[0]
-
-    def __getitem__(self, rows: slice) -> FusedOutput:
-        """The same tasks for a slice of the images (e.g. one request's share of a batch)."""
-        if not isinstance(rows, slice) or rows.step not in (None, 1):
-            raise TypeError(f"FusedOutput takes a contiguous slice of images, got {rows!r}")
-        if self.images is None:
-            return FusedOutput(
-                base=self.base[rows],
-                adapters={name: t[rows] for name, t in self.adapters.items()},
-                adapter_set=self.adapter_set,
-            )
-        start, stop, _ = rows.indices(len(self))
-        adapters, images = {}, {}
-        for name, who in self.images.items():
-            keep = (who >= start) & (who < stop)
-            if bool(keep.any()):
-                adapters[name], images[name] = self.adapters[name][keep], who[keep] - start
-        return FusedOutput(self.base[rows], adapters, self.adapter_set, images=images)
-
-    def logits(self) -> dict[str, Tensor]:
-        """Every task's logits by task name, the base task first."""
-        return {BASE_TASK: self.base, **self.adapters}
-
-    def to(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> FusedOutput:
-        return FusedOutput(
-            base=self.base.to(device, dtype),
-            adapters={name: t.to(device, dtype) for name, t in self.adapters.items()},
-            adapter_set=self.adapter_set,
-            images=None if self.images is None else {n: i.to(device) for n, i in self.images.items()},
-        )
+_BASE_ONLY = AdapterSet()  # what a pass without a set runs: no adapters
 
 
 class MemoryViT(nn.Module):
-    """A frozen timm ViT that serves its own task and every loaded adapter in one pass."""
+    """A frozen timm ViT that serves its own task and every adapter of the set it is given, in one pass."""
 
     def __init__(
         self,
@@ -102,8 +51,6 @@ class MemoryViT(nn.Module):
         self._data_config_overrides = dict(base.data_config or {})
         # Fingerprint the weights as given, before any cast, so it names the weights, not the dtype.
         self.fingerprint = state_fingerprint(self.base.state_dict())
-        self._write_lock = threading.RLock()
-        self._adapters = AdapterSet()
         if device is not None or dtype is not None:
             self.to(device=device, dtype=dtype)
 
@@ -132,6 +79,9 @@ class MemoryViT(nn.Module):
         return cls(base, device=device, dtype=dtype)
 
     # -- device, dtype, mode -------------------------------------------------------------------
+    # ``.to()``/``.half()`` are nn.Module's own and move the base only. Adapters stay prepared for the
+    # device and dtype they were prepared on, and a pass refuses them after a move (forward_features):
+    # ``LiveAdapters.move_to`` moves an engine and re-prepares its live set in one step.
     @property
     def device(self) -> torch.device:
         return self.base.cls_token.device
@@ -139,14 +89,6 @@ class MemoryViT(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.base.cls_token.dtype
-
-    def _apply(self, fn: Any, recurse: bool = True) -> MemoryViT:
-        # .to()/.cuda()/.half() land here: move the base, then re-prepare the adapters on it.
-        super()._apply(fn, recurse)
-        if getattr(self, "_adapters", None) is not None and len(self._adapters):
-            with self.exclusive() as live:
-                self.install(AdapterSet(tuple(self.prepare(a.weights) for a in live)))
-        return self
 
     def train(self, mode: bool = True) -> MemoryViT:
         # The base is frozen: its dropout and drop-path stay off even while adapters train.
@@ -161,12 +103,7 @@ class MemoryViT(nn.Module):
         config["input_size"] = (self.base.patch_embed.proj.in_channels, *self.spec.img_size)
         return config
 
-    # -- adapters ------------------------------------------------------------------------------
-    @property
-    def adapters(self) -> AdapterSet:
-        """The live adapter set. Hold on to it to run several passes on the same snapshot."""
-        return self._adapters
-
+    # -- preparing adapters --------------------------------------------------------------------
     def class_position(self) -> Tensor:
         """(D,) the position embedding the base's class token gets, which adapter class tokens share."""
         base = self.base
@@ -215,6 +152,11 @@ class MemoryViT(nn.Module):
                         prepared[i] = self._prepared(weights[i], k, v)
         return prepared  # type: ignore[return-value]  # every slot is filled above
 
+    def prepare_set(self, weights: Iterable[AdapterWeights], *, version: int | None = None) -> AdapterSet:
+        """Prepare every adapter (``prepare_many``) and make them one snapshot, in the given order
+        (parents before their extensions): what ``forward`` takes. Installs nothing anywhere."""
+        return AdapterSet(tuple(self.prepare_many(list(weights))), version=version)
+
     def _prepared(self, weights: AdapterWeights, keys: Tensor, values: Tensor) -> PreparedAdapter:
         like = {"device": self.device, "dtype": self.dtype}
         return PreparedAdapter(
@@ -237,52 +179,6 @@ class MemoryViT(nn.Module):
         pairs = [project_memory(block, memory[i], memory_norm) for i, block in enumerate(self.base.blocks)]
         return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
-    @contextmanager
-    def exclusive(self) -> Iterator[AdapterSet]:
-        """Hold the write lock and yield the live set: read, derive, persist and ``install`` atomically.
-
-        The one lock that orders every change to the live set (the adapter service runs its store
-        writes under it too). Re-entrant. Passes never take it.
-        """
-        with self._write_lock:
-            yield self._adapters
-
-    def install(self, adapter_set: AdapterSet) -> AdapterSet:
-        """Make ``adapter_set`` live: the one way the live set changes. Returns it.
-
-        Its adapters must have been prepared by this engine, on its current device and dtype. Passes
-        in flight keep the set they started with; every later pass sees the new one.
-        """
-        device, dtype = self.device, self.dtype  # once: module attribute lookups cost ~1 µs each
-        for adapter in adapter_set:
-            if adapter.cls.device != device or adapter.cls.dtype != dtype:
-                raise AdapterShapeError(
-                    f"adapter {adapter.name!r} was prepared for {adapter.cls.device}/{adapter.cls.dtype}, "
-                    f"the engine runs {device}/{dtype}; prepare it with this engine",
-                    field="name",
-                )
-        with self._write_lock:
-            self._adapters = adapter_set  # one reference assignment
-        names = adapter_set.names
-        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-        log.info("adapter set v%d live: [%s]", adapter_set.version, shown)
-        return adapter_set
-
-    # Conveniences over ``install``: each derives the new set from the live one under the lock.
-    def add_adapter(self, weights: AdapterWeights, *, replace: bool = False) -> AdapterSet:
-        """Make ``weights`` live. Returns the new set; on any error the live set is unchanged."""
-        prepared = self.prepare(weights)
-        with self.exclusive() as live:
-            return self.install(live.with_adapter(prepared, replace=replace))
-
-    def remove_adapter(self, name: str) -> AdapterSet:
-        with self.exclusive() as live:
-            return self.install(live.without(name))
-
-    def set_adapters(self, adapters: Iterable[AdapterWeights]) -> AdapterSet:
-        """Replace the whole live set at once (parents must come before their extensions)."""
-        return self.install(AdapterSet(tuple(self.prepare_many(list(adapters)))))
-
     # -- the fused pass ------------------------------------------------------------------------
     def forward(
         self,
@@ -294,18 +190,18 @@ class MemoryViT(nn.Module):
     ) -> FusedOutput:
         """Images (B, C, H, W) -> base logits and adapter logits, from one pass.
 
-        ``tasks``: None computes every adapter for every image; otherwise ``tasks[b]`` names the
-        adapters image b asks for, and only those rows (plus, in extension mode, their ancestors')
-        are built: an image pays for the base pass plus what it asks for, whatever else is loaded.
+        ``adapter_set``: the snapshot to run (e.g. ``LiveAdapters.current``, read once by the caller);
+        None runs the base alone. ``tasks``: None computes every adapter for every image; otherwise
+        ``tasks[b]`` names the adapters image b asks for, and only those rows (plus, in extension
+        mode, their ancestors') are built: an image pays for the base pass plus what it asks for,
+        whatever else the set holds.
         """
-        adapter_set = self._adapters if adapter_set is None else adapter_set  # read the reference once
+        adapter_set = _BASE_ONLY if adapter_set is None else adapter_set
         if tasks is None:
             x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
             return self.forward_head(x_tokens, c_tokens, adapter_set)
-        route = build_route(adapter_set, tasks, x.shape[0])
+        route = build_route(adapter_set, tasks, x.shape[0])  # None: nobody asked for an adapter
         x_tokens, c_tokens = self.forward_features(x, route, path=path)
-        if route is None:  # nobody asked for an adapter: a base-only pass
-            return FusedOutput(self.base.forward_head(x_tokens), {}, adapter_set, images={})
         return self.forward_head(x_tokens, c_tokens, adapter_set, route)
 
     def forward_features(
@@ -325,6 +221,14 @@ class MemoryViT(nn.Module):
         x = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))  # (B, T, D)
         if stack is None:
             return base.norm(base.blocks(x)), None
+        if stack.cls.device != self.device or stack.cls.dtype != self.dtype:
+            # A set prepared before the engine moved (all adapters of a stack share one device/dtype).
+            raise AdapterShapeError(
+                f"these adapters were prepared for {stack.cls.device}/{stack.cls.dtype}, the engine runs "
+                f"{self.device}/{self.dtype}: prepare them with this engine (LiveAdapters.move_to moves an "
+                "engine and re-prepares its live adapters)",
+                field="name",
+            )
         cls = stack.cls if stack.cls.ndim == 3 else stack.cls.expand(x.shape[0], -1, -1)
         c = base.norm_pre(cls)  # (B, K, D)
         if path == "auto":
@@ -347,19 +251,17 @@ class MemoryViT(nn.Module):
     ) -> FusedOutput:
         """Final tokens -> logits. With a ``route``, only the rows asked for meet a head (ancestors
         computed for an extension do not), and ``images`` says which images each task answers."""
-        base_logits = self.base.forward_head(x)
-        logits: dict[str, Tensor] = {}
-        if c is None:
-            return FusedOutput(base_logits, logits, adapter_set)
+        base_logits = self.base.forward_head(x)  # (B, C_0)
+        if c is None:  # no adapter rows: the base alone
+            return FusedOutput(base_logits, {}, {}, adapter_set)
         if route is None:
             heads = adapter_set.stack.apply_heads(c)  # (B, C_k) each
-            logits = dict(zip(adapter_set.names, heads, strict=True))
-            return FusedOutput(base_logits, logits, adapter_set)
-        images: dict[str, Tensor] = {}
-        for name, (weight, bias), who, rows in route.outputs:
-            logits[name] = F.linear(c[who, rows], weight, bias)  # (n, C_k): the n images asking
-            images[name] = who
-        return FusedOutput(base_logits, logits, adapter_set, images=images)
+            return FusedOutput.every_image(
+                base_logits, dict(zip(adapter_set.names, heads, strict=True)), adapter_set
+            )
+        logits = {o.name: F.linear(c[o.images, o.rows], o.weight, o.bias) for o in route.outputs}  # (n, C_k)
+        images = {o.name: o.images for o in route.outputs}
+        return FusedOutput(base_logits, logits, images, adapter_set)
 
     def _check_input(self, x: Tensor) -> None:
         in_chans = self.base.patch_embed.proj.in_channels

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -22,14 +23,23 @@ from .attention import LayerMemory
 from .errors import InputError
 
 
+class RouteOutput(NamedTuple):
+    """One asked adapter's logits in a routed pass: its head, the images asking, and their rows."""
+
+    name: str
+    weight: Tensor  # (C_k, D) head weight
+    bias: Tensor  # (C_k,)
+    images: Tensor  # (n,) long: the images asking for it, ascending
+    rows: Tensor  # (n,) long: where its class-token row sits among each of those images' R rows
+
+
 @dataclass(frozen=True)
 class Route:
     """Which class-token rows a pass builds for a batch, and where each asked task's logits come from."""
 
     cls: Tensor  # (B, R, D): each row's initial class token
     layers: tuple[LayerMemory, ...]  # per block, routed: keys (B, R, H, P, d), lineage (B, R, A)
-    # Per asked adapter, in the set's order: (name, (head weight, bias), images asking (n,), their rows (n,)).
-    outputs: tuple[tuple[str, tuple[Tensor, Tensor], Tensor, Tensor], ...]
+    outputs: tuple[RouteOutput, ...]  # per asked adapter, in the set's order
 
     @property
     def requires_grad(self) -> bool:
@@ -84,7 +94,8 @@ def build_route(adapter_set: AdapterSet, tasks: Sequence[Collection[str]], batch
     outputs = []
     for k in sorted(askers):  # the set's order
         who = torch.tensor(askers[k], dtype=torch.long, device=device)
-        outputs.append((adapters[k].name, stack.heads[local[k]], who, position[who, local[k]]))
+        weight, bias = stack.heads[local[k]]
+        outputs.append(RouteOutput(adapters[k].name, weight, bias, images=who, rows=position[who, local[k]]))
     return Route(cls=stack.cls[idx], layers=layers, outputs=tuple(outputs))
 
 

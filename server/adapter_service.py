@@ -1,7 +1,7 @@
-"""Keeps the engine's live adapter set equal to the valid bundles in the store.
+"""Keeps the live adapter set equal to the valid bundles in the store.
 
 Local changes (POST/DELETE) validate completely, then persist, then re-read the store's state, all
-under the engine's one write lock (``MemoryViT.exclusive``), so a failure at any step leaves both
+under the live set's one write lock (``LiveAdapters.exclusive``), so a failure at any step leaves both
 the store and the live set as they were, and no other writer in this process can slip in between.
 Changes made by other replicas sharing the store are picked up by ``sync``, which a background task
 calls every few seconds (and every local change calls before and after its write).
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from adapters import AdapterBundle, check_compatible, read_bundle
-from memory_core import AdapterSet, MemoryViT, MemvitError, PreparedAdapter, UnknownAdapterError
+from memory_core import AdapterSet, LiveAdapters, MemvitError, PreparedAdapter, UnknownAdapterError
 
 from .store import AdapterStore, ObjectVersion, StoreUnavailableError
 
@@ -41,13 +41,14 @@ class StoredAdapter:
 class AdapterService:
     def __init__(
         self,
-        engine: MemoryViT,
+        live: LiveAdapters,
         store: AdapterStore,
         *,
         max_bundle_bytes: int,
         read_workers: int | None = None,
     ) -> None:
-        self.engine = engine
+        self.live = live
+        self.engine = live.engine  # validates and prepares bundles; ``live`` holds what it serves
         self.store = store
         self.max_bundle_bytes = max_bundle_bytes
         self.read_workers = read_workers or store.read_parallelism
@@ -62,7 +63,7 @@ class AdapterService:
     # -- reading ----------------------------------------------------------------------------------
     def get(self, name: str) -> StoredAdapter:
         """The live adapter ``name`` (UnknownAdapterError when it is not live)."""
-        self.engine.adapters[name]  # raises UnknownAdapterError
+        self.live.current[name]  # raises UnknownAdapterError
         return self._valid[name]
 
     def bundle(self, name: str) -> AdapterBundle:
@@ -79,33 +80,33 @@ class AdapterService:
         check_compatible(bundle, self.engine)
         prepared = self.engine.prepare(bundle.weights)
         name = bundle.name
-        with self.engine.exclusive():
+        with self.live.exclusive():
             self._sync_locked()  # another replica may have just added this bundle's parent
-            self.engine.adapters.check_add(prepared, replace=replace)  # conflicts raise here
+            self.live.current.check_add(prepared, replace=replace)  # conflicts raise here
             version = self.store.write(name, data, replace=replace)
             mine = StoredAdapter(version, hashlib.sha256(data).hexdigest(), bundle, prepared)
             self._valid[name] = mine  # what we wrote is known: the sync below does not re-read it
             self._failed.pop(name, None)
             self._sync_locked()
-            live = self.engine.adapters
+            live = self.live.current
             current = self._valid.get(name, mine) if name in live else mine
         log.info("registered adapter %s (set v%d)", name, live.version)
         return current, live
 
     def delete(self, name: str) -> AdapterSet:
-        with self.engine.exclusive():
+        with self.live.exclusive():
             self._sync_locked()
             if name not in self.invalid:  # an invalid object can always be deleted
-                self.engine.adapters.check_remove(name)  # unknown or still extended: raises here
+                self.live.current.check_remove(name)  # unknown or still extended: raises here
             self.store.delete(name)
             self._sync_locked()
-            live = self.engine.adapters
+            live = self.live.current
         log.info("deleted adapter %s (set v%d)", name, live.version)
         return live
 
     def sync(self) -> bool:
         """Bring the live set in line with the store. Returns True if it changed."""
-        with self.engine.exclusive():
+        with self.live.exclusive():
             return self._sync_locked()
 
     # -- the sync ---------------------------------------------------------------------------------
@@ -124,16 +125,16 @@ class AdapterService:
             log.warning("adapter store generation went back (%d -> %d): was the store reset?",
                         self._generation, generation)  # fmt: skip
         self._read_changed(files)
-        ordered, invalid = _parents_first(self._valid, self.engine.adapters.names)
+        ordered, invalid = _parents_first(self._valid, self.live.current.names)
         invalid.update({name: reason for name, (_, reason) in self._failed.items()})
         self._seen, self._generation, self.invalid = files, generation, invalid
-        current = self.engine.adapters
+        current = self.live.current
         prepared = tuple(e.prepared for e in ordered)
         if prepared == current.adapters:
             if current.version != generation:
-                self.engine.install(current.at_version(generation))
+                self.live.install(current.at_version(generation))
             return False
-        live = self.engine.install(AdapterSet(prepared, version=generation))
+        live = self.live.install(AdapterSet(prepared, version=generation))
         added = sorted(set(live.names) - set(current.names))
         removed = sorted(set(current.names) - set(live.names))
         log.info("adapter store changed: +%s -%s (set v%d, %d live)", _short(added), _short(removed),

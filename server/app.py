@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastapi import FastAPI
 
-from memory_core import MemoryViT
+from memory_core import LiveAdapters, MemoryViT
 
 from .adapter_service import AdapterService
 from .batching import DynamicBatcher
@@ -94,7 +94,7 @@ def _load(settings: Settings) -> tuple[MemoryViT, AdapterService]:
     store = open_store(settings.adapter_store)
     store.clean_temp_files()
     _seed_demo_store(settings, store)
-    registry = AdapterService(engine, store, max_bundle_bytes=settings.max_bundle_bytes)
+    registry = AdapterService(LiveAdapters(engine), store, max_bundle_bytes=settings.max_bundle_bytes)
     registry.sync()
     for name, reason in registry.invalid.items():
         log.warning("adapter store: %s is invalid and was not loaded: %s", name, reason)
@@ -109,8 +109,9 @@ async def _start(state: AppState) -> None:
         log.error("cannot start: %s", exc)
         os.kill(os.getpid(), signal.SIGTERM)
         return
+    live = registry.live
     batcher = DynamicBatcher(
-        engine,
+        live,
         max_batch=settings.max_batch,
         max_wait=settings.max_wait_ms / 1000,
         max_queue=settings.max_queue,
@@ -125,7 +126,7 @@ async def _start(state: AppState) -> None:
         decode=settings.decode,
     )
     pipeline = ClassifyPipeline(
-        engine,
+        live,
         decoder,
         batcher,
         decode_pool,
@@ -133,7 +134,7 @@ async def _start(state: AppState) -> None:
         max_image_bytes=settings.max_image_bytes,
         metrics=state.metrics,
     )
-    state.service = Service(engine, registry, pipeline, batcher, decode_pool)
+    state.service = Service(engine, live, registry, pipeline, batcher, decode_pool)
     state.tasks.append(
         asyncio.create_task(_poll_store(state.service, settings, state.metrics), name="store-poller")
     )
@@ -142,7 +143,7 @@ async def _start(state: AppState) -> None:
     spec = engine.spec
     log.info(
         "ready: %s (%s) on %s/%s, %d adapters, store %s",
-        spec.arch, engine.source, engine.device, engine.dtype, len(engine.adapters), settings.adapter_store,
+        spec.arch, engine.source, engine.device, engine.dtype, len(live.current), settings.adapter_store,
     )  # fmt: skip
 
 
@@ -157,7 +158,7 @@ async def _poll_store(service: Service, settings: Settings, metrics: Metrics) ->
 
 
 def _update_gauges(service: Service, metrics: Metrics) -> None:
-    live = service.engine.adapters
+    live = service.live.current
     metrics.adapters_loaded.set(len(live))
     metrics.adapter_set_version.set(live.version)
 

@@ -4,7 +4,7 @@ A request's images wait in a queue; one gatherer task takes the first waiting re
 until ``max_batch`` images or ``max_wait`` seconds, and hands the batch to a single inference
 thread. It only waits for requests that are on their way (announced by ``run`` while their images
 decode): a lone request runs at once instead of sitting out ``max_wait`` for nobody. Each batch
-reads the engine's adapter set once, so every request in it is answered by that one snapshot.
+reads the live adapter set once, so every request in it is answered by that one snapshot.
 A full queue refuses new work at once (503 + Retry-After) instead of growing.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from memory_core import BASE_TASK, AdapterSet, FusedOutput, MemoryViT
+from memory_core import BASE_TASK, AdapterSet, FusedOutput, LiveAdapters
 
 from .errors import OverloadedError, UnknownTaskError
 from .metrics import Metrics
@@ -38,9 +38,10 @@ class _Job:
 
 class DynamicBatcher:
     def __init__(
-        self, engine: MemoryViT, *, max_batch: int, max_wait: float, max_queue: int, metrics: Metrics
+        self, live: LiveAdapters, *, max_batch: int, max_wait: float, max_queue: int, metrics: Metrics
     ) -> None:
-        self.engine = engine
+        self.live = live
+        self.engine = live.engine
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.metrics = metrics
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
@@ -122,7 +123,7 @@ class DynamicBatcher:
             await self._run(batch, size, loop)
 
     async def _run(self, batch: list[_Job], size: int, loop: asyncio.AbstractEventLoop) -> None:
-        adapter_set = self.engine.adapters  # one snapshot for the whole batch
+        adapter_set = self.live.current  # one snapshot for the whole batch
         try:
             batch, tasks = self._route(batch, adapter_set)
             if batch:

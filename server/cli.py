@@ -295,16 +295,17 @@ def evaluate(
     from adapters import attach_bundle
     from adapters.training import evaluate_tasks
     from adapters.training.metrics import LabelMatchError
-    from memory_core import BASE_TASK, MemvitError
+    from memory_core import BASE_TASK, LiveAdapters, MemvitError
 
     engine = None
     try:
         tasks = dict(_task_dir(item) for item in val)
         engine = _engine(arch, weights, labels=_read_labels(labels) if labels else None)
+        live = LiveAdapters(engine)
         for path in adapter or []:
-            attach_bundle(engine, path)
+            attach_bundle(live, path)
         reports = evaluate_tasks(
-            engine, tasks, batch_size=batch_size, workers=workers, limit=limit, decode=decode
+            live, tasks, batch_size=batch_size, workers=workers, limit=limit, decode=decode
         )
     except LabelMatchError as exc:
         if exc.task == BASE_TASK and exc.matches == 0 and engine is not None and engine.labels is None:

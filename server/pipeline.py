@@ -19,7 +19,7 @@ import torch
 from fastapi import UploadFile
 from torch import Tensor
 
-from memory_core import BASE_TASK, AdapterSet, FusedOutput, MemoryViT
+from memory_core import BASE_TASK, AdapterSet, FusedOutput, LiveAdapters
 
 from .batching import DynamicBatcher
 from .errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError, UnknownTaskError
@@ -48,7 +48,7 @@ def check_tasks(wanted: list[str] | None, adapter_set: AdapterSet) -> None:
 class ClassifyPipeline:
     def __init__(
         self,
-        engine: MemoryViT,
+        live: LiveAdapters,
         decoder: ImageDecoder,
         batcher: DynamicBatcher,
         decode_pool: Executor,
@@ -57,7 +57,8 @@ class ClassifyPipeline:
         max_image_bytes: int,
         metrics: Metrics | None = None,
     ) -> None:
-        self.engine = engine
+        self.live = live
+        self.engine = live.engine
         self.decoder = decoder
         self.batcher = batcher
         self.decode_pool = decode_pool
@@ -73,7 +74,7 @@ class ClassifyPipeline:
                 f"{len(uploads)} images in one request; the limit is {self.max_images}", field="image"
             )
         wanted = parse_tasks(tasks)
-        check_tasks(wanted, self.engine.adapters)  # fail fast, before decoding anything
+        check_tasks(wanted, self.live.current)  # fail fast, before decoding anything
         names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
         # Routed: these images pay for the adapters asked for, not for every one loaded.
         adapters = None if wanted is None else [t for t in wanted if t != BASE_TASK]

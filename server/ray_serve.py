@@ -155,7 +155,7 @@ class MemvitDeployment:
             "node_id": context.get_node_id(),
             "ready": service is not None,
             "in_flight": self.in_flight.count,
-            "adapters": list(service.engine.adapters.names) if service is not None else [],
+            "adapters": list(service.live.current.names) if service is not None else [],
         }
 
 

@@ -12,7 +12,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from memory_core import MemoryViT
+from memory_core import LiveAdapters, MemoryViT
 
 from .adapter_service import AdapterService
 from .batching import DynamicBatcher
@@ -23,9 +23,10 @@ from .settings import Settings
 
 @dataclass(frozen=True)
 class Service:
-    """The loaded model, its adapter registry and the /classify pipeline."""
+    """The loaded model, its live adapter set, its adapter registry and the /classify pipeline."""
 
     engine: MemoryViT
+    live: LiveAdapters  # the adapters served now; ``adapters`` keeps it equal to the store
     adapters: AdapterService
     pipeline: ClassifyPipeline
     batcher: DynamicBatcher

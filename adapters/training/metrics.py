@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from memory_core import BASE_TASK, AdapterSet, AdapterWeights, MemoryViT, PreparedAdapter
+from memory_core import BASE_TASK, AdapterSet, AdapterWeights, LiveAdapters, MemoryViT, PreparedAdapter
 
 from ..preprocess import Transform, decode_target, eval_transform
 from .data import DataError, ImageDataset, Samples, scan_folder
@@ -107,7 +107,7 @@ def _label_map(task: str, samples: Samples, labels: Sequence[str]) -> torch.Tens
 
 @torch.inference_mode()
 def evaluate_tasks(
-    engine: MemoryViT,
+    live: LiveAdapters,
     val_dirs: dict[str, str | Path],
     *,
     batch_size: int = 64,
@@ -115,10 +115,10 @@ def evaluate_tasks(
     limit: int | None = None,
     decode: str = "exact",
 ) -> list[TaskReport]:
-    """Score each task ("base" or an adapter name) on its folder, through the engine's live set.
+    """Score each task ("base" or an adapter name) on its folder, through ``live``'s current set.
 
     ``decode``: "exact" or "fast", as the server's ``MEMVIT_DECODE`` (the same ``load_rgb``)."""
-    live = engine.adapters
+    engine, adapters = live.engine, live.current  # one snapshot for every task
     transform = eval_transform(engine)
     shrink_to = decode_target(engine, decode)
     reports = []
@@ -126,20 +126,20 @@ def evaluate_tasks(
         if task == BASE_TASK:
             labels = engine.labels or tuple(f"class_{i}" for i in range(engine.spec.num_classes))
         else:
-            labels = live[task].weights.labels or ()
+            labels = adapters[task].weights.labels or ()
         samples = (
             scan_folder(folder, classes=None, check_images=True) if limit is None else _limited(folder, limit)
         )
         rows = _label_map(task, samples, labels)
-        alone_set = (
-            None if task == BASE_TASK else AdapterSet(tuple(live[n] for n in reversed(live.lineage(task))))
-        )
+        alone_set = None
+        if task != BASE_TASK:
+            alone_set = AdapterSet(tuple(adapters[n] for n in reversed(adapters.lineage(task))))
         fused = [0, 0]
         alone = [0, 0]
         max_diff, same = 0.0, True
         for images, folder_labels in _loader(samples, transform, batch_size, workers, shrink_to):
             target = rows[folder_labels]
-            out = engine(images, live)
+            out = engine(images, adapters)
             logits = out.base if task == BASE_TASK else out.adapters[task]
             fused = [a + b for a, b in zip(fused, _count(logits, target), strict=True)]
             if alone_set is not None:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, File, Path, Query, UploadFile
 from memory_core import NAME_PATTERN, AdapterSet
 
 from ..adapter_service import StoredAdapter
-from ..deps import AdaptersDep, EngineDep, SettingsDep, require_admin, require_multipart
+from ..deps import AdaptersDep, SettingsDep, require_admin, require_multipart
 from ..errors import BundleTooLargeError
 from ..openapi import errors
 from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList, AdapterSetInfo
@@ -35,14 +35,13 @@ def _set_info(adapter_set: AdapterSet) -> AdapterSetInfo:
     summary="Live adapters (paged by name), and store objects not loaded",
 )
 def list_adapters(
-    engine: EngineDep,
     registry: AdaptersDep,
     limit: Annotated[int, Query(ge=1, le=1000, description="adapters per page")] = 100,
     after: Annotated[
         str | None, Query(max_length=64, description="the previous page's `next`: list names after it")
     ] = None,
 ) -> AdapterList:
-    live, invalid = engine.adapters, dict(registry.invalid)
+    live, invalid = registry.live.current, dict(registry.invalid)
     names = sorted(n for n in live.names if after is None or n > after)
     page, more = names[:limit], len(names) > limit
     last = page[-1] if more else None
@@ -72,7 +71,6 @@ def get_adapter(name: Name, registry: AdaptersDep) -> AdapterInfo:
     dependencies=[Depends(require_admin), Depends(require_multipart)],
 )
 async def register_adapter(
-    engine: EngineDep,
     registry: AdaptersDep,
     settings: SettingsDep,
     bundle: Annotated[UploadFile, File(description="a memvit.adapter/1 safetensors file")],
@@ -82,7 +80,7 @@ async def register_adapter(
     data = await bundle.read(limit + 1)
     if len(data) > limit:
         raise BundleTooLargeError(f"bundle over the {limit}-byte upload limit", field="bundle")
-    existed = engine.adapters
+    existed = registry.live.current
     current, live = await asyncio.to_thread(registry.register, data, replace=replace)
     return AdapterCreated(
         adapter=_info(current), adapter_set=_set_info(live), replaced=current.bundle.name in existed

@@ -27,7 +27,7 @@ def readyz(state: StateDep) -> Response:
     if state.service is None:
         body = Health(status="loading", detail="the model and the adapter store are still loading")
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "1"})
-    live = state.service.engine.adapters
+    live = state.service.live.current
     return JSONResponse(
         Health(status="ready", detail=f"{len(live)} adapters, set v{live.version}").model_dump()
     )

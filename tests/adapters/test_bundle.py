@@ -23,20 +23,22 @@ from adapters import (
     read_bundle,
     save_bundle,
 )
-from memory_core import AdapterError, DuplicateAdapterError, MissingParentError
+from memory_core import AdapterError, DuplicateAdapterError, LiveAdapters, MissingParentError
 from tests.conftest import SHARED_DATA, images, max_diff, random_adapter
 
 
 @pytest.fixture
 def loaded(engine):
     """An engine with two adapters live, and a valid third bundle to corrupt."""
-    engine.set_adapters([random_adapter("first", engine, m=2), random_adapter("second", engine, m=0)])
+    live = LiveAdapters(engine)
+    live.replace_all([random_adapter("first", engine, m=2), random_adapter("second", engine, m=0)])
     good = bundle_for(random_adapter("new", engine, m=3, classes=5), engine, training={"steps": 10})
-    return engine, good
+    return live, good
 
 
 def test_round_trip_is_exact(tmp_path, loaded) -> None:
-    engine, bundle = loaded
+    live, bundle = loaded
+    engine = live.engine
     path = save_bundle(bundle, tmp_path / "new.safetensors")
     back = read_bundle(path)
     for key, tensor in bundle.tensors().items():
@@ -44,11 +46,11 @@ def test_round_trip_is_exact(tmp_path, loaded) -> None:
     assert back.metadata() == bundle.metadata()
     assert back.describe() == bundle.describe()
     assert back.training == {"steps": 10}
-    attach_bundle(engine, path)
+    attach_bundle(live, path)
     x = images(engine)
-    served = engine(x).adapters["new"]
-    engine.add_adapter(bundle.weights, replace=True)
-    assert max_diff(engine(x).adapters["new"], served) == 0.0
+    served = engine(x, live.current).adapters["new"]
+    live.add(bundle.weights, replace=True)
+    assert max_diff(engine(x, live.current).adapters["new"], served) == 0.0
 
 
 def _rebuild(bundle, tensors: Callable | None = None, meta: Callable | None = None) -> bytes:
@@ -220,18 +222,19 @@ def _torch_save(obj) -> bytes:
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_bundle_is_refused_and_nothing_changes(case: str, loaded, tmp_path) -> None:
-    engine, good = loaded
+    live, good = loaded
+    engine = live.engine
     make, error, message = BAD[case]
     data = make(good)
-    before = engine.adapters
+    before = live.current
     x = images(engine)
-    logits_before = engine(x)
+    logits_before = engine(x, before)
     for source in (data, _write(tmp_path / "bad.safetensors", data)):
         with pytest.raises(error, match=re.escape(message)) as info:
-            attach_bundle(engine, source)
+            attach_bundle(live, source)
         assert isinstance(info.value, AdapterError)
-        assert engine.adapters is before
-    after = engine(x)
+        assert live.current is before
+    after = engine(x, live.current)
     assert after.adapter_set is before
     for name in before.names:
         assert max_diff(after.adapters[name], logits_before.adapters[name]) == 0.0
@@ -246,9 +249,9 @@ def test_real_jpeg_is_not_a_bundle(loaded) -> None:
     photo = SHARED_DATA / "photos" / "formats" / "hopper.jpg"
     if not photo.is_file():
         pytest.skip(f"{photo} not found (../shared/data is absent)")
-    engine, _ = loaded
+    live, _ = loaded
     with pytest.raises(BundleFormatError, match="not a safetensors file"):
-        attach_bundle(engine, photo)
+        attach_bundle(live, photo)
 
 
 def test_size_cap(loaded) -> None:
@@ -258,12 +261,12 @@ def test_size_cap(loaded) -> None:
 
 
 def test_extension_bundle_attaches_after_parent(loaded) -> None:
-    engine, _ = loaded
-    child = bundle_for(random_adapter("child", engine, m=1, parent="first"), engine)
+    live, _ = loaded
+    child = bundle_for(random_adapter("child", live.engine, m=1, parent="first"), live.engine)
     data = child.to_bytes()
     assert read_bundle(data).weights.parent == "first"
-    attach_bundle(engine, data)
-    assert engine.adapters.lineage("child") == ["child", "first"]
+    attach_bundle(live, data)
+    assert live.current.lineage("child") == ["child", "first"]
 
 
 def test_format_constant() -> None:

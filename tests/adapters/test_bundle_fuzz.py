@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from adapters import BundleError, attach_bundle, bundle_for, read_bundle
-from memory_core import AdapterError
+from memory_core import AdapterError, LiveAdapters
 from tests.conftest import random_adapter, tiny_engine
 
 CASES = 2400
@@ -115,21 +115,22 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
 @pytest.fixture(scope="module")
 def setup():
     engine = tiny_engine()
-    engine.set_adapters([random_adapter("first", engine, m=2)])
+    live = LiveAdapters(engine)
+    live.replace_all([random_adapter("first", engine, m=2)])
     parent = bundle_for(random_adapter("first", engine, m=2), engine)
     good = bundle_for(
         random_adapter("new", engine, m=3, classes=4, parent="first"), engine, training={"steps": 1}
     )
-    return engine, parent, good.to_bytes()
+    return live, parent, good.to_bytes()
 
 
 def test_random_mutations_read_or_raise_a_bundle_error(setup) -> None:
-    engine, _, good = setup
+    live, _, good = setup
     rng = random.Random(20261123)
     outcomes = {"read": 0, "refused": 0}
     for case in range(CASES):
         data = mutate(good, rng)
-        before = engine.adapters
+        before = live.current
         try:
             bundle = read_bundle(data)
         except BundleError:
@@ -139,13 +140,13 @@ def test_random_mutations_read_or_raise_a_bundle_error(setup) -> None:
             pytest.fail(f"case {case}: read_bundle raised {type(exc).__name__}: {exc!r}")
         outcomes["read"] += 1
         try:
-            attach_bundle(engine, bundle, replace=True)
+            attach_bundle(live, bundle, replace=True)
         except AdapterError:
-            assert engine.adapters is before, f"case {case}: a refused bundle changed the live set"
+            assert live.current is before, f"case {case}: a refused bundle changed the live set"
         except Exception as exc:  # pragma: no cover
             pytest.fail(f"case {case}: attaching raised {type(exc).__name__}: {exc!r}")
         else:
-            engine.set_adapters([before["first"].weights])  # back to the parent alone
+            live.replace_all([before["first"].weights])  # back to the parent alone
     assert outcomes["refused"] > CASES // 2 and outcomes["read"] > 0, outcomes
 
 

@@ -8,7 +8,7 @@ import pytest
 import timm
 import torch
 
-from memory_core import AdapterSet, DenseMemoryViT, InputError, MemoryViT, create_base
+from memory_core import AdapterSet, DenseMemoryViT, InputError, LiveAdapters, MemoryViT, create_base
 from tests.conftest import TOL, VARIANTS, images, max_diff, random_adapter, tiny_engine
 
 
@@ -19,13 +19,19 @@ def test_base_logits_equal_timm(variant: str, num_adapters: int, path: str) -> N
     engine = tiny_engine(variant)
     x = images(engine)
     expected = engine.base(x)
-    engine.set_adapters(
+    loaded = engine.prepare_set(
         random_adapter(f"a{i}", engine, m=i % 4, memory_norm=("norm1", "none")[i % 2])
         for i in range(num_adapters)
     )
-    out = engine(x, path=path)
+    out = engine(x, loaded, path=path)
     assert max_diff(out.base, expected) <= TOL
     assert len(out.adapters) == num_adapters
+
+
+def test_without_a_set_the_engine_runs_the_base_alone(engine) -> None:
+    x = images(engine)
+    out = engine(x)
+    assert out.adapters == {} and max_diff(out.base, engine.base(x)) <= TOL
 
 
 def test_base_logits_equal_timm_unfused_attention_kernel() -> None:
@@ -35,8 +41,8 @@ def test_base_logits_equal_timm_unfused_attention_kernel() -> None:
         block.attn.fused_attn = False
     x = images(engine)
     expected = engine.base(x)
-    engine.set_adapters([random_adapter("a", engine, m=2)])
-    assert max_diff(engine(x).base, expected) <= TOL
+    loaded = engine.prepare_set([random_adapter("a", engine, m=2)])
+    assert max_diff(engine(x, loaded).base, expected) <= TOL
 
 
 def test_distilled_deit_base_unchanged() -> None:
@@ -44,8 +50,8 @@ def test_distilled_deit_base_unchanged() -> None:
     engine = MemoryViT(base)
     x = images(engine)
     expected = engine.base(x)
-    engine.set_adapters([random_adapter("a", engine, m=3)])
-    assert max_diff(engine(x).base, expected) <= TOL
+    loaded = engine.prepare_set([random_adapter("a", engine, m=3)])
+    assert max_diff(engine(x, loaded).base, expected) <= TOL
 
 
 @pytest.mark.parametrize("path", ["merged", "split"])
@@ -55,9 +61,8 @@ def test_distilled_deit_base_unchanged() -> None:
 def test_adapter_logits_equal_dense_oracle(memory_norm: str, m: int, variant: str, path: str) -> None:
     engine = tiny_engine(variant)
     adapters = [random_adapter(f"a{i}", engine, m=m, memory_norm=memory_norm) for i in range(3)]
-    engine.set_adapters(adapters)
     x = images(engine)
-    out = engine(x, path=path)
+    out = engine(x, engine.prepare_set(adapters), path=path)
     base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
     assert max_diff(out.base, base_ref) <= TOL
     for a in adapters:
@@ -72,9 +77,8 @@ def test_mixed_memory_sizes_and_norms_in_one_set() -> None:
         random_adapter("m5", engine, m=5, classes=11),
         random_adapter("m3-none", engine, m=3, memory_norm="none", classes=2),
     ]
-    engine.set_adapters(adapters)
     x = images(engine)
-    out = engine(x)
+    out = engine(x, engine.prepare_set(adapters))
     _, ref = DenseMemoryViT(engine.base, adapters)(x)
     for a in adapters:
         assert out.adapters[a.name].shape == (x.shape[0], a.num_classes)
@@ -104,20 +108,19 @@ def test_adapter_logits_do_not_depend_on_other_adapters(memory_norm: str, m: int
     engine = tiny_engine("registers")
     x = images(engine)
     target = random_adapter("target", engine, m=m, memory_norm=memory_norm)
-    engine.set_adapters([target])
-    alone = engine(x).adapters["target"]
+    alone = engine(x, engine.prepare_set([target])).adapters["target"]
 
     others = [
         random_adapter(f"o{i}", engine, m=i % 6, memory_norm=("norm1", "none")[i % 2]) for i in range(15)
     ]
-    engine.set_adapters([*others[:7], target, *others[7:]])
-    among = engine(x).adapters["target"]
-    assert len(engine.adapters) == 16
+    loaded = engine.prepare_set([*others[:7], target, *others[7:]])
+    among = engine(x, loaded).adapters["target"]
+    assert len(loaded) == 16
 
     for other in others:
-        engine.remove_adapter(other.name)
-    after = engine(x).adapters["target"]
-    assert engine.adapters.names == ("target",)
+        loaded = loaded.without(other.name)
+    after = engine(x, loaded).adapters["target"]
+    assert loaded.names == ("target",)
 
     _, ref = DenseMemoryViT(engine.base, [target])(x)
     assert max_diff(alone, among) <= TOL
@@ -134,20 +137,19 @@ def test_extension_chain_matches_oracle_and_parents_ignore_children(path: str) -
     sibling = random_adapter("sibling", engine, m=4, parent="root")
     loner = random_adapter("loner", engine, m=0)
     adapters = [root, loner, child, sibling, grandchild]
-    engine.set_adapters(adapters)
     x = images(engine)
-    out = engine(x, path=path)
+    out = engine(x, engine.prepare_set(adapters), path=path)
     _, ref = DenseMemoryViT(engine.base, adapters)(x)
     for a in adapters:
         assert max_diff(out.adapters[a.name], ref[a.name]) <= TOL, a.name
 
     # A parent never sees its extensions: alone it gives the same logits.
-    engine.set_adapters([root])
-    assert max_diff(engine(x).adapters["root"], out.adapters["root"]) <= TOL
+    alone = engine(x, engine.prepare_set([root]))
+    assert max_diff(alone.adapters["root"], out.adapters["root"]) <= TOL
     # An extension does see its parent: the same child weights over a different parent differ.
     other_root = random_adapter("root", engine, m=2, seed=99)
-    engine.set_adapters([other_root, child])
-    assert max_diff(engine(x).adapters["child"], out.adapters["child"]) > 1e-3
+    moved = engine(x, engine.prepare_set([other_root, child]))
+    assert max_diff(moved.adapters["child"], out.adapters["child"]) > 1e-3
 
 
 def test_memory_changes_adapter_logits_but_not_base() -> None:
@@ -156,10 +158,8 @@ def test_memory_changes_adapter_logits_but_not_base() -> None:
     with_memory = random_adapter("a", engine, m=5)
     without_memory = random_adapter("a", engine, m=0)  # same seed: same class token and head
     assert torch.equal(with_memory.cls_token, without_memory.cls_token)
-    engine.set_adapters([with_memory])
-    out_mem = engine(x)
-    engine.set_adapters([without_memory])
-    out_plain = engine(x)
+    out_mem = engine(x, engine.prepare_set([with_memory]))
+    out_plain = engine(x, engine.prepare_set([without_memory]))
     assert max_diff(out_mem.adapters["a"], out_plain.adapters["a"]) > 1e-2
     assert max_diff(out_mem.base, out_plain.base) == 0.0
 
@@ -170,25 +170,9 @@ def test_memory_norm_placement_is_honoured() -> None:
     normed = random_adapter("a", engine, m=3, memory_norm="norm1")
     raw = random_adapter("a", engine, m=3, memory_norm="none")
     assert torch.equal(normed.memory, raw.memory)
-    engine.set_adapters([normed])
-    a = engine(x).adapters["a"]
-    engine.set_adapters([raw])
-    b = engine(x).adapters["a"]
+    a = engine(x, engine.prepare_set([normed])).adapters["a"]
+    b = engine(x, engine.prepare_set([raw])).adapters["a"]
     assert max_diff(a, b) > 1e-3
-
-
-def test_a_pass_keeps_the_snapshot_it_started_with() -> None:
-    engine = tiny_engine()
-    x = images(engine)
-    first = engine.add_adapter(random_adapter("a", engine))
-    engine.add_adapter(random_adapter("b", engine))
-    old = engine(x, first)
-    assert list(old.adapters) == ["a"]
-    assert old.adapter_set is first
-    new = engine(x)
-    assert list(new.adapters) == ["a", "b"]
-    assert new.adapter_set.version > first.version
-    assert max_diff(old.adapters["a"], new.adapters["a"]) <= TOL
 
 
 def test_real_deit_tiny(deit_tiny_path) -> None:
@@ -202,8 +186,7 @@ def test_real_deit_tiny(deit_tiny_path) -> None:
         expected = reference(x)
         for k in (0, 1, 16):
             adapters = [random_adapter(f"a{i}", engine, m=i % 3, memory_std=0.1) for i in range(k)]
-            engine.set_adapters(adapters)
-            out = engine(x)
+            out = engine(x, engine.prepare_set(adapters))
             assert max_diff(out.base, expected) <= TOL, k
         _, ref = DenseMemoryViT(engine.base, adapters)(x)
         for a in adapters:
@@ -211,9 +194,9 @@ def test_real_deit_tiny(deit_tiny_path) -> None:
 
 
 def test_unknown_path_is_refused(engine) -> None:
-    engine.set_adapters([random_adapter("a", engine)])
+    loaded = engine.prepare_set([random_adapter("a", engine)])
     with pytest.raises(ValueError, match="path must be"):
-        engine(images(engine), path="dense")
+        engine(images(engine), loaded, path="dense")
 
 
 def test_wrong_images_are_refused(engine) -> None:
@@ -229,12 +212,13 @@ def test_half_precision_on_cpu(dtype: torch.dtype, tol: float) -> None:
     # and 0.0023 for fp16, so the bounds leave 3-4x headroom.
     engine = tiny_engine()
     adapters = [random_adapter(f"a{i}", engine, m=i) for i in range(3)]
-    engine.set_adapters(adapters)
+    live = LiveAdapters(engine)
+    live.replace_all(adapters)
     x = images(engine)
-    full = engine(x)
-    engine.to(dtype=dtype)
-    assert engine.adapters.stack.cls.dtype == dtype  # adapters were re-prepared for the new dtype
-    half = engine(x)
+    full = engine(x, live.current)
+    live.move_to(dtype=dtype)
+    assert live.current.stack.cls.dtype == dtype  # adapters were re-prepared for the new dtype
+    half = engine(x, live.current)
     assert half.base.dtype == dtype
     assert max_diff(half.base, full.base) <= tol
     for a in adapters:
@@ -248,11 +232,12 @@ def test_cuda_matches_cpu(dtype: torch.dtype, tol: float) -> None:
     # float32 on CUDA uses TF32-free kernels by default in torch; 1e-4 covers reduction order.
     engine = tiny_engine()
     adapters = [random_adapter(f"a{i}", engine, m=i, memory_norm=("norm1", "none")[i % 2]) for i in range(4)]
-    engine.set_adapters(adapters)
+    live = LiveAdapters(engine)
+    live.replace_all(adapters)
     x = images(engine)
-    cpu = engine(x)
-    engine.to("cuda", dtype)
-    gpu = engine(x.cuda())
+    cpu = engine(x, live.current)
+    live.move_to("cuda", dtype)
+    gpu = engine(x.cuda(), live.current)
     assert max_diff(gpu.base.cpu(), cpu.base) <= tol
     for a in adapters:
         assert max_diff(gpu.adapters[a.name].cpu(), cpu.adapters[a.name]) <= tol
@@ -292,9 +277,8 @@ def test_float64_engine_is_float64_accurate(path: str) -> None:
         )
         for a in adapters
     ]
-    engine.set_adapters(adapters)
     x = images(engine).double()
-    out = engine(x, path=path)
+    out = engine(x, engine.prepare_set(adapters), path=path)
     _, ref = DenseMemoryViT(engine.base, adapters)(x)
     for a in adapters:
         assert max_diff(out.adapters[a.name].double(), ref[a.name].double()) <= 1e-12, a.name

@@ -11,6 +11,7 @@ import httpx
 import torch
 from PIL import Image
 
+from memory_core import LiveAdapters
 from server.app import create_app
 from server.batching import DynamicBatcher
 from server.metrics import Metrics
@@ -19,8 +20,8 @@ from tests.conftest import images
 from tests.server.conftest import free_port, running_server
 
 
-def _batcher(engine, max_wait: float) -> tuple[DynamicBatcher, list[int]]:
-    batcher = DynamicBatcher(engine, max_batch=8, max_wait=max_wait, max_queue=64, metrics=Metrics())
+def _batcher(live: LiveAdapters, max_wait: float) -> tuple[DynamicBatcher, list[int]]:
+    batcher = DynamicBatcher(live, max_batch=8, max_wait=max_wait, max_queue=64, metrics=Metrics())
     sizes: list[int] = []
     forward = batcher._forward
 
@@ -38,7 +39,7 @@ async def _ready(x: torch.Tensor) -> torch.Tensor:
 
 def test_a_lone_request_runs_without_waiting_out_max_wait(engine) -> None:
     async def main() -> float:
-        batcher, sizes = _batcher(engine, max_wait=3.0)
+        batcher, sizes = _batcher(LiveAdapters(engine), max_wait=3.0)
         await batcher.start()
         try:
             start = time.perf_counter()
@@ -55,7 +56,7 @@ def test_announced_requests_join_the_batch(engine) -> None:
     x = images(engine, 3)
 
     async def main() -> list[int]:
-        batcher, sizes = _batcher(engine, max_wait=3.0)
+        batcher, sizes = _batcher(LiveAdapters(engine), max_wait=3.0)
         await batcher.start()
         try:
             decoded = asyncio.get_running_loop().create_future()
@@ -117,12 +118,13 @@ def test_requests_with_different_tasks_share_one_routed_pass(engine) -> None:
     from server.errors import UnknownTaskError
     from tests.conftest import random_adapter
 
-    engine.set_adapters([random_adapter(n, engine, m=i) for i, n in enumerate(("a", "b", "c"))])
+    live = LiveAdapters(engine)
+    live.replace_all([random_adapter(n, engine, m=i) for i, n in enumerate(("a", "b", "c"))])
     x = images(engine, 6)
-    full = engine(x)
+    full = engine(x, live.current)
 
     async def main():
-        batcher, sizes = _batcher(engine, max_wait=0.5)
+        batcher, sizes = _batcher(live, max_wait=0.5)
         routed: list = []
         forward = batcher._forward
 

@@ -33,8 +33,7 @@ def test_classify_during_registrations(tiny_weights, tmp_path, make_bundle) -> N
     expected = {}
     with torch.no_grad():
         for key, bundle in [("stable", stable), *flips.items()]:
-            engine.set_adapters([bundle.weights])
-            expected[key] = engine(x).adapters[bundle.name][0]
+            expected[key] = engine(x, engine.prepare_set([bundle.weights])).adapters[bundle.name][0]
 
     settings = Settings(
         weights=tiny_weights,

@@ -15,7 +15,7 @@ from PIL import Image
 
 from adapters import attach_bundle, read_bundle
 from adapters.preprocess import eval_transform
-from memory_core import MemoryViT
+from memory_core import LiveAdapters, MemoryViT
 from server.demo import BASE_WEIGHTS, DEMO_DIR, demo_adapters
 from tests.server.conftest import ServerProcess
 
@@ -26,12 +26,12 @@ MANIFEST = json.loads((DEMO_DIR / "MANIFEST.json").read_text()) if BASE_WEIGHTS.
 FASHION = "/usr/share/datasets/fashion-mnist"
 
 
-def load_demo() -> MemoryViT:
+def load_demo() -> LiveAdapters:
     """The demo base with every demo adapter attached."""
-    engine = MemoryViT.from_timm(weights=BASE_WEIGHTS)
+    live = LiveAdapters(MemoryViT.from_timm(weights=BASE_WEIGHTS))
     for path in demo_adapters():
-        attach_bundle(engine, path)
-    return engine
+        attach_bundle(live, path)
+    return live
 
 
 def test_files_are_small_and_match_the_manifest() -> None:
@@ -43,8 +43,9 @@ def test_files_are_small_and_match_the_manifest() -> None:
 
 
 def test_adapters_are_memory_adapters_of_this_base() -> None:
-    engine = load_demo()
-    assert set(engine.adapters.names) == {"digits", "orientation"}
+    live = load_demo()
+    engine = live.engine
+    assert set(live.current.names) == {"digits", "orientation"}
     for path in demo_adapters():
         bundle = read_bundle(path)
         assert bundle.weights.memory.shape[1] >= 1, "the demo shows memory tokens"
@@ -77,12 +78,13 @@ def test_base_accuracy_reproduces_on_fashion_mnist() -> None:
         images, labels = fashion_mnist_split("t10k", root=Path(FASHION))
     except FileNotFoundError:
         pytest.skip(f"Fashion-MNIST not installed ({FASHION}: apt-get install dataset-fashion-mnist)")
-    engine = load_demo()
+    live = load_demo()
+    engine, served = live.engine, live.current
     transform = eval_transform(engine)
     # Through the served path: PNG bytes -> the base's own preprocessing -> one fused pass.
     x = torch.stack([transform(Image.fromarray(img).convert("RGB")) for img in images[:2000]])
     with torch.inference_mode():
-        predicted = torch.cat([engine(x[i : i + 500]).base.argmax(-1) for i in range(0, len(x), 500)])
+        predicted = torch.cat([engine(x[i : i + 500], served).base.argmax(-1) for i in range(0, len(x), 500)])
     accuracy = float((predicted.numpy() == labels[:2000]).mean())
     assert accuracy == pytest.approx(MANIFEST["base"]["test_accuracy"], abs=0.03)
 

@@ -234,8 +234,7 @@ def cluster(s3_env, tiny_weights, ray_auth_mode, tmp_path_factory) -> Iterator[C
         adapter = random_adapter(ADAPTER, engine, m=2, classes=5)
         with torch.inference_mode():
             base = engine(x).base
-            engine.add_adapter(adapter)
-            with_adapter = engine(x).adapters[ADAPTER]
+            with_adapter = engine(x, engine.prepare_set([adapter])).adapters[ADAPTER]
         expected = Expected(images, list(base), list(with_adapter))
         yield Cluster(
             url=f"http://127.0.0.1:{port}",

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from memory_core import MemoryViT, MemvitError
+from memory_core import LiveAdapters, MemoryViT, MemvitError
 from server.adapter_service import AdapterService
 from server.store import open_store
 from tests.adapters.test_bundle_fuzz import mutate
@@ -24,7 +24,7 @@ from tests.adapters.test_bundle_fuzz import mutate
 def replica(tiny_weights, store_location):
     def make() -> AdapterService:
         engine = MemoryViT.from_timm(weights=str(tiny_weights))
-        service = AdapterService(engine, open_store(store_location), max_bundle_bytes=1 << 22)
+        service = AdapterService(LiveAdapters(engine), open_store(store_location), max_bundle_bytes=1 << 22)
         service.sync()
         return service
 
@@ -33,7 +33,7 @@ def replica(tiny_weights, store_location):
 
 def served(service: AdapterService) -> dict[str, str]:
     """What a replica serves: content hash by name."""
-    return {name: service.get(name).sha256 for name in service.engine.adapters.names}
+    return {name: service.get(name).sha256 for name in service.live.current.names}
 
 
 def converge(*replicas: AdapterService) -> None:
@@ -72,14 +72,14 @@ def test_no_object_stops_a_replica_or_blocks_changes(replica, store_location, ma
         store.write(name, data, replace=False)
     store.write("good", good, replace=False)
     a = replica()  # starts
-    assert "good" in a.engine.adapters
+    assert "good" in a.live.current
     assert set(a.invalid) >= {"empty", "text", "huge", "wrong-name"}
-    assert set(a.invalid) | set(a.engine.adapters.names) == {*junk, "good"}
+    assert set(a.invalid) | set(a.live.current.names) == {*junk, "good"}
     assert "holds adapter 'other'" in a.invalid["wrong-name"]
     # Changes still work, including deleting an invalid object.
     a.register(make_bundle("new").to_bytes())
     a.delete("text")
-    assert "text" not in a.invalid and "new" in a.engine.adapters
+    assert "text" not in a.invalid and "new" in a.live.current
 
 
 @pytest.mark.parametrize("scenario", ["replace/replace", "replace/delete", "create/create", "delete/create"])
@@ -98,7 +98,7 @@ def test_conflicting_changes_converge(replica, make_bundle, scenario) -> None:
     results = race(lambda: ops[first](a, one), lambda: ops[second](b, two))
     converge(a, b)
     assert served(a) == served(b), f"replicas disagree after {scenario}: {results}"
-    assert a.engine.adapters.version == b.engine.adapters.version
+    assert a.live.current.version == b.live.current.version
     if scenario == "create/create":
         assert sum(not isinstance(r, Exception) for r in results) == 1  # exactly one winner
     # Whoever won, the original is gone and what is served is one of the two contenders (or nothing).
@@ -127,34 +127,34 @@ def test_a_replace_reports_the_content_that_is_live(replica, make_bundle, monkey
     assert live.sha256 == hashlib.sha256(theirs).hexdigest()
     converge(a, b)
     assert served(a) == served(b) == {"x": live.sha256}
-    assert torch.equal(a.engine.adapters["x"].weights.head_bias, b.engine.adapters["x"].weights.head_bias)
+    assert torch.equal(a.live.current["x"].weights.head_bias, b.live.current["x"].weights.head_bias)
 
 
 def test_versions_come_from_the_store(replica, make_bundle) -> None:
     a, b = replica(), replica()
-    versions = [a.engine.adapters.version]
+    versions = [a.live.current.version]
     for i in range(4):
         a.register(make_bundle(f"a{i}").to_bytes())
         b.sync()
-        assert a.engine.adapters.version == b.engine.adapters.version
-        versions.append(b.engine.adapters.version)
+        assert a.live.current.version == b.live.current.version
+        versions.append(b.live.current.version)
     b.delete("a0")
     a.sync()
-    versions.append(a.engine.adapters.version)
+    versions.append(a.live.current.version)
     assert versions == sorted(set(versions))  # strictly increasing
-    assert a.engine.adapters.version == b.engine.adapters.version == a.store.generation()
+    assert a.live.current.version == b.live.current.version == a.store.generation()
     late = replica()  # a replica that starts now reports the same version for the same content
-    assert late.engine.adapters.version == a.engine.adapters.version and served(late) == served(a)
+    assert late.live.current.version == a.live.current.version and served(late) == served(a)
 
 
 def test_an_uncounted_change_is_counted_by_whoever_sees_it(replica, make_bundle, store_location) -> None:
     """A writer that dies between its write and its count must not leave two states under one version."""
     a, b = replica(), replica()
-    before = a.engine.adapters.version
+    before = a.live.current.version
     open_store(store_location)._put("x.safetensors", make_bundle("x").to_bytes(), mode="create")
     converge(a, b)
-    assert "x" in a.engine.adapters and a.engine.adapters.version > before
-    assert a.engine.adapters.version == b.engine.adapters.version
+    assert "x" in a.live.current and a.live.current.version > before
+    assert a.live.current.version == b.live.current.version
 
 
 def test_a_poll_reads_only_what_changed(replica, make_bundle, store_location) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from adapters.training import DataError, evaluate_tasks, train_adapter
 from adapters.training.config import TrainConfig
-from memory_core import MemoryViT
+from memory_core import LiveAdapters, MemoryViT
 from tests.conftest import COLOURS, make_folder, random_adapter
 
 
@@ -19,12 +19,13 @@ def test_fused_accuracy_equals_alone_with_many_adapters(tmp_path, image_folder, 
         ),
         progress=False,
     )
-    engine.set_adapters([random_adapter(f"noise{i}", engine, m=i) for i in range(5)])
-    engine.add_adapter(result.bundle.weights)
-    engine.add_adapter(random_adapter("child", engine, m=1, parent="noise3", classes=3))
-    engine.remove_adapter("child")
+    live = LiveAdapters(engine)
+    live.replace_all([random_adapter(f"noise{i}", engine, m=i) for i in range(5)])
+    live.add(result.bundle.weights)
+    live.add(random_adapter("child", engine, m=1, parent="noise3", classes=3))
+    live.remove("child")
     val = make_folder(tmp_path / "val", per_class=6, seed=7)
-    (report,) = evaluate_tasks(engine, {"colours": val}, batch_size=5)
+    (report,) = evaluate_tasks(live, {"colours": val}, batch_size=5)
     assert report.fused.images == 18
     assert report.unchanged and report.same_predictions
     assert report.max_logit_diff <= 1e-5
@@ -35,7 +36,7 @@ def test_base_task_labels_match_folder_names(tmp_path, tiny_weights) -> None:
     labels = ("blue sky", "green grass", "red wine", "x", "y", "z", "w")
     engine = MemoryViT.from_timm(weights=str(tiny_weights), labels=labels)
     val = make_folder(tmp_path / "val", per_class=2)
-    (report,) = evaluate_tasks(engine, {"base": val})
+    (report,) = evaluate_tasks(LiveAdapters(engine), {"base": val})
     assert report.task == "base" and report.alone is None and report.fused.images == 2 * len(COLOURS)
 
 
@@ -43,4 +44,4 @@ def test_folder_classes_must_match_task_labels(tmp_path, tiny_weights) -> None:
     engine = MemoryViT.from_timm(weights=str(tiny_weights))  # labels class_0..class_6
     val = make_folder(tmp_path / "val", per_class=2)
     with pytest.raises(DataError, match="folder class 'blue' matches 0 of the task's labels"):
-        evaluate_tasks(engine, {"base": val})
+        evaluate_tasks(LiveAdapters(engine), {"base": val})

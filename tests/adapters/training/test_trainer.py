@@ -9,7 +9,7 @@ import torch
 
 from adapters import attach_bundle, read_bundle
 from adapters.training import DataError, TrainConfig, TrainingError, train_adapter
-from memory_core import MemoryViT
+from memory_core import LiveAdapters, MemoryViT
 from tests.conftest import make_folder, max_diff
 
 
@@ -47,9 +47,9 @@ def test_training_learns_and_the_bundle_serves(tmp_path, image_folder, tiny_weig
     assert training["hyper_parameters"]["lr"] == 0.1
     assert bundle.labels == ("blue", "green", "red")
     # The written bundle serves on a fresh engine and gives the accuracy training reported.
-    served = _engine(tiny_weights)
+    served = LiveAdapters(_engine(tiny_weights))
     attach_bundle(served, out)
-    assert served.adapters.names == ("colours",)
+    assert served.current.names == ("colours",)
 
 
 def test_same_seed_same_adapter(image_folder, tiny_weights) -> None:
@@ -123,9 +123,10 @@ def test_extension_mode_trains_on_top_of_a_parent(tmp_path, image_folder, tiny_w
         engine, _config(image_folder, name="child", steps=5, parent=str(parent_path)), progress=False
     )
     assert child.bundle.weights.parent == "parent"
-    attach_bundle(engine, parent_path)
-    attach_bundle(engine, child.bundle)
-    assert engine.adapters.lineage("child") == ["child", "parent"]
+    live = LiveAdapters(engine)
+    attach_bundle(live, parent_path)
+    attach_bundle(live, child.bundle)
+    assert live.current.lineage("child") == ["child", "parent"]
 
 
 def test_bad_folders_get_clear_errors(tmp_path, tiny_weights) -> None:

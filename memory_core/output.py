@@ -1,0 +1,73 @@
+"""What a fused pass returns: the base's logits and each task's, for the images that asked for it.
+
+One shape for every pass. ``adapters[name]`` holds one row per image that asked for ``name`` and
+``images[name]`` says which images those are (ascending batch indices). Unrouted, every image asks
+for every adapter, so every task's rows are the whole batch; routed (``MemoryViT.forward(...,
+tasks=...)``), each task has the rows of the images that asked for it, and a task nobody asked for
+is absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .adapter import BASE_TASK
+from .adapter_set import AdapterSet
+
+
+@dataclass(frozen=True)
+class FusedOutput:
+    """Logits of one fused pass, and the adapter set that produced them."""
+
+    base: Tensor  # (B, C_0): the base model's own task, for every image
+    adapters: dict[str, Tensor]  # name -> (n_k, C_k), in the set's order
+    images: dict[str, Tensor]  # name -> (n_k,) long: the images those rows answer, ascending
+    adapter_set: AdapterSet  # the snapshot that answered
+
+    @classmethod
+    def every_image(cls, base: Tensor, adapters: dict[str, Tensor], adapter_set: AdapterSet) -> FusedOutput:
+        """An unrouted pass's output: every adapter answered every image."""
+        # One index tensor shared by every task: slicing then looks it up once, not once per task.
+        every = torch.arange(base.shape[0], device=base.device)
+        return cls(base, adapters, dict.fromkeys(adapters, every), adapter_set)
+
+    def __len__(self) -> int:
+        return self.base.shape[0]
+
+    def __getitem__(self, rows: slice) -> FusedOutput:
+        """The same tasks for a slice of the images (e.g. one request's share of a batch)."""
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"FusedOutput takes a contiguous slice of images, got {rows!r}")
+        start, stop, _ = rows.indices(len(self))
+        # Per distinct index tensor: (first row, end row, indices renumbered from the slice's start).
+        # Unrouted, all tasks share one, so a batch of 1,000 tasks is cut with one lookup.
+        cuts: dict[int, tuple[int, int, Tensor]] = {}
+        adapters, images = {}, {}
+        for name, who in self.images.items():
+            if id(who) not in cuts:
+                bounds = torch.tensor([start, stop], device=who.device, dtype=who.dtype)
+                lo, hi = torch.searchsorted(who, bounds).tolist()  # who is ascending
+                cuts[id(who)] = (lo, hi, who[lo:hi] - start)
+            lo, hi, kept = cuts[id(who)]
+            if hi > lo:
+                adapters[name], images[name] = self.adapters[name][lo:hi], kept
+        return FusedOutput(self.base[rows], adapters, images, self.adapter_set)
+
+    def logits(self) -> dict[str, Tensor]:
+        """Every task's logits by task name, the base task first."""
+        return {BASE_TASK: self.base, **self.adapters}
+
+    def to(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> FusedOutput:
+        moved: dict[int, Tensor] = {}  # keeps shared index tensors shared (see __getitem__)
+        for who in self.images.values():
+            if id(who) not in moved:
+                moved[id(who)] = who.to(device)
+        return FusedOutput(
+            base=self.base.to(device, dtype),
+            adapters={name: t.to(device, dtype) for name, t in self.adapters.items()},
+            images={name: moved[id(who)] for name, who in self.images.items()},
+            adapter_set=self.adapter_set,
+        )
