@@ -25,20 +25,17 @@ class TrainingError(MemvitError):
 class TrainConfig:
     """Everything that defines a run. Recorded in the bundle and checked when resuming.
 
-    Every field is also an option of ``memvit train`` (``--kebab-case``), generated from these
-    declarations by ``server/cli.py``: a field's ``metadata`` gives its ``help`` text; ``path``
-    marks a field holding a filesystem path (the command line takes a path and passes its string);
-    ``cli: False`` keeps a field off the command line (``extra``; a ``--config`` file may still set it).
+    Every field is also an option of ``memvit train`` (``--kebab-case``, declared in
+    ``server/cli/train.py``; a test keeps the two in step): a field's ``metadata`` gives the option's
+    ``help`` text; ``cli: False`` keeps a field off the command line (``extra``; a ``--config`` file
+    may still set it).
     """
 
     name: str = field(metadata={"help": "the new adapter's name"})
-    train_dir: str = field(metadata={"help": "training images: DIR/<class>/*.jpg|png", "path": True})
+    train_dir: str = field(metadata={"help": "training images: DIR/<class>/*.jpg|png"})
     val_dir: str | None = field(
         default=None,
-        metadata={
-            "help": "validation images (default: hold out val-fraction of train-dir, seeded)",
-            "path": True,
-        },
+        metadata={"help": "validation images (default: hold out val-fraction of train-dir, seeded)"},
     )
     val_fraction: float = field(default=0.1, metadata={"help": "held-out fraction when no val-dir"})
     memory_tokens: int = field(
@@ -50,7 +47,7 @@ class TrainConfig:
         default="tokens",
         metadata={"help": "where memory starts: normal (paper: N(0, 0.02)) or tokens (real block inputs)"},
     )
-    parent: str | None = field(default=None, metadata={"help": "parent bundle: extension mode", "path": True})
+    parent: str | None = field(default=None, metadata={"help": "parent bundle: extension mode"})
     epochs: float = field(default=5.0, metadata={"help": "passes over the training images"})
     steps: int | None = field(default=None, metadata={"help": "optimiser steps (overrides epochs)"})
     batch_size: int = field(default=32, metadata={"help": "training batch size"})
