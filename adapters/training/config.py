@@ -9,6 +9,7 @@ adapter's own: what learns, the learning rates, the schedule's shape, the clippi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,3 +146,21 @@ SHARED_FIELDS = (
 VARIANT_FIELDS = tuple(
     f.name for f in dataclasses.fields(TrainConfig) if f.name not in SHARED_FIELDS and f.name != "extra"
 )
+
+
+def check_together(configs: Sequence[TrainConfig]) -> TrainConfig:
+    """The first config, once every config is known to share the data and have its own name."""
+    if not configs:
+        raise TrainingError("nothing to train: give at least one config")
+    first = configs[0]
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise TrainingError(f"adapters trained together need distinct names, got {names}")
+    for c in configs[1:]:
+        differ = sorted(k for k, v in c.shared().items() if first.shared()[k] != v)
+        if differ:
+            raise TrainingError(
+                f"{c.name!r} and {first.name!r} differ in {', '.join(differ)}: adapters trained in one "
+                "pass share the data, the steps, the batch and the augmentation"
+            )
+    return first

@@ -20,7 +20,7 @@ from .common import fail, load_engine
 from .config_file import FIELDS, ConfigFile, is_required, read_config_file, train_config
 
 if TYPE_CHECKING:
-    from adapters.training.sweep import SweepResult
+    from adapters.training.results import SweepResult
 
 CONFIG_PANEL = "Training config (TrainConfig; also from --config)"
 
