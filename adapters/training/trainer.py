@@ -59,7 +59,13 @@ def train_adapter(
     progress: bool = True,
 ) -> TrainResult:
     """Train one adapter, validate it and (if ``out``) write its bundle."""
-    outs = None if out is None else [out]
-    options = {"checkpoint": checkpoint, "checkpoint_every": checkpoint_every, "resume": resume}
-    (result,) = train_adapters(engine, [config], outs=outs, progress=progress, **options)
+    (result,) = train_adapters(
+        engine,
+        [config],
+        outs=None if out is None else [out],
+        checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        progress=progress,
+    )
     return result
