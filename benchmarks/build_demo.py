@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from adapters import save_bundle
 from adapters.training import TrainConfig, train_adapter
-from adapters.training.trainer import warmup_cosine
+from adapters.training.variant import warmup_cosine
 from benchmarks.common import argument_parser, pin_malloc
 from benchmarks.datasets import DIGITS, FASHION_MNIST_CLASSES, arrays_to_folder, fashion_mnist_split
 from memory_core import MemoryViT, read_weights_metadata, save_base

@@ -8,7 +8,7 @@ In interleaved rounds, on the same batch:
          backward, gradient clipping, SGD update;
 - dense: the same step through the dense-mask model, where autograd records every row of every
          layer (how the public reproduction trains);
-- step N: the trainer's fused step (adapters/training/trainer.py) training N adapters at once (a sweep's
+- step N: the trainer's fused step (adapters/training/variant.py) training N adapters at once (a sweep's
          variants: different learning rates and memory sizes), against the same step training one.
 Ratios are medians of per-round ratios. Targets: step <= 1.5 x infer, dense >= 2 x step,
 step N <= 1.3 x step 1 at N = 8 (N separate runs cost N x).
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.training import TrainableAdapter, TrainConfig
-from adapters.training.trainer import Variant, fused_step
+from adapters.training.variant import Variant, fused_step
 from benchmarks.common import argument_parser, environment, interleaved, median_ratio, pin_malloc
 from memory_core import AdapterWeights, DenseMemoryViT, MemoryViT
 

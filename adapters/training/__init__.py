@@ -1,10 +1,13 @@
-"""Making adapters: fine-tune on an image folder (``trainer``), measure accuracy (``metrics``)."""
+"""Making adapters: fine-tune on an image folder (``run.TrainingRun``; ``trainer`` in one call), measure
+accuracy (``metrics``)."""
 
 from .config import TrainConfig, TrainingError
 from .data import DataError, Samples, scan_folder, split
 from .metrics import Accuracy, TaskReport, evaluate_many, evaluate_tasks
+from .results import TrainResult
+from .run import TrainingRun
 from .trainable import TrainableAdapter
-from .trainer import TrainResult, train_adapter, train_adapters
+from .trainer import train_adapter, train_adapters
 
 __all__ = [
     "Accuracy",
@@ -15,6 +18,7 @@ __all__ = [
     "TrainResult",
     "TrainableAdapter",
     "TrainingError",
+    "TrainingRun",
     "evaluate_many",
     "evaluate_tasks",
     "scan_folder",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,14 +18,12 @@ from memory_core import MemoryViT
 
 from ..bundle import write_atomic
 from .config import TrainConfig, TrainingError
-
-if TYPE_CHECKING:
-    from .trainer import Variant
+from .variant import Variant
 
 CHECKPOINT_VERSION = 2  # 2: several adapters per run
 
 
-def save_checkpoint(path: str | Path, engine: MemoryViT, variants: list[Variant], step: int) -> None:
+def write_checkpoint(path: str | Path, engine: MemoryViT, variants: list[Variant], step: int) -> None:
     state = {
         "version": CHECKPOINT_VERSION,
         "base_fingerprint": engine.fingerprint,
@@ -38,7 +36,7 @@ def save_checkpoint(path: str | Path, engine: MemoryViT, variants: list[Variant]
     write_atomic(path, buffer.getvalue())
 
 
-def load_checkpoint(path: str | Path, engine: MemoryViT, variants: list[Variant]) -> int:
+def read_checkpoint(path: str | Path, engine: MemoryViT, variants: list[Variant]) -> int:
     """Restore ``variants`` from ``path``; returns the step it was written at."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code

@@ -9,6 +9,7 @@ adapter's own: what learns, the learning rates, the schedule's shape, the clippi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,20 +26,17 @@ class TrainingError(MemvitError):
 class TrainConfig:
     """Everything that defines a run. Recorded in the bundle and checked when resuming.
 
-    Every field is also an option of ``memvit train`` (``--kebab-case``), generated from these
-    declarations by ``server/cli.py``: a field's ``metadata`` gives its ``help`` text; ``path``
-    marks a field holding a filesystem path (the command line takes a path and passes its string);
-    ``cli: False`` keeps a field off the command line (``extra``; a ``--config`` file may still set it).
+    Every field is also an option of ``memvit train`` (``--kebab-case``, declared in
+    ``server/cli/train.py``; a test keeps the two in step): a field's ``metadata`` gives the option's
+    ``help`` text; ``cli: False`` keeps a field off the command line (``extra``; a ``--config`` file
+    may still set it).
     """
 
     name: str = field(metadata={"help": "the new adapter's name"})
-    train_dir: str = field(metadata={"help": "training images: DIR/<class>/*.jpg|png", "path": True})
+    train_dir: str = field(metadata={"help": "training images: DIR/<class>/*.jpg|png"})
     val_dir: str | None = field(
         default=None,
-        metadata={
-            "help": "validation images (default: hold out val-fraction of train-dir, seeded)",
-            "path": True,
-        },
+        metadata={"help": "validation images (default: hold out val-fraction of train-dir, seeded)"},
     )
     val_fraction: float = field(default=0.1, metadata={"help": "held-out fraction when no val-dir"})
     memory_tokens: int = field(
@@ -50,7 +48,7 @@ class TrainConfig:
         default="tokens",
         metadata={"help": "where memory starts: normal (paper: N(0, 0.02)) or tokens (real block inputs)"},
     )
-    parent: str | None = field(default=None, metadata={"help": "parent bundle: extension mode", "path": True})
+    parent: str | None = field(default=None, metadata={"help": "parent bundle: extension mode"})
     epochs: float = field(default=5.0, metadata={"help": "passes over the training images"})
     steps: int | None = field(default=None, metadata={"help": "optimiser steps (overrides epochs)"})
     batch_size: int = field(default=32, metadata={"help": "training batch size"})
@@ -148,3 +146,21 @@ SHARED_FIELDS = (
 VARIANT_FIELDS = tuple(
     f.name for f in dataclasses.fields(TrainConfig) if f.name not in SHARED_FIELDS and f.name != "extra"
 )
+
+
+def check_together(configs: Sequence[TrainConfig]) -> TrainConfig:
+    """The first config, once every config is known to share the data and have its own name."""
+    if not configs:
+        raise TrainingError("nothing to train: give at least one config")
+    first = configs[0]
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise TrainingError(f"adapters trained together need distinct names, got {names}")
+    for c in configs[1:]:
+        differ = sorted(k for k, v in c.shared().items() if first.shared()[k] != v)
+        if differ:
+            raise TrainingError(
+                f"{c.name!r} and {first.name!r} differ in {', '.join(differ)}: adapters trained in one "
+                "pass share the data, the steps, the batch and the augmentation"
+            )
+    return first

@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .sweep import SweepResult
+from .results import SweepResult
 
 log = logging.getLogger(__name__)
 

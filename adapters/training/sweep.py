@@ -17,7 +17,6 @@ import json
 import logging
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,8 @@ from memory_core import AdapterError, MemoryViT, check_name
 from ..bundle import bundle_for, save_bundle
 from .config import VARIANT_FIELDS, TrainConfig, TrainingError
 from .report import write_report
-from .trainer import TrainResult, train_adapters
+from .results import SweepResult, SweepVariant
+from .trainer import train_adapters
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +46,6 @@ _TAGS = {
     "clip_grad": "clip",
     "init_seed": "s",
 }
-
-
-@dataclass(frozen=True)
-class SweepVariant:
-    config: TrainConfig
-    overrides: dict[str, Any]  # the swept fields' values for this variant
-    result: TrainResult
-
-
-@dataclass(frozen=True)
-class SweepResult:
-    variants: list[SweepVariant]
-    best: int  # index of the variant with the best validation top-1
-    out_dir: Path | None
-
-    @property
-    def chosen(self) -> SweepVariant:
-        return self.variants[self.best]
 
 
 def parse_sweep(items: Sequence[str]) -> dict[str, list[Any]]:
@@ -203,7 +185,6 @@ def run_sweep(
         checkpoint_every=checkpoint_every,
         resume=resume,
     )
-    assert results is not None  # no stop_after
     done = [SweepVariant(c, o, r) for (c, o), r in zip(variants, results, strict=True)]
     best = max(range(len(done)), key=lambda i: (done[i].result.val.top1, -i))  # ties: the first
     sweep_result = SweepResult(done, best, out)

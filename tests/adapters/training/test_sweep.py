@@ -12,9 +12,9 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from adapters import read_bundle
-from adapters.training import TrainConfig, TrainingError, train_adapter, train_adapters
+from adapters.training import TrainConfig, TrainingError, TrainingRun, train_adapter, train_adapters
 from adapters.training.sweep import expand, parse_sweep
-from adapters.training.trainer import Variant
+from adapters.training.variant import Variant
 from memory_core import MemoryViT
 from server.cli import app
 from tests.conftest import max_diff, tiny_engine
@@ -84,12 +84,9 @@ def test_a_sweep_resumes_exactly(tmp_path, image_folder, tiny_weights) -> None:
     configs = [c for c, _ in expand(_config(image_folder, steps=6), parse_sweep(["lr=0.05,0.2"]))]
     straight = train_adapters(_engine(tiny_weights), configs, progress=False)
     ckpt = tmp_path / "sweep.ckpt"
-    assert (
-        train_adapters(
-            _engine(tiny_weights), configs, checkpoint=ckpt, checkpoint_every=3, stop_after=3, progress=False
-        )
-        is None
-    )
+    stopped = TrainingRun(_engine(tiny_weights), configs, checkpoint=ckpt, checkpoint_every=3, progress=False)
+    stopped.run(until=3)
+    assert stopped.steps == 3 and not stopped.finished and ckpt.is_file()
     resumed = train_adapters(_engine(tiny_weights), configs, checkpoint=ckpt, resume=True, progress=False)
     for a, b in zip(straight, resumed, strict=True):
         _assert_same(b, a)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adapters import attach_bundle, read_bundle
-from adapters.training import DataError, TrainConfig, TrainingError, train_adapter
+from adapters.training import DataError, TrainConfig, TrainingError, TrainingRun, train_adapter
 from memory_core import LiveAdapters, MemoryViT
 from tests.conftest import make_folder, max_diff
 
@@ -63,10 +63,12 @@ def test_resume_continues_exactly(tmp_path, image_folder, tiny_weights) -> None:
     config = _config(image_folder, steps=8)
     straight = train_adapter(_engine(tiny_weights), config, progress=False)
     ckpt = tmp_path / "run.ckpt"
-    stopped = train_adapter(
-        _engine(tiny_weights), config, checkpoint=ckpt, checkpoint_every=2, stop_after=4, progress=False
-    )
-    assert stopped is None and ckpt.is_file()
+    engine = _engine(tiny_weights)
+    stopped = TrainingRun(engine, [config], checkpoint=ckpt, checkpoint_every=2, progress=False)
+    stopped.run(until=4)  # the checkpoint falls due at step 4
+    assert stopped.steps == 4 and not stopped.finished and ckpt.is_file()
+    with pytest.raises(TrainingError, match="at step 4 of 8"):
+        stopped.finish()
     resumed = train_adapter(_engine(tiny_weights), config, checkpoint=ckpt, resume=True, progress=False)
     assert resumed.steps == 8
     assert resumed.losses == pytest.approx(straight.losses, abs=1e-6)
@@ -74,16 +76,45 @@ def test_resume_continues_exactly(tmp_path, image_folder, tiny_weights) -> None:
         assert max_diff(resumed.bundle.tensors()[key], tensor) <= 1e-6, key
 
 
+def test_a_run_steps_saves_and_resumes_anywhere(tmp_path, image_folder, tiny_weights) -> None:
+    # Step by step, in pieces, with a checkpoint saved off the schedule and resumed in a fresh
+    # process's stead: the same run as one straight through.
+    config = _config(image_folder, steps=7)
+    straight = train_adapter(_engine(tiny_weights), config, progress=False)
+    ckpt = tmp_path / "run.ckpt"
+    run = TrainingRun(_engine(tiny_weights), [config], checkpoint=ckpt, checkpoint_every=100, progress=False)
+    run.step()
+    run.run(until=3)
+    assert run.steps == 3 and not ckpt.exists()  # none due yet
+    run.save_checkpoint()
+    at_3 = tmp_path / "at-3.ckpt"
+    at_3.write_bytes(ckpt.read_bytes())  # the run writes its checkpoint again at the end
+    run.run(until=5)
+    run.run()
+    assert run.finished
+    with pytest.raises(TrainingError, match="finished"):
+        run.step()
+    (in_pieces,) = run.finish()
+    resumed_run = TrainingRun(_engine(tiny_weights), [config], checkpoint=at_3, progress=False)
+    resumed_run.resume()
+    assert resumed_run.steps == 3
+    resumed_run.run()
+    (resumed,) = resumed_run.finish()
+    with pytest.raises(TrainingError, match="before the first step"):
+        resumed_run.resume()
+    for result in (in_pieces, resumed):
+        assert result.steps == 7
+        assert result.losses == pytest.approx(straight.losses, abs=1e-6)
+        for key, tensor in straight.bundle.tensors().items():
+            assert max_diff(result.bundle.tensors()[key], tensor) <= 1e-6, key
+        assert result.val == straight.val
+
+
 def test_resume_refuses_other_settings(tmp_path, image_folder, tiny_weights) -> None:
     ckpt = tmp_path / "run.ckpt"
-    train_adapter(
-        _engine(tiny_weights),
-        _config(image_folder, steps=4),
-        checkpoint=ckpt,
-        checkpoint_every=2,
-        stop_after=2,
-        progress=False,
-    )
+    config = _config(image_folder, steps=4)
+    run = TrainingRun(_engine(tiny_weights), [config], checkpoint=ckpt, checkpoint_every=2, progress=False)
+    run.run(until=2)
     with pytest.raises(TrainingError, match=r"different settings \(lr\)"):
         train_adapter(
             _engine(tiny_weights),

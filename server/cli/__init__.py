@@ -1,0 +1,44 @@
+"""The ``memvit`` command line: one module per command.
+
+memvit serve      serve.py     the HTTP API (settings from MEMVIT_* variables)
+memvit train      train.py     fine-tune an adapter; with --sweep, many variants in one run
+memvit eval       evaluate.py  accuracy of the base and each adapter through one fused model
+memvit info       info.py      can a model host adapters: shape, fingerprint, cost model
+memvit inspect    inspect.py   an adapter bundle's metadata, validated
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+
+from . import evaluate, info, inspect, serve, train
+from .serve import loopback_admin_default
+
+__all__ = ["app", "loopback_admin_default"]
+
+app = typer.Typer(
+    help="memvit: one frozen ViT plus learnable-memory adapters in one fused pass.", no_args_is_help=True
+)
+
+
+@app.callback()
+def _main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log at INFO level.")] = False,
+) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    from memory_core.runtime import tune_malloc
+
+    # Every command runs passes over and over (serve, train, eval): keep activations in the heap.
+    tune_malloc()
+
+
+app.command()(info.info)
+app.command()(inspect.inspect)
+app.command()(serve.serve)
+app.command()(train.train)
+app.command("eval")(evaluate.evaluate)

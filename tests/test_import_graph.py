@@ -1,0 +1,138 @@
+"""The project's import graph: no cycles, and the layers import downwards only.
+
+    memory_core  <-  adapters  <-  server
+
+Every import counts: at module level, inside functions, and under ``if TYPE_CHECKING`` (a cycle
+through a type-only import is still two modules that need each other). Run as a script
+(``python -m tests.test_import_graph``) to print the graph's cycles and its layer violations.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("memory_core", "adapters", "server")
+# What each package must never import (its own layer and the ones below it are fine).
+FORBIDDEN = {"memory_core": ("adapters", "server", "fastapi"), "adapters": ("server",)}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every module ``name`` imports, absolute; ``from package import module`` names the module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                submodule = f"{target}.{alias.name}"
+                found.add(submodule if submodule in known else target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each project module -> every module it imports (the project's and others')."""
+    modules = _modules()
+    return {name: imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one project module (Tarjan's, iterative)."""
+    project = {name: sorted(t for t in ts if t in graph and t != name) for name, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in project:
+        if root in index:
+            continue
+        work = [(root, iter(project[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(project[child])))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while (member := stack.pop()) != node:
+                    component.append(member)
+                if component:
+                    found.append(sorted([*component, node]))
+    return found
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> import`` for every import across a forbidden layer boundary."""
+    return sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if target.split(".")[0] in FORBIDDEN.get(name.split(".")[0], ())
+    )
+
+
+def test_the_graph_is_read() -> None:
+    graph = import_graph()
+    assert len(graph) > 40 and {"memory_core", "adapters.training.run", "server.cli.train"} <= set(graph)
+    # Relative, function-level and type-only imports are all edges.
+    assert "adapters.training.checkpoint" in graph["adapters.training.run"]
+    assert "adapters.training.sweep" in graph["server.cli.train"]  # imported inside train()
+    assert "server.settings" in graph["server.cli.serve"]  # under TYPE_CHECKING and inside serve()
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_cycles_are_found() -> None:
+    graph = {"a": {"b"}, "b": {"c", "os"}, "c": {"a"}, "d": {"d", "a"}, "e": {"f"}, "f": {"e"}}
+    assert sorted(cycles(graph)) == [["a", "b", "c"], ["e", "f"]]
+
+
+def test_layers_import_downwards_only() -> None:
+    assert violations(import_graph()) == []
+
+
+def test_violations_are_found() -> None:
+    graph = {
+        "memory_core.x": {"fastapi.routing", "torch"},
+        "adapters.y": {"server.cli"},
+        "server.z": {"adapters"},
+    }
+    assert violations(graph) == ["adapters.y -> server.cli", "memory_core.x -> fastapi.routing"]
+
+
+if __name__ == "__main__":
+    graph = import_graph()
+    print(f"{len(graph)} modules, {sum(len(t) for t in graph.values())} imports")
+    for component in cycles(graph):
+        print("cycle:", " <-> ".join(component))
+    for line in violations(graph):
+        print("layer violation:", line)
