@@ -11,8 +11,6 @@ and strict validation are in ``reader.py``.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,8 @@ from typing import Any
 from safetensors.torch import save
 
 from memory_core import AdapterWeights, MemoryViT
+
+from .files import write_atomic
 
 FORMAT = "memvit.adapter/1"
 TENSOR_LAYOUT: dict[str, str] = {
@@ -111,31 +111,6 @@ def bundle_for(
         base_fingerprint=engine.fingerprint,
         training=training,
     )
-
-
-def write_atomic(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` so that ``path`` is either absent, the old file, or the whole new file.
-
-    Temp file in the same directory, fsync, rename over the target, fsync the directory: a crash
-    at any point leaves no half-written file under the final name.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return path
 
 
 def save_bundle(bundle: AdapterBundle, path: str | Path) -> Path:

@@ -16,7 +16,6 @@ that turns malformed keeps the last good keys and says why in the log, never ope
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import fnmatch
 import hashlib
@@ -25,12 +24,13 @@ import logging
 import os
 import re
 import secrets
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from adapters.files import write_atomic
 
 log = logging.getLogger("memvit.server.keys")
 FORMAT = "memvit.keys/1"
@@ -219,20 +219,9 @@ def load_or_empty(path: Path) -> KeyRing:
 
 
 def write_ring(path: Path, ring: KeyRing) -> None:
-    """Atomically replace ``path`` (readable by its owner only): a reader sees the old or the new file."""
+    """Atomically replace ``path``, readable by its owner only: a reader sees the old or the new file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(ring.dumps())
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, ring.dumps().encode(), mode=0o600)
 
 
 def add_key(path: Path, key_id: str, names: Iterable[str], *, read: bool, write: bool) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from memory_core import MemoryViT
 
-from ..bundle import write_atomic
+from ..files import write_atomic
 from .config import TrainConfig, TrainingError
 from .variant import Variant
 

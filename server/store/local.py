@@ -13,10 +13,11 @@ import contextlib
 import fcntl
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from adapters.files import durable_temp, fsync_dir
 
 from .base import AdapterStore, ObjectChangedError, ObjectExistsError, ObjectTooLargeError, ObjectVersion
 
@@ -66,16 +67,11 @@ class LocalStore(AdapterStore):
 
     def _put(self, key: str, data: bytes, *, mode: str | ObjectVersion) -> ObjectVersion:
         target = self.path(key)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-                # The state of the file *we* wrote (a rename or link keeps inode, size and mtime).
-                # Reading the target after the rename instead could record another replica's
-                # replace that landed in between as already seen.
-                written = _version(os.fstat(f.fileno()))
+        with durable_temp(self.root, key, data) as (tmp, stat):
+            # The state of the file *we* wrote (a rename or link keeps inode, size and mtime).
+            # Reading the target after the rename instead could record another replica's
+            # replace that landed in between as already seen.
+            written = _version(stat)
             if mode == "create":
                 try:
                     os.link(tmp, target)  # atomic create-if-absent, also across replicas
@@ -92,14 +88,12 @@ class LocalStore(AdapterStore):
                     if current != mode:
                         raise ObjectChangedError(key)
                     os.replace(tmp, target)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        self._sync_dir()
+        fsync_dir(self.root)
         return written
 
     def _delete(self, key: str) -> None:
         self.path(key).unlink()
-        self._sync_dir()
+        fsync_dir(self.root)
 
     # -- housekeeping ------------------------------------------------------------------------------
     def clean_temp_files(self, older_than: float = 3600.0) -> int:
@@ -125,10 +119,3 @@ class LocalStore(AdapterStore):
             yield
         finally:
             os.close(fd)  # closing releases the lock
-
-    def _sync_dir(self) -> None:
-        fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
