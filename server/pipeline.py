@@ -22,6 +22,7 @@ from torch import Tensor
 from memory_core import BASE_TASK, AdapterSet, FusedOutput, MemoryViT
 
 from .batching import DynamicBatcher
+from .edge.body import read_upload
 from .errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError, UnknownTaskError
 from .images import ImageDecoder
 from .metrics import Metrics
@@ -89,13 +90,10 @@ class ClassifyPipeline:
     async def _decode(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
         """Every upload read (capped), then decoded in the pool -> (n, C, H, W)."""
         blobs = []
+        limit = self.max_image_bytes
         for upload, name in zip(uploads, names, strict=True):
-            data = await upload.read(self.max_image_bytes + 1)
-            if len(data) > self.max_image_bytes:
-                raise ImageTooLargeError(
-                    f"{name}: over the {self.max_image_bytes}-byte upload limit", field=name
-                )
-            blobs.append(data)
+            too_large = ImageTooLargeError(f"{name}: over the {limit}-byte upload limit", field=name)
+            blobs.append(await read_upload(upload, limit, too_large))
         loop = asyncio.get_running_loop()
         decoded = await asyncio.gather(
             *(
