@@ -129,7 +129,6 @@ async def _start(state: AppState) -> None:
         decoder,
         batcher,
         decode_pool,
-        max_images=settings.max_images_per_request,
         max_image_bytes=settings.max_image_bytes,
         metrics=state.metrics,
     )

@@ -1,4 +1,4 @@
-"""Request dependencies: narrow views of the service (503 until it is ready).
+"""Request dependencies: narrow views of the service (503 until it is ready), and validated input.
 
 Who may call a route, and how large and slow its body may be, are the edge's (server/edge/): they
 are settled before a route's dependencies run. What is here reads the request the edge let through.
@@ -6,17 +6,19 @@ are settled before a route's dependencies run. What is here reads the request th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, File, Query, Request, UploadFile
 
 from memory_core import MemoryViT
 
 from .adapter_service import AdapterService
-from .errors import NotReadyError, UnsupportedMediaTypeError
+from .errors import NotReadyError, TooManyImagesError, UnsupportedMediaTypeError
 from .pipeline import ClassifyPipeline
 from .settings import Settings
 from .state import AppState, Service
+from .tasks import check_tasks, parse_tasks
 
 
 def get_state(request: Request) -> AppState:
@@ -59,3 +61,39 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 EngineDep = Annotated[MemoryViT, Depends(get_engine)]
 AdaptersDep = Annotated[AdapterService, Depends(get_adapters)]
 PipelineDep = Annotated[ClassifyPipeline, Depends(get_pipeline)]
+
+
+@dataclass(frozen=True)
+class ClassifyInput:
+    """A /classify request, checked: at most the allowed number of images, and ``tasks`` parsed and
+    each one live when the request arrived (None: every task)."""
+
+    images: list[UploadFile]
+    tasks: list[str] | None
+    top_k: int
+    logits: bool
+
+
+def classify_input(
+    engine: EngineDep,
+    settings: SettingsDep,
+    image: Annotated[list[UploadFile], File(description="one or more images (repeat the field for a batch)")],
+    top_k: Annotated[int, Query(ge=1, le=1000, description="labels per task")] = 5,
+    tasks: Annotated[
+        list[str] | None, Query(description="tasks to return (repeat or comma-separate); default: all")
+    ] = None,
+    logits: Annotated[bool, Query(description="also return raw logits")] = False,
+) -> ClassifyInput:
+    """Runs only once every parameter is valid (FastAPI answers 422 for those first); then the image
+    count (413), then the tasks against the live set (422), before anything is decoded."""
+    if len(image) > settings.max_images_per_request:
+        raise TooManyImagesError(
+            f"{len(image)} images in one request; the limit is {settings.max_images_per_request}",
+            field="image",
+        )
+    wanted = parse_tasks(tasks)
+    check_tasks(wanted, engine.adapters)  # fail fast, before decoding anything
+    return ClassifyInput(image, wanted, top_k, logits)
+
+
+ClassifyInputDep = Annotated[ClassifyInput, Depends(classify_input)]
