@@ -22,7 +22,8 @@ from memory_core import LiveAdapters, MemoryViT
 
 from .adapter_service import AdapterService
 from .batching import DynamicBatcher
-from .edge import EdgeMiddleware
+from .edge.guard import GuardMiddleware
+from .edge.routes import missing_routes, route_table
 from .errors import install_error_handlers
 from .images import ImageDecoder
 from .metrics import Metrics, MetricsMiddleware
@@ -32,7 +33,6 @@ from .routers import adapters, classify, health, ui
 from .settings import Settings, get_settings
 from .state import AppState, Service
 from .store import AdapterStore, StoreUnavailableError, open_store
-from .timeouts import BodyTimeoutMiddleware
 
 log = logging.getLogger("memvit.server")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,7 +130,6 @@ async def _start(state: AppState) -> None:
         decoder,
         batcher,
         decode_pool,
-        max_images=settings.max_images_per_request,
         max_image_bytes=settings.max_image_bytes,
         metrics=state.metrics,
     )
@@ -197,17 +196,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.memvit = state
-    metrics = state.metrics
-    # Innermost: the admin check and byte caps run before the router parses any body, and their
-    # refusals still pass through the body deadline and the metrics.
-    app.add_middleware(EdgeMiddleware, settings=settings)
-    # Inside the metrics middleware, so a body timeout is counted as the 408 the client got.
-    app.add_middleware(BodyTimeoutMiddleware, seconds=settings.body_timeout_seconds)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    # The guard (access, body cap and deadline per route) runs before the router parses any body;
+    # inside the metrics middleware, so its refusals are counted as what the client got.
+    app.add_middleware(GuardMiddleware, settings=settings)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     install_error_handlers(app)
     customise_openapi(app, settings)
     app.include_router(classify.router)
     app.include_router(adapters.router)
     app.include_router(health.router)
     app.include_router(ui.router)  # the page at /: a client of the routes above
+    # A route without a row in the guard's table would get the fallback (public, uncapped): refuse to
+    # build such an app rather than serve it.
+    if missing := missing_routes(app, route_table(settings)):
+        raise RuntimeError(f"routes missing from the route table (server/edge/routes.py): {missing}")
     return app

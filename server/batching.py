@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from memory_core import BASE_TASK, AdapterSet, FusedOutput, LiveAdapters
+from memory_core import AdapterSet, FusedOutput, LiveAdapters
 
-from .errors import OverloadedError, UnknownTaskError
+from .errors import OverloadedError
 from .metrics import Metrics
+from .tasks import unknown_tasks_error
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +160,8 @@ class DynamicBatcher:
             unknown = sorted(job.tasks - set(adapter_set.names)) if job.tasks is not None else []
             if unknown:
                 if not job.future.done():
-                    job.future.set_exception(
-                        UnknownTaskError(
-                            f"unknown task(s) {unknown}: removed while the request waited; "
-                            f"this server has {[BASE_TASK, *adapter_set.names]}",
-                            field="tasks",
-                        )
-                    )
+                    why = ": removed while the request waited"
+                    job.future.set_exception(unknown_tasks_error(unknown, adapter_set, why))
                 continue
             runnable.append(job)
         if all(job.tasks is None for job in runnable):

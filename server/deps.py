@@ -1,25 +1,24 @@
-"""Request dependencies: narrow views of the service (503 until it is ready) and the admin check."""
+"""Request dependencies: narrow views of the service (503 until it is ready), and validated input.
+
+Who may call a route, and how large and slow its body may be, are the edge's (server/edge/): they
+are settled before a route's dependencies run. What is here reads the request the edge let through.
+"""
 
 from __future__ import annotations
 
-import hmac
+from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, File, Query, Request, UploadFile
 
-from memory_core import MemoryViT
+from memory_core import LiveAdapters
 
 from .adapter_service import AdapterService
-from .errors import (
-    AdminDisabledError,
-    ForbiddenError,
-    NotAuthenticatedError,
-    NotReadyError,
-    UnsupportedMediaTypeError,
-)
+from .errors import NotReadyError, TooManyImagesError, UnsupportedMediaTypeError
 from .pipeline import ClassifyPipeline
 from .settings import Settings
 from .state import AppState, Service
+from .tasks import check_tasks, parse_tasks
 
 
 def get_state(request: Request) -> AppState:
@@ -36,34 +35,6 @@ def get_service(state: Annotated[AppState, Depends(get_state)]) -> Service:
     return state.service
 
 
-def check_admin(settings: Settings, authorization: str | None) -> None:
-    """The one rule for POST/DELETE /adapters, given the request's ``Authorization`` header.
-
-    A token configured: ``Bearer <token>`` (compared in constant time) or 401/403. No token: 403,
-    unless ``allow_anonymous_admin`` opts out. Called by the edge middleware before any body is
-    read, and by ``require_admin`` for apps served without it.
-    """
-    token = settings.admin_token
-    if token is None:
-        if settings.allow_anonymous_admin:
-            return
-        raise AdminDisabledError(
-            "adapter management is disabled: no admin token is configured. Set MEMVIT_ADMIN_TOKEN and "
-            "send 'Authorization: Bearer <token>', or set MEMVIT_ALLOW_ANONYMOUS_ADMIN=true to let "
-            "anyone who can reach this port add and delete adapters"
-        )
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        raise NotAuthenticatedError("this endpoint needs 'Authorization: Bearer <admin token>'")
-    if not hmac.compare_digest(given.strip().encode(), token.get_secret_value().encode()):
-        raise ForbiddenError("the admin token is not valid")
-
-
-def require_admin(request: Request, settings: Annotated[Settings, Depends(get_settings)]) -> None:
-    """POST/DELETE /adapters: ``check_admin`` on the request's ``Authorization`` header."""
-    check_admin(settings, request.headers.get("authorization"))
-
-
 def require_multipart(request: Request) -> None:
     """Uploads are multipart/form-data; say so (415) before anything tries to parse another body."""
     content_type = request.headers.get("content-type", "")
@@ -73,8 +44,8 @@ def require_multipart(request: Request) -> None:
         )
 
 
-def get_engine(service: Annotated[Service, Depends(get_service)]) -> MemoryViT:
-    return service.engine
+def get_live(service: Annotated[Service, Depends(get_service)]) -> LiveAdapters:
+    return service.live
 
 
 def get_adapters(service: Annotated[Service, Depends(get_service)]) -> AdapterService:
@@ -87,6 +58,42 @@ def get_pipeline(service: Annotated[Service, Depends(get_service)]) -> ClassifyP
 
 StateDep = Annotated[AppState, Depends(get_state)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-EngineDep = Annotated[MemoryViT, Depends(get_engine)]
+LiveDep = Annotated[LiveAdapters, Depends(get_live)]
 AdaptersDep = Annotated[AdapterService, Depends(get_adapters)]
 PipelineDep = Annotated[ClassifyPipeline, Depends(get_pipeline)]
+
+
+@dataclass(frozen=True)
+class ClassifyInput:
+    """A /classify request, checked: at most the allowed number of images, and ``tasks`` parsed and
+    each one live when the request arrived (None: every task)."""
+
+    images: list[UploadFile]
+    tasks: list[str] | None
+    top_k: int
+    logits: bool
+
+
+def classify_input(
+    live: LiveDep,
+    settings: SettingsDep,
+    image: Annotated[list[UploadFile], File(description="one or more images (repeat the field for a batch)")],
+    top_k: Annotated[int, Query(ge=1, le=1000, description="labels per task")] = 5,
+    tasks: Annotated[
+        list[str] | None, Query(description="tasks to return (repeat or comma-separate); default: all")
+    ] = None,
+    logits: Annotated[bool, Query(description="also return raw logits")] = False,
+) -> ClassifyInput:
+    """Runs only once every parameter is valid (FastAPI answers 422 for those first); then the image
+    count (413), then the tasks against the live set (422), before anything is decoded."""
+    if len(image) > settings.max_images_per_request:
+        raise TooManyImagesError(
+            f"{len(image)} images in one request; the limit is {settings.max_images_per_request}",
+            field="image",
+        )
+    wanted = parse_tasks(tasks)
+    check_tasks(wanted, live.current)  # fail fast, before decoding anything
+    return ClassifyInput(image, wanted, top_k, logits)
+
+
+ClassifyInputDep = Annotated[ClassifyInput, Depends(classify_input)]

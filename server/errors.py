@@ -1,4 +1,5 @@
-"""Every domain error and its HTTP status, in one place. Responses are ``{"error": {...}}`` JSON.
+"""Every domain error and its HTTP status, in one place. Responses are ``{"error": {...}}`` JSON, built
+by ``error_json`` (server/edge/send.py), the same function that builds the edge's own refusals.
 
 Handlers never let an exception escape as a 500 with a traceback: a named error maps to its 4xx/503,
 a request that fails validation to 422 with the field, anything else to a logged 500 that says only
@@ -27,6 +28,7 @@ from memory_core import (
     UnknownAdapterError,
 )
 
+from .edge.send import error_body, error_json
 from .store import StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -102,12 +104,14 @@ class AdminDisabledError(ForbiddenError):
 
 
 class RequestTooLargeError(ServiceError):
-    """The whole request body is over its route's cap (server/edge.py), before any part is parsed."""
+    """The whole request body is over its route's cap (server/edge/guard.py), before any part is parsed."""
 
     status = 413
 
 
-class NotReadyError(ServiceError):
+class RetryLaterError(ServiceError):
+    """A condition that passes (not ready, overloaded): 503 with its message and ``Retry-After``."""
+
     status = 503
     expected = True
 
@@ -115,16 +119,17 @@ class NotReadyError(ServiceError):
         return {"Retry-After": "1"}
 
 
-class OverloadedError(ServiceError):
-    status = 503
-    expected = True
+class NotReadyError(RetryLaterError):
+    pass
 
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": "1"}
+
+class OverloadedError(RetryLaterError):
+    pass
 
 
 class RequestTimeoutError(ServiceError):
-    """The client did not send its request's headers or body in time (server/timeouts.py)."""
+    """The client did not send its request's headers (server/timeouts.py) or its body (server/edge/body.py)
+    in time."""
 
     status = 408
 
@@ -150,15 +155,6 @@ def status_of(exc: Exception) -> int:
         if isinstance(exc, kind):
             return status
     return 500
-
-
-def error_body(exc: Exception, status: int) -> dict:
-    shown = status < 500 or getattr(exc, "expected", False)
-    body = {"type": type(exc).__name__, "message": str(exc) if shown else "internal error"}
-    field = getattr(exc, "field", None)
-    if field and shown:
-        body["field"] = field
-    return {"error": body}
 
 
 def _allowed_methods(request: Request) -> list[str]:
@@ -192,12 +188,11 @@ def install_error_handlers(app: FastAPI) -> None:
             where = ".".join(str(part) for part in err.get("loc", ()) if part not in ("body", "query"))
             problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
         field = next((str(e["loc"][-1]) for e in exc.errors() if e.get("loc")), None)
-        body = {"error": {"type": "RequestValidationError", "message": "; ".join(problems), "field": field}}
-        return JSONResponse(body, status_code=422)
+        return JSONResponse(error_json("RequestValidationError", "; ".join(problems), field), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = {"error": {"type": "HTTPException", "message": str(exc.detail)}}
+        body = error_json("HTTPException", str(exc.detail))
         headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 405:
             # One path can be served by several routes (GET and DELETE /adapters/{name}); Starlette
@@ -208,6 +203,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return JSONResponse(
-            {"error": {"type": "InternalError", "message": "internal error"}}, status_code=500
-        )
+        return JSONResponse(error_json("InternalError", "internal error"), status_code=500)

@@ -1,11 +1,12 @@
 """POST /classify from uploaded bytes to the response: decode -> batch -> fused pass -> predictions.
 
-One object owns the whole path so that its rules live together:
-- tasks are checked against the live set before anything is decoded (fail fast), and again against
-  the snapshot that answered (an adapter removed meanwhile gives a 422 naming it, never a wrong or
-  missing answer);
+One object owns the whole path from checked input (``deps.classify_input``: the image count, and the
+tasks against the live set, before anything is decoded) to the response, so that its rules live
+together:
 - each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop;
 - the images are announced to the batcher while they decode, so a forming batch waits for them;
+- the batch's snapshot answers or refuses the tasks (an adapter removed meanwhile gives a 422 naming
+  it, never a wrong or missing answer: server/batching.py);
 - the response is built from the one snapshot that computed every logit in it.
 """
 
@@ -19,30 +20,14 @@ import torch
 from fastapi import UploadFile
 from torch import Tensor
 
-from memory_core import BASE_TASK, AdapterSet, FusedOutput, LiveAdapters
+from memory_core import BASE_TASK, FusedOutput, LiveAdapters
 
 from .batching import DynamicBatcher
-from .errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError, UnknownTaskError
+from .edge.body import read_upload
+from .errors import ImageTooLargeError, NonFiniteOutputError
 from .images import ImageDecoder
 from .metrics import Metrics
 from .schemas import AdapterSetInfo, ClassifyResponse, ImageResult, Prediction, TaskResult
-
-
-def parse_tasks(tasks: Sequence[str] | None) -> list[str] | None:
-    """``?tasks=a,b&tasks=c`` -> ["a", "b", "c"]; nothing (or only blanks) means every task."""
-    if not tasks:
-        return None
-    return [t.strip() for item in tasks for t in item.split(",") if t.strip()] or None
-
-
-def check_tasks(wanted: list[str] | None, adapter_set: AdapterSet) -> None:
-    """Raise ``UnknownTaskError`` naming every asked-for task that ``adapter_set`` cannot answer."""
-    if wanted is None:
-        return
-    unknown = [t for t in wanted if t != BASE_TASK and t not in adapter_set]
-    if unknown:
-        known = [BASE_TASK, *adapter_set.names]
-        raise UnknownTaskError(f"unknown task(s) {unknown}; this server has {known}", field="tasks")
 
 
 class ClassifyPipeline:
@@ -53,7 +38,6 @@ class ClassifyPipeline:
         batcher: DynamicBatcher,
         decode_pool: Executor,
         *,
-        max_images: int,
         max_image_bytes: int,
         metrics: Metrics | None = None,
     ) -> None:
@@ -62,25 +46,19 @@ class ClassifyPipeline:
         self.decoder = decoder
         self.batcher = batcher
         self.decode_pool = decode_pool
-        self.max_images = max_images
         self.max_image_bytes = max_image_bytes
         self.metrics = metrics
 
     async def __call__(
-        self, uploads: Sequence[UploadFile], *, tasks: Sequence[str] | None, top_k: int, logits: bool
+        self, uploads: Sequence[UploadFile], *, tasks: list[str] | None, top_k: int, logits: bool
     ) -> ClassifyResponse:
-        if len(uploads) > self.max_images:
-            raise TooManyImagesError(
-                f"{len(uploads)} images in one request; the limit is {self.max_images}", field="image"
-            )
-        wanted = parse_tasks(tasks)
-        check_tasks(wanted, self.live.current)  # fail fast, before decoding anything
+        """``tasks``: checked (``deps.classify_input``); None asks for every task."""
         names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
-        # Routed: these images pay for the adapters asked for, not for every one loaded.
-        adapters = None if wanted is None else [t for t in wanted if t != BASE_TASK]
+        # Routed: these images pay for the adapters asked for, not for every one loaded. The batch's
+        # snapshot refuses any of them removed since the request's tasks were checked.
+        adapters = None if tasks is None else [t for t in tasks if t != BASE_TASK]
         out = await self.batcher.run(len(uploads), self._decode(uploads, names), adapters)
-        check_tasks(wanted, out.adapter_set)  # an adapter may have been removed meanwhile
-        response = self.respond(out, names, wanted, top_k=top_k, logits=logits)
+        response = self.respond(out, names, tasks, top_k=top_k, logits=logits)
         if self.metrics is not None:
             for task in response.results[0].tasks if response.results else ():
                 self.metrics.task_requests.labels(task).inc()
@@ -90,13 +68,10 @@ class ClassifyPipeline:
     async def _decode(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
         """Every upload read (capped), then decoded in the pool -> (n, C, H, W)."""
         blobs = []
+        limit = self.max_image_bytes
         for upload, name in zip(uploads, names, strict=True):
-            data = await upload.read(self.max_image_bytes + 1)
-            if len(data) > self.max_image_bytes:
-                raise ImageTooLargeError(
-                    f"{name}: over the {self.max_image_bytes}-byte upload limit", field=name
-                )
-            blobs.append(data)
+            too_large = ImageTooLargeError(f"{name}: over the {limit}-byte upload limit", field=name)
+            blobs.append(await read_upload(upload, limit, too_large))
         loop = asyncio.get_running_loop()
         decoded = await asyncio.gather(
             *(

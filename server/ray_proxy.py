@@ -13,29 +13,29 @@ Ray loads it in every proxy from the environment of ``ray start`` (or of a local
 
     RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=server.ray_proxy:proxy_middlewares
 
-This module runs in the proxy process: it must stay light (no torch, no model, no ray import).
+This module runs in the proxy process: it must stay light (no torch, no model, no ray import); its
+error body comes from server/edge/send.py, which is as light.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .edge.send import send_error
+
 log = logging.getLogger("memvit.ray.proxy")
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "server.ray_proxy:proxy_middlewares"
 RETRY_AFTER_SECONDS = "1"
-_LOST_BODY = json.dumps(
-    {
-        "error": {
-            "type": "ReplicaUnavailableError",
-            "message": "the replica serving this request was lost (restarting or moved); retry shortly",
-        }
-    }
-).encode()
+
+
+class ReplicaUnavailableError(Exception):
+    """The replica holding a request was lost. Not a ``ServiceError``: that would import the model."""
+
+    expected = True  # a condition to retry, not a bug: its message is shown, as for memvit's own 503s
 
 
 class ReplicaLossMiddleware:
@@ -78,18 +78,10 @@ class ReplicaLossMiddleware:
             log.warning(
                 "no response from the replica for %s (replica lost); answering 503", scope.get("path")
             )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 503,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(_LOST_BODY)).encode()),
-                        (b"retry-after", RETRY_AFTER_SECONDS.encode()),
-                    ],
-                }
+            lost = ReplicaUnavailableError(
+                "the replica serving this request was lost (restarting or moved); retry shortly"
             )
-            await send({"type": "http.response.body", "body": _LOST_BODY})
+            await send_error(send, 503, lost, {"retry-after": RETRY_AFTER_SECONDS})
 
 
 def proxy_middlewares() -> list[Middleware]:

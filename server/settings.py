@@ -51,7 +51,8 @@ class Settings(BaseSettings):
         False, description="with no admin token, let anyone who can reach the port manage adapters"
     )
 
-    # Slow clients (server/timeouts.py): past these, the client gets a 408 and its connection closes.
+    # Slow clients (headers: server/timeouts.py; body: server/edge/body.py): past these, the client gets
+    # a 408 and its connection closes.
     header_timeout_seconds: float = Field(10.0, gt=0, description="deadline for a request's headers")
     body_timeout_seconds: float = Field(60.0, gt=0, description="total deadline for a request's body")
 

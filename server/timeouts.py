@@ -1,41 +1,35 @@
-"""Deadlines for slow clients: one for a request's headers, one for its body.
+"""The deadline for a request's headers, for slow clients.
 
 uvicorn bounds the idle time between requests (``timeout_keep_alive``) but neither how long a client
 may take to send a request's headers nor its body, so a client that trickles bytes (slowloris) holds
-a connection, and for bodies a request task, forever.
+a connection, and for bodies a request task, forever. The body's deadline is the guard's (per route,
+server/edge/body.py); the headers' is here, because it runs before there is any request to route:
 
-- ``header_timeout_protocol(seconds)``: uvicorn's own HTTP protocol class (httptools or h11) with a
-  timer armed when a connection opens or the first byte of a kept-alive connection's next request
-  arrives, disarmed when the headers are complete. When it fires the connection is closed (after a
-  408 if part of a request had arrived). Pass it as ``uvicorn.run(http=...)``.
-- ``BodyTimeoutMiddleware``: a total deadline for reading a request's body (a per-chunk idle timeout
-  would be defeated by trickling one byte at a time); past it the client gets a 408 and the
-  connection is closed.
+``header_timeout_protocol(seconds)``: uvicorn's own HTTP protocol class (httptools or h11) with a
+timer armed when a connection opens or the first byte of a kept-alive connection's next request
+arrives, disarmed when the headers are complete. When it fires the connection is closed (after a 408
+if part of a request had arrived). Pass it as ``uvicorn.run(http=...)``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import logging
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
-from .errors import RequestTimeoutError, error_body
+from .edge.send import error_bytes
+from .errors import RequestTimeoutError
 
 log = logging.getLogger("memvit.server.timeouts")
 
-
-def _timeout_body(message: str) -> bytes:
-    return json.dumps(error_body(RequestTimeoutError(message), RequestTimeoutError.status)).encode()
-
-
-_HEADER_TIMEOUT_BODY = _timeout_body("the request headers did not arrive in time")
-_BODY_TIMEOUT_BODY = _timeout_body("the request body did not arrive in time")
+# Written on the transport before any ASGI app exists, in the same shape as every other error.
+_HEADER_TIMEOUT_BODY = error_bytes(
+    RequestTimeoutError("the request headers did not arrive in time"), RequestTimeoutError.status
+)
 _HEADER_TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
     b"content-length: %d\r\n\r\n%s" % (len(_HEADER_TIMEOUT_BODY), _HEADER_TIMEOUT_BODY)
@@ -157,69 +151,3 @@ def header_timeout_protocol(seconds: float, http: str = "auto") -> type[asyncio.
             "supported by server/timeouts.py"
         )
     return type(f"HeaderTimeout{name}", (mixin, base), {"header_timeout": float(seconds)})
-
-
-class BodyTimeoutMiddleware:
-    """A total deadline, from the start of the request, for reading its body.
-
-    On expiry the client gets a 408 (if no response has started) with ``connection: close``, and the
-    app sees ``http.disconnect``, as if the client had left; what the app sends after that is dropped.
-    """
-
-    def __init__(self, app: ASGIApp, seconds: float) -> None:
-        if seconds <= 0:
-            raise ValueError(f"body timeout must be positive, got {seconds}")
-        self.app = app
-        self.seconds = seconds
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.seconds
-        body_done = False
-        response_started = False
-        answered = False  # the 408 went out: what the app sends is dropped
-        timed_out = False
-
-        async def receive_by_deadline() -> Message:
-            nonlocal body_done, timed_out, answered
-            if body_done or timed_out:
-                # After the body, receive() only waits for a disconnect: no deadline.
-                return await receive() if body_done else {"type": "http.disconnect"}
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
-            except asyncio.TimeoutError:
-                timed_out = True
-                log.debug(
-                    "request body of %s %s not read within %ss", scope["method"], scope["path"], self.seconds
-                )
-                if not response_started:
-                    answered = True
-                    await _send_408(send)
-                return {"type": "http.disconnect"}
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                body_done = True
-            return message
-
-        async def send_unless_timed_out(message: Message) -> None:
-            nonlocal response_started
-            if answered:
-                return
-            if message["type"] == "http.response.start":
-                response_started = True
-            await send(message)
-
-        await self.app(scope, receive_by_deadline, send_unless_timed_out)
-
-
-async def _send_408(send: Send) -> None:
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(_BODY_TIMEOUT_BODY)).encode()),
-        # uvicorn closes the connection after this response, which stops reading the rest of the body.
-        (b"connection", b"close"),
-    ]
-    await send({"type": "http.response.start", "status": 408, "headers": headers})
-    await send({"type": "http.response.body", "body": _BODY_TIMEOUT_BODY, "more_body": False})

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Depends
 
-from fastapi import APIRouter, Depends, File, Query, UploadFile
-
-from ..deps import PipelineDep, require_multipart
+from ..deps import ClassifyInputDep, PipelineDep, require_multipart
 from ..openapi import errors
 from ..schemas import ClassifyResponse
 
@@ -20,13 +18,5 @@ router = APIRouter(tags=["classify"])
     summary="Classify images",
     dependencies=[Depends(require_multipart)],
 )
-async def classify(
-    pipeline: PipelineDep,
-    image: Annotated[list[UploadFile], File(description="one or more images (repeat the field for a batch)")],
-    top_k: Annotated[int, Query(ge=1, le=1000, description="labels per task")] = 5,
-    tasks: Annotated[
-        list[str] | None, Query(description="tasks to return (repeat or comma-separate); default: all")
-    ] = None,
-    logits: Annotated[bool, Query(description="also return raw logits")] = False,
-) -> ClassifyResponse:
-    return await pipeline(image, tasks=tasks, top_k=top_k, logits=logits)
+async def classify(pipeline: PipelineDep, inputs: ClassifyInputDep) -> ClassifyResponse:
+    return await pipeline(inputs.images, tasks=inputs.tasks, top_k=inputs.top_k, logits=inputs.logits)

@@ -8,7 +8,7 @@ import pytest
 from pydantic import SecretStr
 
 from server.cli import loopback_admin_default
-from server.deps import check_admin
+from server.edge.access import check_admin
 from server.errors import AdminDisabledError, ForbiddenError, NotAuthenticatedError
 from server.settings import Settings
 from tests.server.conftest import TOKEN, ServerProcess, free_port, running_server

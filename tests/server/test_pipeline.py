@@ -1,29 +1,18 @@
-"""The /classify pipeline's own rules, without HTTP: task parsing and checks, and no null numbers."""
+"""The /classify pipeline's own rules, without HTTP: the response from one output, no null numbers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from memory_core import AdapterSet, FusedOutput, LiveAdapters
-from server.errors import NonFiniteOutputError, UnknownTaskError
-from server.pipeline import ClassifyPipeline, check_tasks, parse_tasks
+from memory_core import FusedOutput, LiveAdapters
+from server.errors import NonFiniteOutputError
+from server.pipeline import ClassifyPipeline
 from tests.conftest import random_adapter, tiny_engine
 
 
 def _pipeline(engine) -> ClassifyPipeline:
-    live = LiveAdapters(engine)
-    return ClassifyPipeline(live, None, None, None, max_images=4, max_image_bytes=1000)  # type: ignore[arg-type]
-
-
-def test_parse_and_check_tasks() -> None:
-    assert parse_tasks(None) is None and parse_tasks([" ", ""]) is None
-    assert parse_tasks(["a,b", " c "]) == ["a", "b", "c"]
-    engine = tiny_engine()
-    live = AdapterSet((engine.prepare(random_adapter("a", engine)),))
-    check_tasks(["base", "a"], live)
-    with pytest.raises(UnknownTaskError, match=r"unknown task\(s\) \['gone'\]"):
-        check_tasks(["a", "gone"], live)
+    return ClassifyPipeline(LiveAdapters(engine), None, None, None, max_image_bytes=1000)  # type: ignore[arg-type]
 
 
 def test_response_is_built_from_one_output_and_never_holds_null() -> None:

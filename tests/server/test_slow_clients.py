@@ -1,8 +1,9 @@
-"""Slow clients cannot hold the server: header and body deadlines (server/timeouts.py).
+"""Slow clients cannot hold the server: header (server/timeouts.py) and body (server/edge/body.py)
+deadlines.
 
 Against a real ``memvit serve`` (1 s header, 2 s body deadline) and, for both of uvicorn's HTTP
-parsers, a trivial app; plus the body middleware alone. Raw sockets, because HTTP clients will not
-trickle.
+parsers, a trivial app; plus the guard's body wrapper alone. Raw sockets, because HTTP clients will
+not trickle.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import httpx
 import pytest
 import uvicorn
 
-from server.timeouts import BodyTimeoutMiddleware, header_timeout_protocol
+from server.edge.guard import GuardMiddleware
+from server.settings import Settings
+from server.timeouts import header_timeout_protocol
 from tests.server.conftest import ServerProcess, free_port
 from tests.server.test_api import jpeg
 
@@ -252,11 +255,14 @@ def test_unknown_protocol_class_fails_at_start() -> None:
         header_timeout_protocol(1.0, "asyncio:Protocol")
 
 
-# -- the body middleware alone ---------------------------------------------------------------------
+# -- the guard's body wrapper alone ---------------------------------------------------------------
 
 
-def _run_middleware(chunks: list[tuple[float, bytes]], seconds: float) -> tuple[list[dict], list[dict]]:
-    """``chunks``: (delay, bytes) the client sends. Returns what the app received and what was sent."""
+def _run_middleware(
+    chunks: list[tuple[float, bytes]], seconds: float, **settings: int
+) -> tuple[list[dict], list[dict]]:
+    """``chunks``: (delay, bytes) the client sends to POST /classify through the guard (``seconds``: its
+    body deadline; ``settings``: more of them). Returns what the app received and what was sent."""
     received: list[dict] = []
     sent: list[dict] = []
 
@@ -279,8 +285,9 @@ def _run_middleware(chunks: list[tuple[float, bytes]], seconds: float) -> tuple[
         async def send(message: dict) -> None:
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/classify"}
-        await BodyTimeoutMiddleware(app, seconds=seconds)(scope, receive, send)
+        scope = {"type": "http", "method": "POST", "path": "/classify", "headers": []}
+        config = Settings(_env_file=None, body_timeout_seconds=seconds, **settings)
+        await GuardMiddleware(app, config)(scope, receive, send)
 
     asyncio.run(main())
     return received, sent
@@ -298,3 +305,18 @@ def test_body_middleware_answers_408_at_the_deadline() -> None:
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]  # app's 200 dropped
     assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
     assert json.loads(sent[1]["body"])["error"]["type"] == "RequestTimeoutError"
+
+
+def test_body_wrapper_answers_413_as_soon_as_the_cap_is_passed() -> None:
+    """The same wrapper counts the bytes: one image of 1 byte caps /classify at 1 + 64 KiB."""
+    chunk = bytes(40_000)
+    received, sent = _run_middleware(
+        [(0.01, chunk)] * 3, seconds=5, max_images_per_request=1, max_image_bytes=1
+    )
+    assert [m["type"] for m in received] == ["http.request", "http.disconnect"]
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]  # app's 200 dropped
+    assert sent[0]["status"] == 413 and (b"connection", b"close") in sent[0]["headers"]
+    error = json.loads(sent[1]["body"])["error"]
+    assert (
+        error["type"] == "RequestTooLargeError" and "at most 1 images of at most 1 bytes" in error["message"]
+    )

@@ -1,9 +1,11 @@
-"""The HTTP edge (server/edge.py): management requests are checked before their body is read, and
-every body is capped while it streams, so an oversized upload is never spooled to disk.
+"""The guard (server/edge/): management requests are checked before their body is read, and every
+body is capped while it streams, so an oversized upload is never spooled to disk; every route of the
+app has its row in the one route table.
 
 Against a real ``memvit serve`` whose TMPDIR is a fresh directory, watched while uploads run. Raw
 sockets: the body is sent from a thread while the response is read, because a server that answers
-early and closes would otherwise reset a client still writing, and its answer would be lost.
+early and closes would otherwise reset a client still writing, and its answer would be lost. The
+table and the body wrapper are also tested in process, without a server.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.edge import MULTIPART_ALLOWANCE
+from server.edge.body import MULTIPART_ALLOWANCE
 from tests.server.conftest import TOKEN, ServerProcess
 from tests.server.test_api import jpeg
 

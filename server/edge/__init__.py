@@ -1,0 +1,13 @@
+"""The HTTP edge: every rule a request meets before a route reads it, in one place.
+
+- ``routes.py``: the one table. For each route (method + path template): who may call it, whether it
+  changes state, how many bytes its body may hold and how long it may take to arrive.
+- ``guard.py``: ``GuardMiddleware``, the pure ASGI middleware that applies the table (``create_app``
+  always installs it, and refuses to build an app with a route the table lacks).
+- ``access.py``: who may call a route (the admin rule), from the headers alone.
+- ``body.py``: the body cap and deadline, in one receive/send wrapper; the per-file read cap.
+- ``send.py``: the one error shape and ``send_error`` for every ASGI-level refusal (no torch: the
+  Ray proxy imports it).
+
+Nothing is imported here, so that ``server.edge.send`` stays light for the Ray proxy.
+"""

@@ -1,0 +1,142 @@
+"""The one table of the edge: per route, who may call it, whether it changes state, its body cap and
+its body deadline.
+
+Every route of the app has a row (``create_app`` refuses to build an app with a route the table
+lacks: ``missing_routes``), so a new route cannot silently skip the guard. ``access`` and
+``changes_state`` are explicit facts that checks key on: the admin rule today (server/edge/access.py),
+and checks that only concern state-changing requests (their origin, say) can select them here
+instead of listing paths again.
+
+A request that matches no row (the router answers it 404 or 405 without reading its body) gets the
+fallback: public, no state changed, no cap, the default deadline. HEAD is looked up as GET.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from starlette.routing import compile_path
+
+from ..settings import Settings
+from .body import MULTIPART_ALLOWANCE, BodyCap
+
+try:
+    from fastapi.routing import iter_route_contexts
+except ImportError:  # FastAPI before included routers were kept whole: app.routes is already flat
+
+    def iter_route_contexts(routes):  # type: ignore[no-redef]
+        return iter(routes)
+
+
+class Access(enum.Enum):
+    """Who may call a route."""
+
+    PUBLIC = "public"  # anyone who can reach the port
+    ADMIN = "admin"  # the admin rule (check_admin): the token, or anonymous admin opted into
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # the template, as the app declares it (and as metrics label it)
+    access: Access
+    changes_state: bool  # the request changes what the server serves (the adapter set)
+    cap: BodyCap | None  # the whole body's cap; None: the route reads no body
+    deadline: float  # seconds for the whole body, from the start of the request
+    pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Starlette's own template compiler: a row matches exactly the paths its route matches.
+        object.__setattr__(self, "pattern", compile_path(self.path)[0])
+
+
+class RouteTable:
+    """The rows, looked up by a request's method and path (without any root path)."""
+
+    def __init__(self, routes: Iterable[Route], default_deadline: float) -> None:
+        self.routes = tuple(routes)
+        self.default_deadline = default_deadline
+        keys = [(r.method, r.path) for r in self.routes]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"the route table names a route twice: {keys}")
+
+    def __iter__(self) -> Iterator[Route]:
+        return iter(self.routes)
+
+    def find(self, method: str, path: str) -> Route | None:
+        """The row for this request, or None when no route takes it (the fallback applies)."""
+        method = "GET" if method == "HEAD" else method
+        # A literal path wins over a template that also matches it (/ui/samples over /ui/{name}).
+        candidates = [r for r in self.routes if r.method == method and r.pattern.match(path)]
+        return next((r for r in candidates if "{" not in r.path), candidates[0] if candidates else None)
+
+    def fallback(self, method: str, path: str) -> Route:
+        """What a request no route takes gets (see the module's doc)."""
+        return Route(method, path, Access.PUBLIC, False, None, self.default_deadline)
+
+
+def route_table(settings: Settings) -> RouteTable:
+    """Every route of the app, with the limits ``settings`` set."""
+    deadline = settings.body_timeout_seconds
+    bundle, images, per_image = (
+        settings.max_bundle_bytes,
+        settings.max_images_per_request,
+        settings.max_image_bytes,
+    )
+    bundle_cap = BodyCap(bundle + MULTIPART_ALLOWANCE, f"a bundle over the {bundle}-byte upload limit")
+    images_cap = BodyCap(
+        images * per_image + MULTIPART_ALLOWANCE, f"at most {images} images of at most {per_image} bytes each"
+    )
+
+    # Every route has the same body deadline today; a row that needs its own would set it here.
+    def row(
+        method: str,
+        path: str,
+        access: Access = Access.PUBLIC,
+        *,
+        changes_state: bool = False,
+        cap: BodyCap | None = None,
+    ) -> Route:
+        return Route(method, path, access, changes_state, cap, deadline)
+
+    return RouteTable(
+        (
+            # Classifying reads the adapter set and changes nothing, even though it is a POST.
+            row("POST", "/classify", cap=images_cap),
+            row("GET", "/adapters"),
+            row("GET", "/adapters/{name}"),
+            row("POST", "/adapters", Access.ADMIN, changes_state=True, cap=bundle_cap),
+            row("DELETE", "/adapters/{name}", Access.ADMIN, changes_state=True),
+            row("GET", "/healthz"),
+            row("GET", "/readyz"),
+            row("GET", "/metrics"),
+            row("GET", "/"),  # the page (routers/ui.py)
+            row("GET", "/ui/samples"),
+            row("GET", "/ui/samples/{name}"),
+            row("GET", "/ui/{name}"),
+            row("GET", "/openapi.json"),  # FastAPI's own document and its viewers
+            row("GET", "/docs"),
+            row("GET", "/docs/oauth2-redirect"),
+            row("GET", "/redoc"),
+        ),
+        default_deadline=deadline,
+    )
+
+
+def app_routes(app: FastAPI) -> set[tuple[str, str]]:
+    """(method, path template) of every route ``app`` serves, included routers' with their prefix."""
+    found = set()
+    for route in iter_route_contexts(app.routes):
+        for method in getattr(route, "methods", None) or ():
+            found.add(("GET" if method == "HEAD" else method, route.path))
+    return found
+
+
+def missing_routes(app: FastAPI, table: RouteTable) -> list[str]:
+    """The app's routes that have no row in ``table``, as "METHOD /path"."""
+    rows = {(r.method, r.path) for r in table}
+    return sorted(f"{method} {path}" for method, path in app_routes(app) - rows)
