@@ -243,7 +243,7 @@ def test_a_replica_has_time_to_start_and_to_drain(rendered, target: str) -> None
     # SIGTERM comes after preStop; uvicorn then drains requests in flight for up to its own timeout.
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
-    drain = re.search(r"timeout_graceful_shutdown=(\d+)", (ROOT / "server" / "cli.py").read_text())
+    drain = re.search(r"timeout_graceful_shutdown=(\d+)", (ROOT / "server" / "cli" / "serve.py").read_text())
     assert pod["terminationGracePeriodSeconds"] > int(pre_stop[1]) + int(drain.group(1))
 
 
