@@ -5,7 +5,7 @@ file-format code lives here: bundles are ``adapters/``, HTTP is ``server/``.
 """
 
 from .adapter import BASE_TASK, MEMORY_NORMS, NAME_PATTERN, AdapterWeights, check_memory_norm, check_name
-from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
+from .adapter_set import AdapterSet
 from .base_model import BaseModel, create_base, read_weights_metadata, save_base
 from .errors import (
     AdapterError,
@@ -25,9 +25,9 @@ from .flops import AdapterCost, adapter_flops, base_flops, flop_ratio, fused_flo
 from .live import LiveAdapters
 from .model import MemoryViT
 from .output import FusedOutput
-from .reference import DenseMemoryViT, attention_mask
 from .routing import Route, RouteOutput, build_route
 from .spec import ViTSpec, check_supported
+from .stack import AdapterStack, PreparedAdapter
 
 __all__ = [
     "BASE_TASK",
@@ -41,7 +41,6 @@ __all__ = [
     "AdapterStack",
     "AdapterWeights",
     "BaseModel",
-    "DenseMemoryViT",
     "DuplicateAdapterError",
     "FusedOutput",
     "InputError",
@@ -58,7 +57,6 @@ __all__ = [
     "ViTSpec",
     "WeightsError",
     "adapter_flops",
-    "attention_mask",
     "base_flops",
     "build_route",
     "check_memory_norm",

@@ -2,7 +2,7 @@
 
 ``LiveAdapters`` owns three things and nothing else: the current immutable ``AdapterSet`` (readers
 never lock: a pass reads ``current`` once and keeps that object), the one write lock that orders
-every change, and ``install``, the swap. The server's adapter service and the command line hold one;
+every change, and ``install``, the swap. The server's adapter registry and the command line hold one;
 the engine (``MemoryViT``) knows nothing of it: it prepares adapters and runs whichever snapshot it
 is handed.
 
@@ -23,8 +23,9 @@ from contextlib import contextmanager
 import torch
 
 from .adapter import AdapterWeights
-from .adapter_set import AdapterSet, check_prepared_for
+from .adapter_set import AdapterSet
 from .model import MemoryViT
+from .stack import check_prepared_for
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class LiveAdapters:
     def exclusive(self) -> Iterator[AdapterSet]:
         """Hold the write lock and yield the live set: read, derive, persist and ``install`` atomically.
 
-        The one lock that orders every change to the live set (the adapter service runs its store
+        The one lock that orders every change to the live set (the adapter registry runs its store
         writes under it too). Re-entrant. Passes never take it.
         """
         with self._lock:

@@ -21,7 +21,7 @@ from timm.data import resolve_data_config
 from torch import Tensor, nn
 
 from .adapter import AdapterWeights
-from .adapter_set import AdapterSet, AdapterStack, PreparedAdapter
+from .adapter_set import AdapterSet
 from .attention import merged_block, project_memory, split_block
 from .base_model import BaseModel, create_base
 from .errors import AdapterShapeError, InputError
@@ -29,6 +29,7 @@ from .fingerprint import state_fingerprint
 from .output import FusedOutput
 from .routing import Route, build_route
 from .spec import ViTSpec
+from .stack import AdapterStack, PreparedAdapter
 
 _BASE_ONLY = AdapterSet()  # what a pass without a set runs: no adapters
 

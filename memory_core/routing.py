@@ -18,9 +18,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .adapter_set import AdapterSet, stack_adapters
+from .adapter_set import AdapterSet
 from .attention import LayerMemory
 from .errors import InputError
+from .stack import stack_adapters
 
 
 class RouteOutput(NamedTuple):
