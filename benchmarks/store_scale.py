@@ -4,7 +4,7 @@ For each store size N (bundles of m memory tokens and C classes for the real Dei
 
 1. Server: ``memvit serve`` as a child process, from launch to ``/readyz`` 200, against the store
    holding N bundles, and against an empty store (the process and the base model alone).
-2. In process: the adapter service's first sync (list, read, validate, prepare, install), a poll
+2. In process: the adapter registry's first sync (list, read, validate, prepare, install), a poll
    with nothing changed (and how many bundles it read: must be 0), and a poll after one bundle was
    replaced (must read 1).
 
@@ -29,9 +29,10 @@ from pathlib import Path
 
 from adapters import bundle_for
 from memory_core import LiveAdapters, MemoryViT
-from server.adapter_service import AdapterService
+from server.registry import AdapterRegistry
 from server.store import AdapterStore, open_store
 from tests.factories import random_adapter
+from tests.server.counting import counting_reads
 from tests.server.launcher import ServerProcess
 
 from .common import DEIT_TINY, argument_parser, environment, pin_malloc, timed
@@ -101,20 +102,22 @@ def main(argv: list[str] | None = None) -> None:
                     store = open_store(location)
                     fill_s = timed(lambda: fill(store, engine, count, m=args.memory, classes=args.classes))  # noqa: B023
                     ready = server_ready_seconds(location)
-                    service = AdapterService(
+                    registry_store = open_store(location)
+                    reads = counting_reads(registry_store)
+                    service = AdapterRegistry(
                         LiveAdapters(MemoryViT.from_timm(weights=str(DEIT_TINY))),
-                        open_store(location),
+                        registry_store,
                         max_bundle_bytes=1 << 26,
                     )
                     first = timed(service.sync)
                     assert len(service.live.current) == count, service.invalid
-                    read = service.bundles_read
+                    read = len(reads)
                     idle = timed(service.sync)
-                    idle_reads = service.bundles_read - read
+                    idle_reads = len(reads) - read
                     weights = random_adapter("a00000", engine, m=args.memory, classes=args.classes, seed=1)
                     store.write("a00000", bundle_for(weights, engine).to_bytes(), replace=True)
                     one = timed(service.sync)
-                    one_reads = service.bundles_read - read - idle_reads
+                    one_reads = len(reads) - read - idle_reads
                     rows.append((kind, count, fill_s, empty, ready, first, idle, idle_reads, one, one_reads))
                     print(f"  {kind} N={count}: ready {ready:.2f} s (empty store {empty:.2f} s)", flush=True)
                     if kind == "local":

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from adapters.training import TrainableAdapter, TrainConfig
 from adapters.training.variant import Variant, fused_step
 from benchmarks.common import argument_parser, environment, interleaved, median_ratio, pin_malloc
-from memory_core import AdapterWeights, DenseMemoryViT, MemoryViT
+from memory_core import AdapterWeights, MemoryViT
+from memory_core.reference import DenseMemoryViT
 
 
 def main(argv: list[str] | None = None) -> None:

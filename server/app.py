@@ -20,7 +20,6 @@ from fastapi import FastAPI
 
 from memory_core import LiveAdapters, MemoryViT
 
-from .adapter_service import AdapterService
 from .batching import DynamicBatcher
 from .edge.guard import GuardMiddleware
 from .edge.routes import missing_routes, route_table
@@ -29,6 +28,7 @@ from .images import ImageDecoder
 from .metrics import Metrics, MetricsMiddleware
 from .openapi import customise as customise_openapi
 from .pipeline import ClassifyPipeline
+from .registry import AdapterRegistry
 from .routers import adapters, classify, health, ui
 from .settings import Settings, get_settings
 from .state import AppState, Service
@@ -88,13 +88,13 @@ def _seed_demo_store(settings: Settings, store: AdapterStore) -> None:
         log.info("seeded the new adapter store %s with the demo adapters", store.location)
 
 
-def _load(settings: Settings) -> tuple[MemoryViT, AdapterService]:
+def _load(settings: Settings) -> tuple[MemoryViT, AdapterRegistry]:
     """The slow, blocking part of start-up (run in a thread): the model, then every valid bundle."""
     engine = build_engine(settings)
     store = open_store(settings.adapter_store)
     store.clean_temp_files()
     _seed_demo_store(settings, store)
-    registry = AdapterService(LiveAdapters(engine), store, max_bundle_bytes=settings.max_bundle_bytes)
+    registry = AdapterRegistry(LiveAdapters(engine), store, max_bundle_bytes=settings.max_bundle_bytes)
     registry.sync()
     for name, reason in registry.invalid.items():
         log.warning("adapter store: %s is invalid and was not loaded: %s", name, reason)
@@ -150,7 +150,7 @@ async def _poll_store(service: Service, settings: Settings, metrics: Metrics) ->
     while True:
         await asyncio.sleep(settings.store_poll_seconds)
         try:
-            await asyncio.to_thread(service.adapters.sync)
+            await asyncio.to_thread(service.registry.sync)
             _update_gauges(service, metrics)
         except Exception:  # a bad poll must not end polling
             log.exception("adapter store poll failed")
@@ -179,7 +179,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "MEMVIT_ADMIN_TOKEN is not set: POST/DELETE /adapters answer 403 (set a token, or "
                 "MEMVIT_ALLOW_ANONYMOUS_ADMIN=true to leave them open)"
             )
-        state.tasks.append(asyncio.create_task(_start(state), name="loader"))
+        state.loader = asyncio.create_task(_start(state), name="loader")
+        state.tasks.append(state.loader)
         yield
         for task in state.tasks:
             task.cancel()

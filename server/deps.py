@@ -13,9 +13,9 @@ from fastapi import Depends, File, Query, Request, UploadFile
 
 from memory_core import LiveAdapters
 
-from .adapter_service import AdapterService
 from .errors import NotReadyError, TooManyImagesError, UnsupportedMediaTypeError
 from .pipeline import ClassifyPipeline
+from .registry import AdapterRegistry
 from .settings import Settings
 from .state import AppState, Service
 from .tasks import check_tasks, parse_tasks
@@ -48,8 +48,8 @@ def get_live(service: Annotated[Service, Depends(get_service)]) -> LiveAdapters:
     return service.live
 
 
-def get_adapters(service: Annotated[Service, Depends(get_service)]) -> AdapterService:
-    return service.adapters
+def get_registry(service: Annotated[Service, Depends(get_service)]) -> AdapterRegistry:
+    return service.registry
 
 
 def get_pipeline(service: Annotated[Service, Depends(get_service)]) -> ClassifyPipeline:
@@ -59,7 +59,7 @@ def get_pipeline(service: Annotated[Service, Depends(get_service)]) -> ClassifyP
 StateDep = Annotated[AppState, Depends(get_state)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 LiveDep = Annotated[LiveAdapters, Depends(get_live)]
-AdaptersDep = Annotated[AdapterService, Depends(get_adapters)]
+RegistryDep = Annotated[AdapterRegistry, Depends(get_registry)]
 PipelineDep = Annotated[ClassifyPipeline, Depends(get_pipeline)]
 
 

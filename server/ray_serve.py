@@ -137,8 +137,7 @@ class MemvitDeployment:
         store are loaded (the app's own /readyz), and raises if loading stopped without a service."""
         state = self._state
         while state.service is None:
-            loader = next((t for t in state.tasks if t.get_name() == "loader"), None)
-            if loader is not None and loader.done():
+            if state.loader is not None and state.loader.done():
                 raise RuntimeError("loading the model or the adapter store failed (see the replica's log)")
             await asyncio.sleep(0.05)
 

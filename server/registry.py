@@ -38,7 +38,7 @@ class StoredAdapter:
     prepared: PreparedAdapter
 
 
-class AdapterService:
+class AdapterRegistry:
     def __init__(
         self,
         live: LiveAdapters,
@@ -57,7 +57,6 @@ class AdapterService:
         self._seen: dict[str, ObjectVersion] | None = None  # the listing at the last sync
         self._generation = -1
         self.invalid: dict[str, str] = {}  # name -> why it is not loaded
-        self.bundles_read = 0  # how many bundles this service has read from the store
         self._refusals = 0
 
     # -- reading ----------------------------------------------------------------------------------
@@ -65,9 +64,6 @@ class AdapterService:
         """The live adapter ``name`` (UnknownAdapterError when it is not live)."""
         self.live.current[name]  # raises UnknownAdapterError
         return self._valid[name]
-
-    def bundle(self, name: str) -> AdapterBundle:
-        return self.get(name).bundle
 
     # -- changes ----------------------------------------------------------------------------------
     def register(self, data: bytes, *, replace: bool = False) -> tuple[StoredAdapter, AdapterSet]:
@@ -159,7 +155,6 @@ class AdapterService:
         workers = min(self.read_workers, len(changed))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="store-read") as pool:
             results = list(pool.map(self._read, changed, [files[n] for n in changed]))
-        self.bundles_read += len(changed)
         parsed = []
         for name, result in zip(changed, results, strict=True):
             if isinstance(result, tuple):

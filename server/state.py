@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from memory_core import LiveAdapters, MemoryViT
 
-from .adapter_service import AdapterService
 from .batching import DynamicBatcher
 from .metrics import Metrics
 from .pipeline import ClassifyPipeline
+from .registry import AdapterRegistry
 from .settings import Settings
 
 
@@ -26,8 +26,8 @@ class Service:
     """The loaded model, its live adapter set, its adapter registry and the /classify pipeline."""
 
     engine: MemoryViT
-    live: LiveAdapters  # the adapters served now; ``adapters`` keeps it equal to the store
-    adapters: AdapterService
+    live: LiveAdapters  # the adapters served now; ``registry`` keeps it equal to the store
+    registry: AdapterRegistry
     pipeline: ClassifyPipeline
     batcher: DynamicBatcher
     decode_pool: ThreadPoolExecutor
@@ -42,4 +42,5 @@ class AppState:
     settings: Settings
     metrics: Metrics
     service: Service | None = None  # set once, when loading has finished
-    tasks: list[asyncio.Task] = field(default_factory=list)
+    loader: asyncio.Task | None = None  # loads the model and the store, then sets ``service``
+    tasks: list[asyncio.Task] = field(default_factory=list)  # every background task, the loader included

@@ -13,11 +13,11 @@ from fastapi import APIRouter, Depends, File, Path, Query, UploadFile
 
 from memory_core import NAME_PATTERN, AdapterSet
 
-from ..adapter_service import StoredAdapter
-from ..deps import AdaptersDep, SettingsDep, require_multipart
+from ..deps import RegistryDep, SettingsDep, require_multipart
 from ..edge.body import read_upload
 from ..errors import BundleTooLargeError
 from ..openapi import errors
+from ..registry import StoredAdapter
 from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList, AdapterSetInfo
 
 router = APIRouter(prefix="/adapters", tags=["adapters"])
@@ -40,7 +40,7 @@ def _set_info(adapter_set: AdapterSet) -> AdapterSetInfo:
     summary="Live adapters (paged by name), and store objects not loaded",
 )
 def list_adapters(
-    registry: AdaptersDep,
+    registry: RegistryDep,
     limit: Annotated[int, Query(ge=1, le=1000, description="adapters per page")] = 100,
     after: Annotated[
         str | None, Query(max_length=64, description="the previous page's `next`: list names after it")
@@ -63,7 +63,7 @@ def list_adapters(
 
 
 @router.get("/{name}", response_model=AdapterInfo, responses=errors(404, 422, 503))
-def get_adapter(name: Name, registry: AdaptersDep) -> AdapterInfo:
+def get_adapter(name: Name, registry: RegistryDep) -> AdapterInfo:
     return _info(registry.get(name))
 
 
@@ -76,7 +76,7 @@ def get_adapter(name: Name, registry: AdaptersDep) -> AdapterInfo:
     dependencies=[Depends(require_multipart)],
 )
 async def register_adapter(
-    registry: AdaptersDep,
+    registry: RegistryDep,
     settings: SettingsDep,
     bundle: Annotated[UploadFile, File(description="a memvit.adapter/1 safetensors file")],
     replace: Annotated[bool, Query(description="swap out an adapter of the same name")] = False,
@@ -96,6 +96,6 @@ async def register_adapter(
     response_model=AdapterDeleted,
     responses=errors(401, 403, 404, 409, 422, 503),
 )
-async def delete_adapter(name: Name, registry: AdaptersDep) -> AdapterDeleted:
+async def delete_adapter(name: Name, registry: RegistryDep) -> AdapterDeleted:
     live = await asyncio.to_thread(registry.delete, name)
     return AdapterDeleted(deleted=name, adapter_set=_set_info(live))

@@ -1,7 +1,7 @@
 """The registry's properties, on both backends (a directory and a real S3-compatible server).
 
 Never fatal, converges across replicas, versions from the store, reads only what changed. Replicas
-here are AdapterService objects with their own engines in one process (the process-level versions,
+here are AdapterRegistry objects with their own engines in one process (the process-level versions,
 with SIGKILL and real servers, are in test_store_durability.py).
 """
 
@@ -15,28 +15,29 @@ import pytest
 import torch
 
 from memory_core import LiveAdapters, MemoryViT, MemvitError
-from server.adapter_service import AdapterService
+from server.registry import AdapterRegistry
 from server.store import open_store
 from tests.adapters.test_bundle_fuzz import mutate
+from tests.server.counting import counting_reads
 
 
 @pytest.fixture
 def replica(tiny_weights, store_location):
-    def make() -> AdapterService:
+    def make() -> AdapterRegistry:
         engine = MemoryViT.from_timm(weights=str(tiny_weights))
-        service = AdapterService(LiveAdapters(engine), open_store(store_location), max_bundle_bytes=1 << 22)
+        service = AdapterRegistry(LiveAdapters(engine), open_store(store_location), max_bundle_bytes=1 << 22)
         service.sync()
         return service
 
     return make
 
 
-def served(service: AdapterService) -> dict[str, str]:
+def served(service: AdapterRegistry) -> dict[str, str]:
     """What a replica serves: content hash by name."""
     return {name: service.get(name).sha256 for name in service.live.current.names}
 
 
-def converge(*replicas: AdapterService) -> None:
+def converge(*replicas: AdapterRegistry) -> None:
     for _ in range(2):  # two poll intervals
         for r in replicas:
             r.sync()
@@ -157,18 +158,28 @@ def test_an_uncounted_change_is_counted_by_whoever_sees_it(replica, make_bundle,
     assert a.live.current.version == b.live.current.version
 
 
-def test_a_poll_reads_only_what_changed(replica, make_bundle, store_location) -> None:
+def test_a_poll_reads_only_what_changed(tiny_weights, make_bundle, store_location) -> None:
     store = open_store(store_location)
     for i in range(6):
         store.write(f"n{i}", make_bundle(f"n{i}", seed=i).to_bytes(), replace=False)
     store.write("broken", b"junk", replace=False)
-    a = replica()
-    assert a.bundles_read == 7
-    assert not a.sync() and a.bundles_read == 7  # nothing changed: nothing read
+
+    def replica() -> tuple[AdapterRegistry, list[str]]:
+        mine = open_store(store_location)
+        reads = counting_reads(mine)
+        registry = AdapterRegistry(
+            LiveAdapters(MemoryViT.from_timm(weights=str(tiny_weights))), mine, max_bundle_bytes=1 << 22
+        )
+        registry.sync()
+        return registry, reads
+
+    a, a_reads = replica()
+    assert len(a_reads) == 7
+    assert not a.sync() and len(a_reads) == 7  # nothing changed: nothing read
     store.write("n3", make_bundle("n3", seed=99).to_bytes(), replace=True)
-    assert a.sync() and a.bundles_read == 8  # one changed: one read (not the broken one again)
-    b = replica()
+    assert a.sync() and a_reads[7:] == ["n3"]  # one changed: one read (not the broken one again)
+    b, b_reads = replica()
     a.register(make_bundle("new").to_bytes())
-    assert a.bundles_read == 8  # its own write is not read back
+    assert len(a_reads) == 8  # its own write is not read back
     b.sync()
-    assert b.bundles_read == 7 + 1
+    assert len(b_reads) == 7 + 1 and b_reads[-1] == "new"
