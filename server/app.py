@@ -22,6 +22,7 @@ from memory_core import LiveAdapters, MemoryViT
 
 from .batching import DynamicBatcher
 from .edge.guard import GuardMiddleware
+from .edge.principal import check_credentials
 from .edge.routes import missing_routes, route_table
 from .errors import install_error_handlers
 from .images import ImageDecoder
@@ -73,6 +74,7 @@ def preflight(settings: Settings) -> None:
         if not BASE_WEIGHTS.is_file():
             raise ValueError(f"no model configured and the embedded demo is missing ({BASE_WEIGHTS})")
     resolve_device(settings.device)
+    check_credentials(settings)
     # Creates a directory, or fails if it cannot be written; lists a bucket, or fails if it cannot.
     try:
         open_store(settings.adapter_store)
@@ -169,15 +171,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.admin_token is None and settings.allow_anonymous_admin:
+        if settings.anonymous_admin:
             log.warning(
-                "!!! MEMVIT_ADMIN_TOKEN is not set and anonymous admin is allowed: anyone who can reach "
-                "this port can add and delete adapters. Set a token for any deployment beyond a laptop. !!!"
+                "!!! no MEMVIT_ADMIN_TOKEN or MEMVIT_API_KEYS_FILE, and anonymous admin is allowed: anyone "
+                "who can reach this port can add and delete adapters. Set a token for any deployment beyond "
+                "a laptop. !!!"
             )
-        elif settings.admin_token is None:
+        elif settings.admin_token is None and settings.api_keys_file is None:
             log.warning(
-                "MEMVIT_ADMIN_TOKEN is not set: POST/DELETE /adapters answer 403 (set a token, or "
-                "MEMVIT_ALLOW_ANONYMOUS_ADMIN=true to leave them open)"
+                "MEMVIT_ADMIN_TOKEN is not set: POST/DELETE /adapters answer 403 (set a token or a keys "
+                "file, or MEMVIT_ALLOW_ANONYMOUS_ADMIN=true to leave them open)"
             )
         state.loader = asyncio.create_task(_start(state), name="loader")
         state.tasks.append(state.loader)
@@ -199,7 +202,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.memvit = state
     # The guard (access, body cap and deadline per route) runs before the router parses any body;
     # inside the metrics middleware, so its refusals are counted as what the client got.
-    app.add_middleware(GuardMiddleware, settings=settings)
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=state.metrics)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     install_error_handlers(app)
     customise_openapi(app, settings)

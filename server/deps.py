@@ -1,7 +1,8 @@
 """Request dependencies: narrow views of the service (503 until it is ready), and validated input.
 
 Who may call a route, and how large and slow its body may be, are the edge's (server/edge/): they
-are settled before a route's dependencies run. What is here reads the request the edge let through.
+are settled before a route's dependencies run. What is here reads the request the edge let through,
+and the principal it settled on (``PrincipalDep``), by which the routes filter what a key may see.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from typing import Annotated
 
 from fastapi import Depends, File, Query, Request, UploadFile
 
-from memory_core import LiveAdapters
+from memory_core import BASE_TASK, LiveAdapters
 
+from .audit import AuditEntry
+from .edge.access import name_refused
+from .edge.principal import Principal
 from .errors import NotReadyError, TooManyImagesError, UnsupportedMediaTypeError
 from .pipeline import ClassifyPipeline
 from .registry import AdapterRegistry
@@ -44,6 +48,19 @@ def require_multipart(request: Request) -> None:
         )
 
 
+def get_principal(request: Request) -> Principal:
+    """Who is calling, as the guard resolved it (server/edge/principal.py)."""
+    principal = getattr(request.state, "principal", None)
+    if principal is None:  # never served without the guard: fail closed, not open
+        raise RuntimeError("no principal on the request: is GuardMiddleware installed?")
+    return principal
+
+
+def get_audit(request: Request) -> AuditEntry:
+    """The audit entry the guard opened for this state-changing request (server/audit.py)."""
+    return request.state.audit
+
+
 def get_live(service: Annotated[Service, Depends(get_service)]) -> LiveAdapters:
     return service.live
 
@@ -61,12 +78,15 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 LiveDep = Annotated[LiveAdapters, Depends(get_live)]
 RegistryDep = Annotated[AdapterRegistry, Depends(get_registry)]
 PipelineDep = Annotated[ClassifyPipeline, Depends(get_pipeline)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+AuditDep = Annotated[AuditEntry, Depends(get_audit)]
 
 
 @dataclass(frozen=True)
 class ClassifyInput:
     """A /classify request, checked: at most the allowed number of images, and ``tasks`` parsed and
-    each one live when the request arrived (None: every task)."""
+    each one live when the request arrived (None: every task). For a key, ``tasks`` is never None: no
+    filter means base and the adapters the key may read, so nothing else is computed."""
 
     images: list[UploadFile]
     tasks: list[str] | None
@@ -77,6 +97,7 @@ class ClassifyInput:
 def classify_input(
     live: LiveDep,
     settings: SettingsDep,
+    principal: PrincipalDep,
     image: Annotated[list[UploadFile], File(description="one or more images (repeat the field for a batch)")],
     top_k: Annotated[int, Query(ge=1, le=1000, description="labels per task")] = 5,
     tasks: Annotated[
@@ -85,14 +106,23 @@ def classify_input(
     logits: Annotated[bool, Query(description="also return raw logits")] = False,
 ) -> ClassifyInput:
     """Runs only once every parameter is valid (FastAPI answers 422 for those first); then the image
-    count (413), then the tasks against the live set (422), before anything is decoded."""
+    count (413), then the tasks against the key (403, before whether they exist), then against the
+    live set (422), before anything is decoded."""
     if len(image) > settings.max_images_per_request:
         raise TooManyImagesError(
             f"{len(image)} images in one request; the limit is {settings.max_images_per_request}",
             field="image",
         )
     wanted = parse_tasks(tasks)
-    check_tasks(wanted, live.current)  # fail fast, before decoding anything
+    current = live.current
+    if not principal.sees_all:
+        if wanted is None:
+            wanted = [BASE_TASK, *principal.visible(current.names)]
+        elif refused := [t for t in wanted if not principal.may_read(t)]:
+            error = name_refused(principal, refused, "read")
+            error.field = "tasks"
+            raise error
+    check_tasks(wanted, current, principal.may_read)  # fail fast, before decoding anything
     return ClassifyInput(image, wanted, top_k, logits)
 
 

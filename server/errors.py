@@ -76,6 +76,8 @@ class TooManyImagesError(ServiceError):
 
 class UnknownTaskError(ServiceError):
     status = 422
+    unknown: tuple[str, ...] = ()  # the tasks asked for that the adapter set lacks
+    why: str = ""  # how that came about, when it is not the obvious
 
 
 class NonFiniteOutputError(ServiceError):
@@ -101,6 +103,16 @@ class ForbiddenError(ServiceError):
 
 class AdminDisabledError(ForbiddenError):
     """No admin token is configured and anonymous management was not allowed (safe by default)."""
+
+
+class CrossSiteRequestError(ForbiddenError):
+    """A state-changing request sent by another site's page (its Origin or Sec-Fetch-Site says so)."""
+
+
+class HostNotAllowedError(ServiceError):
+    """The Host header names this server by a name it was not told to answer to (DNS rebinding)."""
+
+    status = 400
 
 
 class RequestTooLargeError(ServiceError):

@@ -41,6 +41,13 @@ class Metrics:
         self.task_images = Counter(
             "memvit_task_images_total", "images answered, per task", ["task"], registry=r
         )
+        # server/audit.py: every attempt to change the adapter set, by action and the status answered.
+        self.adapter_changes = Counter(
+            "memvit_adapter_changes_total",
+            "attempts to change the adapter set, by action (register, replace, delete) and HTTP status",
+            ["action", "result"],
+            registry=r,
+        )
         self.ready = Gauge("memvit_ready", "1 once the model and the adapter store are loaded", registry=r)
 
     def render(self) -> bytes:

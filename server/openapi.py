@@ -3,7 +3,8 @@
 Routes declare their error statuses with ``errors(...)``; every error body is ``ErrorResponse``
 (``{"error": {"type", "message", "field"}}``), including the 422 FastAPI would otherwise describe as
 its own ``HTTPValidationError``. ``customise`` adds what only the settings know (how many images one
-request may carry). The schemathesis run in tests/server/test_openapi.py holds the document to it.
+request may carry), and the 400 of the Host check, which every route can answer. The schemathesis
+run in tests/server/test_openapi.py holds the document to it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from .schemas import ErrorResponse
 from .settings import Settings
 
 DESCRIPTIONS = {
-    400: "malformed request: an empty or broken image, or an unreadable multipart body",
-    401: "no `Authorization: Bearer <admin token>` header",
-    403: "the admin token is wrong, or management is disabled (no token configured)",
+    400: "malformed request: an empty or broken image, an unreadable multipart body, or a Host header "
+    "this server does not answer to (`MEMVIT_ALLOWED_HOSTS`)",
+    401: "no `Authorization: Bearer <admin token or API key>` header where one is needed "
+    "(management; reads with `MEMVIT_REQUIRE_READ_KEY`)",
+    403: "the token or key is not valid or does not cover the adapter named, another site's page sent "
+    "a change, or management is disabled (no token configured)",
     404: "no such adapter",
     408: "the request's body did not arrive in time",
     409: "conflicts with the live set: the name is taken, the parent is missing, or adapters extend it",
@@ -42,6 +46,7 @@ def customise(app: FastAPI, settings: Settings) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
             _limit_images(schema, settings.max_images_per_request)
+            _host_refusals(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -54,3 +59,13 @@ def _limit_images(schema: dict[str, Any], max_images: int) -> None:
         image = component.get("properties", {}).get("image")
         if image is not None and image.get("type") == "array":
             image.update(minItems=1, maxItems=max_images)
+
+
+def _host_refusals(schema: dict[str, Any]) -> None:
+    """Every route can answer 400 to a Host it does not answer to (server/edge/origin.py)."""
+    body = {"$ref": "#/components/schemas/ErrorResponse"}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.setdefault("responses", {}).setdefault(
+                "400", {"description": DESCRIPTIONS[400], "content": {"application/json": {"schema": body}}}
+            )

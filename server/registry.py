@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -66,13 +67,19 @@ class AdapterRegistry:
         return self._valid[name]
 
     # -- changes ----------------------------------------------------------------------------------
-    def register(self, data: bytes, *, replace: bool = False) -> tuple[StoredAdapter, AdapterSet]:
+    def register(
+        self, data: bytes, *, replace: bool = False, authorize: Callable[[AdapterBundle], None] | None = None
+    ) -> tuple[StoredAdapter, AdapterSet]:
         """Validate a bundle completely, write it to the store, make it live. All or nothing.
 
+        ``authorize`` is called with the parsed bundle before anything else is done with it, and
+        refuses it by raising (the caller's key does not cover its name).
         Returns the adapter now live under that name (this bundle, unless another replica replaced
         it in the moment between) and the live set.
         """
         bundle = read_bundle(data, max_bytes=self.max_bundle_bytes)
+        if authorize is not None:
+            authorize(bundle)
         check_compatible(bundle, self.engine)
         prepared = self.engine.prepare(bundle.weights)
         name = bundle.name

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -51,6 +51,18 @@ class Settings(BaseSettings):
         False, description="with no admin token, let anyone who can reach the port manage adapters"
     )
 
+    # Tenant keys (server/keys.py, `memvit keys`): a JSON file of hashed keys, each covering adapter names.
+    api_keys_file: Path | None = Field(None, description="tenant API keys (memvit keys add/list/revoke)")
+    api_keys_reload_seconds: float = Field(2.0, gt=0, description="how often the keys file is checked")
+    require_read_key: bool = Field(
+        False, description="/classify and GET /adapters need a key (or the admin token); a key reads its own"
+    )
+    # Host names this server may be reached by, beyond its bind address, localhost and IP literals
+    # (server/edge/origin.py): checked on a loopback bind, or on any bind once this is set.
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated host names (a proxy's, a cluster's; *.example.com)"
+    )
+
     # Slow clients (headers: server/timeouts.py; body: server/edge/body.py): past these, the client gets
     # a 408 and its connection closes.
     header_timeout_seconds: float = Field(10.0, gt=0, description="deadline for a request's headers")
@@ -60,12 +72,21 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    @field_validator("model", "weights", "labels_file", mode="before")
+    @field_validator("model", "weights", "labels_file", "api_keys_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         # `MEMVIT_WEIGHTS=` (as docker compose passes an unset variable) means "not configured",
         # not the current directory.
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, (list, tuple)):
+            return [str(v).strip().lower().rstrip(".") for v in value if str(v).strip()]
+        return value
 
     @field_validator("adapter_store", mode="before")
     @classmethod
@@ -89,6 +110,11 @@ class Settings(BaseSettings):
             return max(1, len(os.sched_getaffinity(0)))
         except AttributeError:  # not on Linux
             return max(1, os.cpu_count() or 1)
+
+    @property
+    def anonymous_admin(self) -> bool:
+        """Anyone may manage adapters: opted into, and neither a token nor a keys file configured."""
+        return self.allow_anonymous_admin and self.admin_token is None and self.api_keys_file is None
 
     @property
     def uses_demo(self) -> bool:

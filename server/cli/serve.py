@@ -66,23 +66,21 @@ def serve(
 
 
 def loopback_admin_default(settings: Settings) -> Settings:
-    """``memvit serve`` on a loopback address with no admin token leaves adapter management open
-    (the laptop demo stays one command), saying so in one line. Never for any other address (the
-    image binds 0.0.0.0), and never over an explicit MEMVIT_ALLOW_ANONYMOUS_ADMIN."""
-    import ipaddress
+    """``memvit serve`` on a loopback address with no admin token and no keys file leaves adapter
+    management open to local clients (the laptop demo stays one command), saying so in one line; other
+    web pages are still refused (server/edge/origin.py). Never for any other address (the image binds
+    0.0.0.0), and never over an explicit MEMVIT_ALLOW_ANONYMOUS_ADMIN."""
+    from ..edge.origin import is_loopback
 
-    if settings.admin_token is not None or "allow_anonymous_admin" in settings.model_fields_set:
+    configured = settings.admin_token is not None or settings.api_keys_file is not None
+    if configured or "allow_anonymous_admin" in settings.model_fields_set:
         return settings
-    host = settings.host.strip("[]")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost: it may resolve to anything
-        loopback = False
-    if not loopback:
+    if not is_loopback(settings.host):  # a host name other than localhost may resolve to anything
         return settings
     logging.getLogger("memvit.server").warning(
         "no MEMVIT_ADMIN_TOKEN and bound to loopback %s: POST/DELETE /adapters are open to local clients "
-        "(set MEMVIT_ADMIN_TOKEN, or MEMVIT_ALLOW_ANONYMOUS_ADMIN=false, to close them)",
+        "(not to web pages of other sites; set MEMVIT_ADMIN_TOKEN or MEMVIT_API_KEYS_FILE, or "
+        "MEMVIT_ALLOW_ANONYMOUS_ADMIN=false, to close them)",
         settings.host,
     )
     return settings.model_copy(update={"allow_anonymous_admin": True})

@@ -1,13 +1,18 @@
 """``GuardMiddleware``: the route table (routes.py) applied to every request, before the app reads it.
 
 For each request, in order, from its headers alone:
-1. who may call the route (access.py): a refusal (401/403) is sent before a byte of the body is read;
-2. the body cap: a Content-Length over it is answered 413 at once;
-3. then the app runs with ``receive``/``send`` wrapped once (body.py): the body's deadline (408) and
+1. the Host header names this server (origin.py; 400), for every request, routes or not;
+2. who is calling (principal.py), stored in ``scope["state"]`` for the routes;
+3. for a route that changes state, that no other site's page sent it (origin.py; 403);
+4. who may call the route (access.py): a refusal (401/403) is sent before a byte of the body is read;
+5. the body cap: a Content-Length over it is answered 413 at once;
+6. then the app runs with ``receive``/``send`` wrapped once (body.py): the body's deadline (408) and
    the cap again while the body streams (413), for chunked bodies and lying Content-Lengths.
 
 Every refusal carries ``connection: close`` (the unread rest of the body goes with the connection)
-and the standard error body (``send_error``). Routes then only read input the guard let through.
+and the standard error body (``send_error``). Every request to a state-changing route, refused or
+served, leaves one audit record (server/audit.py) with the status it got. Routes then only read
+input the guard let through.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ import logging
 from types import SimpleNamespace
 
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..audit import AuditEntry, action_of, record
 from ..errors import ServiceError, status_of
+from ..metrics import Metrics
 from ..settings import Settings
 from .access import check_access
 from .body import BodyLimits, content_length
+from .origin import OriginPolicy
+from .principal import Credentials, set_principal
 from .routes import Route, route_table
 from .send import send_error
 
@@ -29,12 +38,15 @@ log = logging.getLogger("memvit.server.edge")
 
 
 class GuardMiddleware:
-    """Access, body cap and body deadline, per route, from one table (see the module's doc)."""
+    """Host, origin, access, body cap and body deadline, per route, from one table (see the module's doc)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings, metrics: Metrics | None = None) -> None:
         self.app = app
         self.settings = settings
+        self.metrics = metrics  # for the audit counter
         self.table = route_table(settings)
+        self.origins = OriginPolicy(settings)
+        self.credentials = Credentials(settings)  # reads the keys file: a bad one fails at start-up
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -42,27 +54,65 @@ class GuardMiddleware:
             return
         method, path = scope["method"], _route_path(scope)
         route = self.table.find(method, path)
-        if route is None:
-            route = self.table.fallback(method, path)
-        else:
-            try:
-                _check_headers(route, self.settings, Headers(scope=scope))
-            except ServiceError as exc:
+        if route is None or not route.changes_state:
+            await self._guard(scope, receive, send, route, path, None)
+            return
+        audit = AuditEntry(
+            action_of(method, scope.get("query_string", b"")), self.table.name_in(route, path) or "-"
+        )
+        scope.setdefault("state", {})["audit"] = audit  # the route adds the bundle's name and sha256
+        status = "none"
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self._guard(scope, receive, watched, route, path, audit)
+        except Exception:  # the app failed before answering: the client gets ServerErrorMiddleware's 500
+            status = "500" if status == "none" else status
+            raise
+        finally:
+            record(audit, status, self.metrics)
+
+    async def _guard(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: Route | None,
+        path: str,
+        audit: AuditEntry | None,
+    ) -> None:
+        headers = Headers(scope=scope)
+        row = route or self.table.fallback(scope["method"], path)  # no route: the router answers 404/405
+        try:
+            self.origins.check_host(headers, scope.get("http_version", "1.1"))
+            principal = self.credentials.resolve(headers.get("authorization"))
+            if audit is not None:
+                audit.key = principal.id
+            if row.changes_state:
+                self.origins.check_origin(headers, scope.get("scheme", "http"))
+            set_principal(scope, check_access(row, self.settings, principal, self.table.name_in(row, path)))
+            _check_length(row, headers)
+        except ServiceError as exc:
+            if route is not None:
                 # Metrics label requests by route template; the router never saw this one, and without
                 # the label it would read "unmatched".
                 scope.setdefault("route", SimpleNamespace(path=route.path))
-                await _refuse(scope, send, exc)
-                return
+            await _refuse(scope, send, exc)
+            return
 
         async def refuse(error: ServiceError) -> None:
             await _refuse(scope, send, error)
 
-        body = BodyLimits(receive, send, seconds=route.deadline, cap=route.cap, refuse=refuse)
+        body = BodyLimits(receive, send, seconds=row.deadline, cap=row.cap, refuse=refuse)
         await self.app(scope, body.receive, body.send)
 
 
-def _check_headers(route: Route, settings: Settings, headers: Headers) -> None:
-    check_access(route, settings, headers)
+def _check_length(route: Route, headers: Headers) -> None:
     length = content_length(headers)
     if route.cap is not None and length is not None and length > route.cap.limit:
         raise route.cap.error()

@@ -3,9 +3,9 @@ its body deadline.
 
 Every route of the app has a row (``create_app`` refuses to build an app with a route the table
 lacks: ``missing_routes``), so a new route cannot silently skip the guard. ``access`` and
-``changes_state`` are explicit facts that checks key on: the admin rule today (server/edge/access.py),
-and checks that only concern state-changing requests (their origin, say) can select them here
-instead of listing paths again.
+``changes_state`` are explicit facts that checks key on: the access rules (server/edge/access.py),
+and the checks that only concern state-changing requests (their origin: server/edge/origin.py; the
+audit trail: server/audit.py) select them here instead of listing paths again.
 
 A request that matches no row (the router answers it 404 or 405 without reading its body) gets the
 fallback: public, no state changed, no cap, the default deadline. HEAD is looked up as GET.
@@ -36,7 +36,8 @@ class Access(enum.Enum):
     """Who may call a route."""
 
     PUBLIC = "public"  # anyone who can reach the port
-    ADMIN = "admin"  # the admin rule (check_admin): the token, or anonymous admin opted into
+    READ = "read"  # reads adapters: anyone, or a key with MEMVIT_REQUIRE_READ_KEY; a key sees its own
+    ADMIN = "admin"  # changes adapters: the token, a key with write for its names, or anonymous admin
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class RouteTable:
         candidates = [r for r in self.routes if r.method == method and r.pattern.match(path)]
         return next((r for r in candidates if "{" not in r.path), candidates[0] if candidates else None)
 
+    @staticmethod
+    def name_in(route: Route, path: str) -> str | None:
+        """The adapter ``{name}`` in ``path``, when ``route``'s template has one."""
+        match = route.pattern.match(path)
+        return match.groupdict().get("name") if match else None
+
     def fallback(self, method: str, path: str) -> Route:
         """What a request no route takes gets (see the module's doc)."""
         return Route(method, path, Access.PUBLIC, False, None, self.default_deadline)
@@ -106,9 +113,9 @@ def route_table(settings: Settings) -> RouteTable:
     return RouteTable(
         (
             # Classifying reads the adapter set and changes nothing, even though it is a POST.
-            row("POST", "/classify", cap=images_cap),
-            row("GET", "/adapters"),
-            row("GET", "/adapters/{name}"),
+            row("POST", "/classify", Access.READ, cap=images_cap),
+            row("GET", "/adapters", Access.READ),
+            row("GET", "/adapters/{name}", Access.READ),
             row("POST", "/adapters", Access.ADMIN, changes_state=True, cap=bundle_cap),
             row("DELETE", "/adapters/{name}", Access.ADMIN, changes_state=True),
             row("GET", "/healthz"),

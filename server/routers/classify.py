@@ -1,12 +1,18 @@
-"""POST /classify: one or several images, every task (or a chosen few) from one fused pass."""
+"""POST /classify: one or several images, every task (or a chosen few) from one fused pass.
+
+A key's request names its tasks (``deps.classify_input``); its answer names only the adapters the key
+may read, in the adapter set as in a late "unknown task" refusal.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from ..deps import ClassifyInputDep, PipelineDep, require_multipart
+from ..deps import ClassifyInputDep, LiveDep, PipelineDep, PrincipalDep, require_multipart
+from ..errors import UnknownTaskError
 from ..openapi import errors
 from ..schemas import ClassifyResponse
+from ..tasks import unknown_tasks_error
 
 router = APIRouter(tags=["classify"])
 
@@ -14,9 +20,19 @@ router = APIRouter(tags=["classify"])
 @router.post(
     "/classify",
     response_model=ClassifyResponse,
-    responses=errors(400, 408, 413, 415, 422, 503),
+    responses=errors(400, 401, 403, 408, 413, 415, 422, 503),
     summary="Classify images",
     dependencies=[Depends(require_multipart)],
 )
-async def classify(pipeline: PipelineDep, inputs: ClassifyInputDep) -> ClassifyResponse:
-    return await pipeline(inputs.images, tasks=inputs.tasks, top_k=inputs.top_k, logits=inputs.logits)
+async def classify(
+    pipeline: PipelineDep, inputs: ClassifyInputDep, principal: PrincipalDep, live: LiveDep
+) -> ClassifyResponse:
+    try:
+        answer = await pipeline(inputs.images, tasks=inputs.tasks, top_k=inputs.top_k, logits=inputs.logits)
+    except UnknownTaskError as exc:  # removed while the request waited: named by the batch's whole set
+        if principal.sees_all:
+            raise
+        raise unknown_tasks_error(list(exc.unknown), live.current, exc.why, principal.may_read) from None
+    if not principal.sees_all:
+        answer.adapter_set.adapters = principal.visible(answer.adapter_set.adapters)
+    return answer

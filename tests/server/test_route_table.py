@@ -80,8 +80,9 @@ def test_an_app_with_a_route_the_table_lacks_is_refused(settings, monkeypatch) -
 
 
 def _call(app, settings: Settings, **scope) -> tuple[dict, list[dict]]:
-    """Runs one request with an empty body through the guard; the scope and what was sent."""
-    scope = {"type": "http", "headers": [], **scope}
+    """Runs one request with an empty body through the guard; the scope and what was sent. It names the
+    server in its Host header, as every HTTP/1.1 client does."""
+    scope = {"type": "http", "headers": [(b"host", b"127.0.0.1:8000")], **scope}
     sent: list[dict] = []
 
     async def receive() -> dict:
