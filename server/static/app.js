@@ -30,10 +30,11 @@ class ApiError extends Error {
 }
 
 // fetch, then the JSON body; a non-2xx answer becomes an ApiError from the service's error body.
+// The token field's value goes with every request: a tenant's API key reads only its own adapters.
 async function api(path, options = {}) {
   let response;
   try {
-    response = await fetch(path, options);
+    response = await fetch(path, { ...options, headers: { ...authHeaders(), ...(options.headers || {}) } });
   } catch (err) {
     throw new ApiError(0, "NetworkError", `the server did not answer (${err.message})`);
   }
@@ -56,7 +57,7 @@ async function api(path, options = {}) {
   return body;
 }
 
-function adminHeaders() {
+function authHeaders() {
   const token = $("token").value.trim();
   return token ? { Authorization: `Bearer ${token}` } : {};
 }
@@ -189,7 +190,6 @@ async function registerAdapter(event) {
   try {
     const created = await api(`adapters?replace=${replace}`, {
       method: "POST",
-      headers: adminHeaders(),
       body: form,
     });
     const verb = created.replaced ? "Replaced" : "Registered";
@@ -209,7 +209,6 @@ async function deleteAdapter(name) {
   try {
     const deleted = await api(`adapters/${encodeURIComponent(name)}`, {
       method: "DELETE",
-      headers: adminHeaders(),
     });
     say("admin", `Deleted ${deleted.deleted}: live set v${deleted.adapter_set.version}.`);
   } catch (err) {
@@ -373,6 +372,10 @@ function wire() {
   });
   $("top-k").addEventListener("change", () => classify());
   $("register-form").addEventListener("submit", registerAdapter);
+  $("token").addEventListener("change", () => {
+    showError("admin", null);
+    refreshAdapters();
+  });
   $("refresh").addEventListener("click", () => {
     showError("admin", null);
     refreshAdapters();

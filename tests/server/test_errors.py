@@ -19,7 +19,9 @@ def test_not_ready_says_so(tiny_weights, tmp_path, caplog) -> None:
 
     async def ask() -> httpx.Response:
         # ASGITransport runs no lifespan: the model never loads, as in the first seconds of a start.
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+        ) as http:
             return await http.get("/adapters")
 
     r = asyncio.run(ask())

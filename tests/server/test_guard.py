@@ -143,7 +143,11 @@ def exchange(port: int, head: bytes, body: Iterable[bytes] = (), timeout: float 
 
 
 def request_head(path: str, *, length: int | None, token: str | None = None) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: t", f"Content-Type: multipart/form-data; boundary={BOUNDARY}"]
+    lines = [
+        f"POST {path} HTTP/1.1",
+        "Host: 127.0.0.1",
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}",
+    ]
     lines.append(f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked")
     if token is not None:
         lines.append(f"Authorization: Bearer {token}")

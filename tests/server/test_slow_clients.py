@@ -63,7 +63,7 @@ def _multipart(data: bytes) -> bytes:
 
 def _classify_head(length: int) -> bytes:
     return (
-        f"POST /classify?top_k=1 HTTP/1.1\r\nHost: t\r\nContent-Length: {length}\r\n"
+        f"POST /classify?top_k=1 HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n"
         f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n\r\n"
     ).encode()
 
@@ -134,7 +134,7 @@ def test_tricklers_are_cut_off_and_normal_clients_keep_their_latency(slow_server
 
     async def main():
         baseline = await _normal_clients(url, time.monotonic() + 0.5)
-        header_head = b"GET /healthz HTTP/1.1\r\nHost: t\r\n"  # never finished
+        header_head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # never finished
         attack = [_trickle(port, header_head, b"X-Slow: 1\r\n", HEADER_S + 3) for _ in range(n)]
         # A well-formed upload whose image never ends: the form parser waits for it.
         body_head = _classify_head(100_000) + PART_HEAD
@@ -221,7 +221,7 @@ def test_header_deadline_on_both_parsers(http: str) -> None:
     # The kept-alive client sends its headers over 0.2 s: a deadline 5x that leaves room for a busy
     # machine (the first request's deadline runs from the connect).
     seconds = 1.0
-    request = b"GET / HTTP/1.1\r\nHost: t\r\n\r\n"
+    request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
     async def kept_alive(port: int) -> list[int]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -285,7 +285,7 @@ def _run_middleware(
         async def send(message: dict) -> None:
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/classify", "headers": []}
+        scope = {"type": "http", "method": "POST", "path": "/classify", "headers": [(b"host", b"127.0.0.1")]}
         config = Settings(_env_file=None, body_timeout_seconds=seconds, **settings)
         await GuardMiddleware(app, config)(scope, receive, send)
 
