@@ -5,6 +5,9 @@ It uploads sample images through the file input and checks every task's rendered
 server/demo/samples/README.md, shows an API error, registers an adapter with the token (a wrong token
 first), sees it answer, deletes it, and checks the page asked nothing of any other origin.
 
+A second test plays another site's page against the loopback default (no token: management open to
+local clients): its form POST is refused, and a DNS-rebinding name gets the Host check's 400.
+
 A full-page screenshot is kept as ``page.png`` in the test's tmp dir, and copied into
 ``$MEMVIT_TEST_ARTIFACTS`` when that variable names a directory to keep test artifacts in (CI).
 Skips when Chromium (``apt-get install chromium``) or Playwright (``pip install playwright``; its own
@@ -13,7 +16,9 @@ browser download is not needed) is missing.
 
 from __future__ import annotations
 
+import base64
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -173,3 +178,55 @@ def test_upload_predict_register_and_delete_in_a_browser(demo_server, page, tmp_
     elsewhere = [asked for asked in requests if not asked.startswith((f"{url}/", "blob:", "data:"))]
     assert elsewhere == [], "the page asked another origin"
     assert screenshot.stat().st_size > 10_000
+
+
+# Chromium's own Private Network Access would stop a public page's request before it reached the
+# server; Firefox and Safari have no such block, and the server must not rely on one: it is off here.
+WITHOUT_PNA = (
+    "--disable-features=BlockInsecurePrivateNetworkRequests,PrivateNetworkAccessSendPreflights,"
+    "PrivateNetworkAccessRespectPreflightResults,LocalNetworkAccessChecks"
+)
+
+
+def test_another_sites_page_cannot_change_adapters_in_a_browser(tmp_path) -> None:
+    server = ServerProcess(None, tmp_path / "store", MEMVIT_ADMIN_TOKEN="")  # the loopback default
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            started = pool.submit(server.start, START_TIMEOUT_S)
+            bundle = base64.b64encode(bundle_file(tmp_path, "digits").read_bytes()).decode()
+            url = started.result().url
+        before = httpx.get(f"{url}/adapters").json()
+        # A multipart POST with mode no-cors is a "simple" request: the browser sends it without asking.
+        attack = f"""<!doctype html><script>
+          const bytes = Uint8Array.from(atob("{bundle}"), (c) => c.charCodeAt(0));
+          const form = new FormData();
+          form.append("bundle", new Blob([bytes]), "digits.safetensors");
+          const options = {{ method: "POST", mode: "no-cors", body: form }};
+          window.sent = fetch("{url}/adapters?replace=true", options)
+            .then((r) => r.type, (e) => `failed: ${{e}}`);
+        </script>"""
+        with sync_api.sync_playwright() as playwright:
+            rules = "--host-resolver-rules=MAP evil.example 127.0.0.1"
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[rules, WITHOUT_PNA])
+            try:
+                page = browser.new_page()
+                page.route(
+                    "http://attacker.example/",
+                    lambda route: route.fulfill(body=attack, content_type="text/html"),
+                )
+                page.goto("http://attacker.example/")
+                assert page.evaluate("window.sent") == "opaque"  # sent; its answer is hidden from the page
+                # DNS rebinding: evil.example now resolves to this machine, and the page would be
+                # same-origin with whatever answers there.
+                rebound = page.goto(f"http://evil.example:{server.port}/")
+                assert rebound is not None and rebound.status == 400
+                assert "MEMVIT_ALLOWED_HOSTS" in rebound.json()["error"]["message"]
+            finally:
+                browser.close()
+        assert httpx.get(f"{url}/adapters").json() == before  # "digits" is the demo's, unreplaced
+        metrics = httpx.get(f"{url}/metrics").text
+        assert re.search(r'memvit_adapter_changes_total\{action="replace",result="403"\} 1\.0', metrics), (
+            metrics
+        )
+    finally:
+        server.stop()
