@@ -13,7 +13,11 @@ Readiness: Serve routes to a replica once its first ``check_health`` returns. Th
 in a background task of its lifespan (which Serve runs in the replica), so that first check waits
 until the model and the store are loaded: the proxy never sends a request to a replica that would
 answer "still loading". Unlike ``memvit serve`` on loopback, adapter management is never opened
-without a token here: the replica cannot know where the proxy listens.
+without a token here: the replica cannot know where the proxy listens. For the same reason
+``MEMVIT_HOST`` says where clients reach the app (the proxy's address, not the replica's): the
+loopback default of a local ``serve run`` keeps the Host check on; the cluster configs set 0.0.0.0
+(docker/ray/), where the proxies listen on every interface, so the check is off unless
+``MEMVIT_ALLOWED_HOSTS`` names the load balancer.
 
 This is the only module that imports ray (the ``ray`` extra); ``server.app`` and torch are imported
 in the replica, not where the application is built (the driver, Serve's controller).

@@ -465,6 +465,8 @@ def test_the_serve_config_is_valid_and_the_rayservice_embeds_it() -> None:
     (app,) = schema.applications
     assert app.import_path == "server.ray_serve:app"
     assert app.runtime_env["env_vars"]["MEMVIT_ADAPTER_STORE"].startswith("s3://")
+    # The proxies listen on every interface: the replicas' Host check follows (server/edge/origin.py).
+    assert app.runtime_env["env_vars"]["MEMVIT_HOST"] == config["http_options"]["host"] == "0.0.0.0"
     service = yaml.safe_load((CONFIG.parent / "rayservice.yaml").read_text())
     assert service["apiVersion"] == "ray.io/v1" and service["kind"] == "RayService"
     assert yaml.safe_load(service["spec"]["serveConfigV2"]) == config, (
