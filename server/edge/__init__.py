@@ -4,7 +4,10 @@
   changes state, how many bytes its body may hold and how long it may take to arrive.
 - ``guard.py``: ``GuardMiddleware``, the pure ASGI middleware that applies the table (``create_app``
   always installs it, and refuses to build an app with a route the table lacks).
-- ``access.py``: who may call a route (the admin rule), from the headers alone.
+- ``origin.py``: the Host header (every request) and, for changes, the page that sent it (Origin,
+  Sec-Fetch-Site): DNS rebinding and other sites' pages.
+- ``principal.py``: who is calling (the admin token, a tenant's key, anonymous), resolved once.
+- ``access.py``: who may call a route (admin, read and public rules), from the headers alone.
 - ``body.py``: the body cap and deadline, in one receive/send wrapper; the per-file read cap.
 - ``send.py``: the one error shape and ``send_error`` for every ASGI-level refusal (no torch: the
   Ray proxy imports it).

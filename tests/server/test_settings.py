@@ -61,3 +61,22 @@ def test_settings_choose_the_decode_and_its_threads(monkeypatch) -> None:
     monkeypatch.setenv("MEMVIT_DECODE", "quick")
     with pytest.raises(ValidationError, match="decode"):
         Settings(_env_file=None)
+
+
+def test_security_settings_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("MEMVIT_ALLOWED_HOSTS", "Memvit.example, *.corp.example,,localhost.")
+    monkeypatch.setenv("MEMVIT_API_KEYS_FILE", "/run/secrets/keys.json")
+    monkeypatch.setenv("MEMVIT_API_KEYS_RELOAD_SECONDS", "0.5")
+    monkeypatch.setenv("MEMVIT_REQUIRE_READ_KEY", "true")
+    settings = Settings(_env_file=None)
+    assert settings.allowed_hosts == ["memvit.example", "*.corp.example", "localhost"]
+    assert (
+        settings.api_keys_file == Path("/run/secrets/keys.json") and settings.api_keys_reload_seconds == 0.5
+    )
+    assert settings.require_read_key
+    # A keys file closes anonymous management, as a token does.
+    assert not settings.model_copy(update={"allow_anonymous_admin": True}).anonymous_admin
+    monkeypatch.setenv("MEMVIT_ALLOWED_HOSTS", "")
+    monkeypatch.setenv("MEMVIT_API_KEYS_FILE", "")
+    settings = Settings(_env_file=None)
+    assert settings.allowed_hosts == [] and settings.api_keys_file is None
