@@ -141,6 +141,8 @@ def test_compose_serves_the_demo_with_a_named_adapter_volume() -> None:
     assert "adapters" in config["volumes"]
     # Unset variables arrive empty, which the settings read as "not configured" -> the demo.
     assert service["environment"]["MEMVIT_WEIGHTS"] == ""
+    # The container binds 0.0.0.0, which leaves the Host check off unless a list is set: compose sets one.
+    assert service["environment"]["MEMVIT_ALLOWED_HOSTS"] == "localhost"
     assert service["image"] == "memvit:latest", "the tag docker/build.sh builds by default"
     assert service["build"]["args"]["TORCH_VARIANT"] == "cuda"
     cpu = _compose_config(env={"MEMVIT_ADMIN_TOKEN": "t", "MEMVIT_TORCH_VARIANT": "cpu"})
