@@ -27,10 +27,11 @@ from .edge.routes import missing_routes, route_table
 from .errors import install_error_handlers
 from .images import ImageDecoder
 from .metrics import Metrics, MetricsMiddleware
+from .oip.errors import ProtocolErrorShape
 from .openapi import customise as customise_openapi
 from .pipeline import ClassifyPipeline
 from .registry import AdapterRegistry
-from .routers import adapters, classify, health, ui
+from .routers import adapters, classify, health, oip, ui
 from .settings import Settings, get_settings
 from .state import AppState, Service
 from .store import AdapterStore, StoreUnavailableError, open_store
@@ -203,12 +204,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # The guard (access, body cap and deadline per route) runs before the router parses any body;
     # inside the metrics middleware, so its refusals are counted as what the client got.
     app.add_middleware(GuardMiddleware, settings=settings, metrics=state.metrics)
+    # Outside the guard, so its refusals under /v2 get the Open Inference Protocol's error shape too.
+    app.add_middleware(ProtocolErrorShape)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     install_error_handlers(app)
     customise_openapi(app, settings)
     app.include_router(classify.router)
     app.include_router(adapters.router)
     app.include_router(health.router)
+    app.include_router(oip.router)  # the Open Inference Protocol (KServe v2 / Triton HTTP)
     app.include_router(ui.router)  # the page at /: a client of the routes above
     # A route without a row in the guard's table would get the fallback (public, uncapped): refuse to
     # build such an app rather than serve it.

@@ -113,7 +113,14 @@ def classify_input(
             f"{len(image)} images in one request; the limit is {settings.max_images_per_request}",
             field="image",
         )
-    wanted = parse_tasks(tasks)
+    wanted = resolve_tasks(parse_tasks(tasks), principal, live)  # before decoding anything
+    return ClassifyInput(image, wanted, top_k, logits)
+
+
+def resolve_tasks(wanted: list[str] | None, principal: Principal, live: LiveAdapters) -> list[str] | None:
+    """The tasks a request will compute: ``wanted`` checked against the caller (403, before whether
+    they exist) and the live set (422); for a key, no filter means base and the adapters it may read.
+    None: every task. Shared by /classify and the Open Inference Protocol's infer."""
     current = live.current
     if not principal.sees_all:
         if wanted is None:
@@ -122,8 +129,8 @@ def classify_input(
             error = name_refused(principal, refused, "read")
             error.field = "tasks"
             raise error
-    check_tasks(wanted, current, principal.may_read)  # fail fast, before decoding anything
-    return ClassifyInput(image, wanted, top_k, logits)
+    check_tasks(wanted, current, principal.may_read)
+    return wanted
 
 
 ClassifyInputDep = Annotated[ClassifyInput, Depends(classify_input)]

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from .schemas import ErrorResponse
+from .schemas import ErrorResponse, ProtocolErrorResponse
 from .settings import Settings
 
 DESCRIPTIONS = {
@@ -37,6 +37,11 @@ DESCRIPTIONS = {
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """``responses=`` for a route: each status with the service's error body and what it means."""
     return {code: {"model": ErrorResponse, "description": DESCRIPTIONS[code]} for code in codes}
+
+
+def protocol_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``errors`` for the Open Inference Protocol's routes, whose error body is ``{"error": "<message>"}``."""
+    return {code: {"model": ProtocolErrorResponse, "description": DESCRIPTIONS[code]} for code in codes}
 
 
 def customise(app: FastAPI, settings: Settings) -> None:
@@ -63,8 +68,9 @@ def _limit_images(schema: dict[str, Any], max_images: int) -> None:
 
 def _host_refusals(schema: dict[str, Any]) -> None:
     """Every route can answer 400 to a Host it does not answer to (server/edge/origin.py)."""
-    body = {"$ref": "#/components/schemas/ErrorResponse"}
-    for operations in schema.get("paths", {}).values():
+    for path, operations in schema.get("paths", {}).items():
+        model = "ProtocolErrorResponse" if path == "/v2" or path.startswith("/v2/") else "ErrorResponse"
+        body = {"$ref": f"#/components/schemas/{model}"}
         for operation in operations.values():
             operation.setdefault("responses", {}).setdefault(
                 "400", {"description": DESCRIPTIONS[400], "content": {"application/json": {"schema": body}}}

@@ -13,7 +13,7 @@ together:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import Executor
 
 import torch
@@ -54,10 +54,7 @@ class ClassifyPipeline:
     ) -> ClassifyResponse:
         """``tasks``: checked (``deps.classify_input``); None asks for every task."""
         names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
-        # Routed: these images pay for the adapters asked for, not for every one loaded. The batch's
-        # snapshot refuses any of them removed since the request's tasks were checked.
-        adapters = None if tasks is None else [t for t in tasks if t != BASE_TASK]
-        out = await self.batcher.run(len(uploads), self._decode(uploads, names), adapters)
+        out = await self.run(self._uploads(uploads, names), len(names), tasks)
         response = self.respond(out, names, tasks, top_k=top_k, logits=logits)
         if self.metrics is not None:
             for task in response.results[0].tasks if response.results else ():
@@ -65,13 +62,25 @@ class ClassifyPipeline:
                 self.metrics.task_images.labels(task).inc(len(names))
         return response
 
-    async def _decode(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
-        """Every upload read (capped), then decoded in the pool -> (n, C, H, W)."""
+    async def run(self, images: Awaitable[Tensor], count: int, tasks: list[str] | None) -> FusedOutput:
+        """``count`` images (decoding, or already preprocessed) through one batched fused pass.
+
+        Routed: these images pay for the adapters asked for, not for every one loaded. The batch's
+        snapshot refuses any of them removed since the request's tasks were checked."""
+        adapters = None if tasks is None else [t for t in tasks if t != BASE_TASK]
+        return await self.batcher.run(count, images, adapters)
+
+    async def _uploads(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
+        """Every upload read, each with its byte cap, then decoded."""
         blobs = []
         limit = self.max_image_bytes
         for upload, name in zip(uploads, names, strict=True):
             too_large = ImageTooLargeError(f"{name}: over the {limit}-byte upload limit", field=name)
             blobs.append(await read_upload(upload, limit, too_large))
+        return await self.decode(blobs, names)
+
+    async def decode(self, blobs: Sequence[bytes], names: Sequence[str]) -> Tensor:
+        """Encoded images decoded in the pool -> (n, C, H, W)."""
         loop = asyncio.get_running_loop()
         decoded = await asyncio.gather(
             *(

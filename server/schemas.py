@@ -83,3 +83,9 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class ProtocolErrorResponse(BaseModel):
+    """The Open Inference Protocol's error body, for every refusal under /v2."""
+
+    error: str

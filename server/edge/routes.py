@@ -99,6 +99,12 @@ def route_table(settings: Settings) -> RouteTable:
         images * per_image + MULTIPART_ALLOWANCE, f"at most {images} images of at most {per_image} bytes each"
     )
 
+    # Encoded images (BYTES) or preprocessed pixels (FP32, binary: 0.6 MB per 224x224 image), as
+    # tensor data after a JSON header.
+    infer_cap = BodyCap(
+        images * per_image + MULTIPART_ALLOWANCE, f"at most {images} images of at most {per_image} bytes each"
+    )
+
     # Every route has the same body deadline today; a row that needs its own would set it here.
     def row(
         method: str,
@@ -118,6 +124,19 @@ def route_table(settings: Settings) -> RouteTable:
             row("GET", "/adapters/{name}", Access.READ),
             row("POST", "/adapters", Access.ADMIN, changes_state=True, cap=bundle_cap),
             row("DELETE", "/adapters/{name}", Access.ADMIN, changes_state=True),
+            # The Open Inference Protocol (routers/oip.py): infer reads adapters as /classify does.
+            row("GET", "/v2"),
+            row("GET", "/v2/health/live"),
+            row("GET", "/v2/health/ready"),
+            row(
+                "POST",
+                "/v2/repository/index",
+                Access.READ,
+                cap=BodyCap(MULTIPART_ALLOWANCE, "an index request has no body"),
+            ),
+            row("GET", "/v2/models/{model}", Access.READ),
+            row("GET", "/v2/models/{model}/ready", Access.READ),
+            row("POST", "/v2/models/{model}/infer", Access.READ, cap=infer_cap),
             row("GET", "/healthz"),
             row("GET", "/readyz"),
             row("GET", "/metrics"),

@@ -1,0 +1,183 @@
+"""The Open Inference Protocol (KServe v2 / Triton HTTP) beside the JSON API, on the same fused pass,
+batcher, decoder, guard and caps. The models it shows are described in server/oip/models.py; the wire
+format (JSON and binary tensor data, the classification extension) is server/oip/protocol.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from fastapi import APIRouter, Request, Response
+
+from memory_core import BASE_TASK
+
+from ..deps import PrincipalDep, SettingsDep, StateDep, get_service, resolve_tasks
+from ..edge.principal import Principal
+from ..errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError
+from ..oip import models
+from ..oip.protocol import (
+    HEADER_LENGTH,
+    InferRequest,
+    OutputTensor,
+    ProtocolError,
+    classification,
+    encode_infer_response,
+    parse_infer_request,
+)
+from ..openapi import protocol_errors
+from ..state import Service
+
+router = APIRouter(prefix="/v2", tags=["open inference protocol"])
+NO_BODY: dict[int | str, dict] = {200: {"description": "an empty body: the status says it", "content": {}}}
+EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
+
+
+@router.get("", summary="Server metadata")
+def server_metadata(request: Request) -> dict:
+    return {"name": "memvit", "version": request.app.version, "extensions": EXTENSIONS}
+
+
+@router.get("/health/live", response_class=Response, responses=NO_BODY, summary="200 while the process runs")
+def live() -> Response:
+    return Response(status_code=200)
+
+
+@router.get(
+    "/health/ready",
+    response_class=Response,
+    responses={**NO_BODY, **protocol_errors(503)},
+    summary="200 once the model and the adapter store are loaded, else 503",
+)
+def ready(state: StateDep) -> Response:
+    get_service(state)  # raises NotReadyError (503) while loading
+    return Response(status_code=200)
+
+
+@router.post(
+    "/repository/index",
+    responses=protocol_errors(401, 403, 503),
+    summary="The models: the fused base model and one per adapter",
+)
+def repository_index(state: StateDep, principal: PrincipalDep) -> list[dict]:
+    service = get_service(state)
+    names = models.known_models(service.live.current, principal)
+    return [{"name": name, "version": "1", "state": "READY"} for name in names]
+
+
+@router.get(
+    "/models/{model}",
+    responses=protocol_errors(401, 403, 404, 422, 503),
+    summary="A model's inputs and outputs",
+)
+def model_metadata(model: str, state: StateDep, principal: PrincipalDep) -> dict:
+    service = get_service(state)
+    return models.metadata(model, service.engine, service.live.current, principal)
+
+
+@router.get(
+    "/models/{model}/ready",
+    response_class=Response,
+    responses={**NO_BODY, **protocol_errors(401, 403, 404, 422, 503)},
+    summary="200 when the model can answer",
+)
+def model_ready(model: str, state: StateDep, principal: PrincipalDep) -> Response:
+    service = get_service(state)
+    models.tasks_of(model, service.live.current, principal)  # 404 for a model this caller cannot see
+    return Response(status_code=200)
+
+
+@router.post(
+    "/models/{model}/infer",
+    responses=protocol_errors(400, 401, 403, 404, 408, 413, 415, 422, 503),
+    summary="Inference: encoded images (BYTES) or pixels (FP32)",
+)
+async def infer(
+    model: str, request: Request, state: StateDep, settings: SettingsDep, principal: PrincipalDep
+) -> Response:
+    service = get_service(state)
+    header = request.headers.get(HEADER_LENGTH)
+    try:
+        header_length = None if header is None else int(header)
+    except ValueError:
+        raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header!r}") from None
+    parsed = parse_infer_request(await request.body(), header_length)
+    tasks, names = _outputs(model, parsed, service, principal)
+    images, count = await _images(parsed, service, settings)
+    out = await service.pipeline.run(images, count, tasks)
+    logits = out.logits()
+    engine, adapter_set = service.engine, out.adapter_set
+    outputs, binary = [], set()
+    for task, name in names.items():
+        values = logits[task].float()
+        if not torch.isfinite(values).all():
+            raise NonFiniteOutputError(f"task {task!r} produced non-finite logits; not answering with them")
+        asked = next((o for o in parsed.outputs if o.name == name), None)
+        array = values.numpy()
+        if asked is not None and asked.class_count > 0:
+            labels = models.labels_of(task, engine, adapter_set)
+            outputs.append(OutputTensor(name, "BYTES", classification(array, labels, asked.class_count)))
+        else:
+            outputs.append(OutputTensor(name, "FP32", array))
+        if asked.binary if asked is not None else parsed.binary_outputs:
+            binary.add(name)
+    body, headers = encode_infer_response(model, parsed, outputs, binary)
+    return Response(body, headers=headers)
+
+
+def _outputs(
+    model: str, parsed: InferRequest, service: Service, principal: Principal
+) -> tuple[list[str] | None, dict[str, str]]:
+    """The tasks to compute (None: every task) and, per task, the output name it answers under."""
+    adapter_set = service.live.current
+    fixed = models.tasks_of(model, adapter_set, principal)
+    asked = [o.name for o in parsed.outputs]
+    if fixed is not None:  # an adapter's own model: one output, "logits"
+        if any(name != models.ADAPTER_OUTPUT for name in asked):
+            raise ProtocolError(f"model {model!r} has one output, {models.ADAPTER_OUTPUT!r}")
+        tasks = resolve_tasks(fixed, principal, service.live)
+        return tasks, {fixed[0]: models.ADAPTER_OUTPUT}
+    if len(set(asked)) != len(asked):
+        raise ProtocolError("an output is asked for twice")
+    tasks = resolve_tasks(asked or None, principal, service.live)  # outputs route the pass
+    computed = tasks if tasks is not None else [BASE_TASK, *adapter_set.names]
+    return tasks, {task: task for task in computed}
+
+
+async def _images(parsed: InferRequest, service: Service, settings: SettingsDep):
+    """The request's one input -> an awaitable of (n, C, H, W) and n."""
+    given = set(parsed.inputs)
+    if len(given) != 1 or not given <= {models.IMAGE, models.PIXELS}:
+        raise ProtocolError(
+            f"give exactly one input, {models.IMAGE!r} (BYTES: encoded images) or {models.PIXELS!r} "
+            f"(FP32: preprocessed images); got {sorted(given)}"
+        )
+    limit = settings.max_images_per_request
+    if models.IMAGE in parsed.inputs:
+        blobs = list(parsed.inputs[models.IMAGE].reshape(-1))
+        _check_count(len(blobs), limit)
+        for i, blob in enumerate(blobs):
+            if len(blob) > settings.max_image_bytes:
+                raise ImageTooLargeError(f"image {i}: over the {settings.max_image_bytes}-byte limit")
+        names = [f"image-{i}" for i in range(len(blobs))]
+        return service.pipeline.decode(blobs, names), len(blobs)
+    pixels = parsed.inputs[models.PIXELS]
+    expected = (service.engine.base.patch_embed.proj.in_channels, *service.engine.spec.img_size)
+    if pixels.ndim != 4 or tuple(pixels.shape[1:]) != expected:
+        raise ProtocolError(
+            f"{models.PIXELS} must have shape [-1, {', '.join(map(str, expected))}], got {list(pixels.shape)}"
+        )
+    if not np.isfinite(pixels).all():
+        raise ProtocolError(f"{models.PIXELS} holds non-finite values")
+    _check_count(pixels.shape[0], limit)
+
+    async def ready() -> torch.Tensor:
+        return torch.from_numpy(pixels)
+
+    return ready(), pixels.shape[0]
+
+
+def _check_count(count: int, limit: int) -> None:
+    if count == 0:
+        raise ProtocolError("the request holds no images")
+    if count > limit:
+        raise TooManyImagesError(f"{count} images in one request; the limit is {limit}")
