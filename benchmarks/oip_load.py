@@ -53,7 +53,7 @@ def oip_requests(host: str, port: int, images: list[bytes]) -> list[bytes]:
                     }
                 ],
                 "parameters": {"binary_data_output": True},
-            }  # fmt: skip
+            }
         ).encode()
         body = header + blob
         head = (
