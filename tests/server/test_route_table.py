@@ -45,6 +45,10 @@ def test_only_management_is_admin_and_changes_state(settings) -> None:
     assert capped == {
         ("POST", "/adapters"): settings.max_bundle_bytes + 64 * 1024,
         ("POST", "/classify"): settings.max_images_per_request * settings.max_image_bytes + 64 * 1024,
+        # The protocol's infer carries the same images as tensor data; its index request, no body.
+        ("POST", "/v2/models/{model}/infer"): settings.max_images_per_request * settings.max_image_bytes
+        + 64 * 1024,
+        ("POST", "/v2/repository/index"): 64 * 1024,
     }
     assert {r.deadline for r in table} == {settings.body_timeout_seconds}
 
