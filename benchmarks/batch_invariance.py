@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,9 @@ from memory_core import FusedOutput, MemoryViT
 from tests.factories import random_adapter
 
 
-def _pair(arch: str, device: str) -> tuple[MemoryViT, MemoryViT]:
-    default = MemoryViT.from_timm(arch, device=device)
-    invariant = MemoryViT.from_timm(arch, device=device, batch_invariant=True)
+def _pair(arch: str, device: str, dtype: torch.dtype, **kwargs: Any) -> tuple[MemoryViT, MemoryViT]:
+    default = MemoryViT.from_timm(arch, device=device, dtype=dtype, **kwargs)
+    invariant = MemoryViT.from_timm(arch, device=device, dtype=dtype, batch_invariant=True, **kwargs)
     invariant.base.load_state_dict(default.base.state_dict())
     return default, invariant
 
@@ -46,9 +47,19 @@ def _same_alone(engine: MemoryViT, run: Callable[[torch.Tensor], FusedOutput], x
     return True
 
 
-def bench(arch: str, batch: int, rounds: int, device: str) -> list[dict]:
-    default, invariant = _pair(arch, device)
-    x = torch.randn(batch, 3, *default.spec.img_size, device=device)
+def bench(
+    arch: str,
+    batch: int,
+    rounds: int,
+    device: str,
+    dtype: torch.dtype = torch.float32,
+    timing: Callable[[dict, int], dict[str, list[float]]] = interleaved,
+    **kwargs: Any,
+) -> list[dict]:
+    """Rows of the table below for one base and batch; ``timing`` times a dict of calls in rounds
+    (the GPU suite's syncs the device); ``kwargs`` go to timm (the suite's tiny shapes)."""
+    default, invariant = _pair(arch, device, dtype, **kwargs)
+    x = torch.randn(batch, 3, *default.spec.img_size).to(device, dtype)
     adapters = [random_adapter(f"t{i:02d}", default, m=1, classes=100, memory_std=0.02) for i in range(64)]
     sets = {e: (e.prepare_set(adapters[:8]), e.prepare_set(adapters)) for e in (default, invariant)}
     rng = random.Random(batch)
@@ -61,7 +72,7 @@ def bench(arch: str, batch: int, rounds: int, device: str) -> list[dict]:
     }
     engines = (default, invariant)
     runs = {f"{mode}/{e.batch_invariant}": make(e) for mode, make in modes.items() for e in engines}
-    times = interleaved({key: (lambda run=run: run(x)) for key, run in runs.items()}, rounds)
+    times = timing({key: (lambda run=run: run(x)) for key, run in runs.items()}, rounds)
     rows = []
     for mode, make in modes.items():
         d, i = times[f"{mode}/False"], times[f"{mode}/True"]

@@ -1,24 +1,25 @@
 """Batch-invariant passes: an image's logits are bit-identical whatever else shares its pass.
 
 The default pass is exact to float rounding, but its rounding depends on the batch: a matrix
-product's kernel, and with it the order of its sums, is picked from the product's shape, and the
+product's kernel, and with it the order of its sums, is picked from the product's shape, and some
 shapes grow with the number of images, of adapters resident and of rows a route builds. On this
-project's CPUs the heads (B rows) and the class-token attention (K rows per image; memory products
-of B rows) change their rounding with the batch (docs/design.md §2.6 lists what was measured).
+project's CPUs the heads (B rows), the class-token attention (K rows per image; memory products of
+B rows and P keys) and the memory projection at preparation (the rows of every adapter prepared
+together) change their rounding so (docs/design.md §2.6 lists what was measured).
 
-In this mode every reduction runs in calls whose shapes do not depend on the batch or on the set:
+In this mode every reduction runs in calls whose shapes depend on neither the batch nor the set:
 
-- per-token layers (norms, qkv, projection, MLP, heads) run on fixed blocks of rows, the last block
-  padded with zeros, so a row meets the same kernel wherever it sits;
-- each class-token query is scored against its image's base keys in fixed chunks of queries per
-  image, and against its own keys (lineage, memory) in fixed chunks of keys: padding keys get zero
-  weight and zero chunks add exactly nothing, so an adapter's result does not depend on the
-  longest memory of the adapters stacked with it;
+- heads, memory projections and the class-token queries run on fixed blocks of rows, the last block
+  padded with zeros, so a row meets the same kernel whatever its neighbours;
+- each class-token query is scored against its own keys (lineage, memory) in fixed chunks of keys:
+  padding keys get zero weight and a chunk of padding adds exactly nothing, so an adapter's result
+  does not depend on the longest memory of the adapters stacked with it;
 - the softmax is assembled from those pieces: an exact max, exponentials, and sums taken by the
   same products as the weighted values (a column of ones), added in a fixed order;
-- every operand is made contiguous first, so no layout depends on the batch either;
-- patch embedding and base attention run in fixed blocks of images where the device needs it
-  (``InvariantBlocks.images``; on CPU their kernels were measured not to depend on the batch).
+- operands are made contiguous first, so no memory layout depends on the batch either;
+- the token-row layers, the patch embedding and the base attention run in fixed blocks of rows and
+  of images where the device needs it (``InvariantBlocks.for_device``: on CUDA; on CPU with MKL
+  their kernels were measured not to depend on the batch, and blocking them would only cost).
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ class InvariantBlocks:
             # cuBLAS and the flash kernels pick tiles and split-K/split-KV from the whole shape,
             # batch count included: bound every call's shape (sizes to be tuned on the device).
             return cls(rows=4096, thin=64, keys=8, images=16)
-        return cls()
+        # MKL's product kernel depends on the row count only below 4 rows (measured: 1, 2-3 and 4+
+        # rows take three kernels, at any thread count), and a pass has more token rows than that:
+        # blocking them would only cost. Other CPU BLAS libraries get blocks.
+        return cls(rows=None if torch.backends.mkl.is_available() else 256)
 
 
 def in_blocks(fn: Callable[..., Tensor | tuple[Tensor, ...]], size: int | None, *xs: Tensor):

@@ -230,7 +230,8 @@ class MemoryViT(nn.Module):
         x = x.to(self.dtype)
         if stack is not None:
             self._check_stack(stack)
-        if self._invariant_pass(stack, path):
+        training = stack is not None and torch.is_grad_enabled() and stack.requires_grad
+        if self.batch_invariant and path != "split" and not training:  # a training pass stays split
             return invariant.features(base, x, stack, self._blocks())
         x = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))  # (B, T, D)
         if stack is None:
@@ -238,7 +239,7 @@ class MemoryViT(nn.Module):
         cls = stack.cls if stack.cls.ndim == 3 else stack.cls.expand(x.shape[0], -1, -1)
         c = base.norm_pre(cls)  # (B, K, D)
         if path == "auto":
-            path = "split" if torch.is_grad_enabled() and stack.requires_grad else "merged"
+            path = "split" if training else "merged"
         if path == "split":
             for block, memory in zip(base.blocks, stack.layers, strict=True):
                 x, c = split_block(block, x, c, memory)
@@ -272,14 +273,8 @@ class MemoryViT(nn.Module):
         images = {o.name: o.images for o in route.outputs}
         return FusedOutput(base_logits, logits, images, adapter_set)
 
-    # -- the batch-invariant mode (invariant.py) ----------------------------------------------------
-    def _blocks(self) -> InvariantBlocks:
+    def _blocks(self) -> InvariantBlocks:  # the batch-invariant mode's call sizes (invariant.py)
         return self.invariant_blocks or InvariantBlocks.for_device(self.device)
-
-    def _invariant_pass(self, stack: AdapterStack | Route | None, path: str) -> bool:
-        # Inference passes only: a training pass (gradients into the stack) keeps the split path.
-        training = stack is not None and torch.is_grad_enabled() and stack.requires_grad
-        return self.batch_invariant and path != "split" and not training
 
     def _check_stack(self, stack: AdapterStack | Route) -> None:
         if stack.cls.device != self.device or stack.cls.dtype != self.dtype:

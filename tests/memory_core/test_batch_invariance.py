@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from memory_core import AdapterSet, FusedOutput, MemoryViT
+from memory_core import AdapterSet, FusedOutput, LiveAdapters, MemoryViT
 from memory_core.invariant import InvariantBlocks
 from memory_core.reference import DenseMemoryViT
 from tests.conftest import TOL, VARIANTS, max_diff, random_adapter, tiny_base
@@ -131,6 +131,18 @@ def test_small_blocks_exercise_every_blocked_call() -> None:
         tasks = [["m0"]] * len(batch)
         tasks[at] = ["m9", "child"]
         assert_same(routed, engine(batch, loaded, tasks=tasks), at)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_on_cpu(dtype: torch.dtype) -> None:
+    engine = invariant_engine()
+    live = LiveAdapters(engine)
+    live.replace_all(mixed_adapters(engine))
+    live.move_to(dtype=dtype)
+    x = pool(engine)
+    alone = engine(x[:1], live.current)
+    for batch, at in batches(x[0], x[1:], seed=3):
+        assert_same(alone, engine(batch, live.current), at)
 
 
 @pytest.mark.parametrize("blocks", [{}, {"rows": 24, "thin": 3, "keys": 2, "images": 3}])
