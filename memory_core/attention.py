@@ -121,10 +121,11 @@ def adapter_attention(
     return p_x @ v_x + (p_l.unsqueeze(-1) * v_l).sum(3) + o_m  # (B, H, K, d)
 
 
-def _finish(block: Block, x: Tensor, h: Tensor, o: Tensor) -> Tensor:
+def _finish(block: Block, x: Tensor, h: Tensor | None, o: Tensor) -> Tensor:
     """Everything after attention, per token: output projection, layer scale, residual, MLP.
 
-    x: the block input (B, N, D); h: norm1(x); o: attention output with heads merged (B, N, H*d).
+    x: the block input (B, N, D); h: norm1(x) (read only by a gated attention); o: attention output
+    with heads merged (B, N, H*d).
     """
     attn = block.attn
     o = attn.norm(o)

@@ -20,12 +20,14 @@ import torch.nn.functional as F
 from timm.data import resolve_data_config
 from torch import Tensor, nn
 
+from . import invariant
 from .adapter import AdapterWeights
 from .adapter_set import AdapterSet
-from .attention import merged_block, project_memory, split_block
+from .attention import merged_block, split_block
 from .base_model import BaseModel, create_base
 from .errors import AdapterShapeError, InputError
 from .fingerprint import state_fingerprint
+from .invariant import InvariantBlocks
 from .output import FusedOutput
 from .routing import Route, build_route
 from .spec import ViTSpec
@@ -43,8 +45,12 @@ class MemoryViT(nn.Module):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         super().__init__()
+        # Opt-in: every image's logits bit-identical whatever shares its pass (invariant.py), at a cost.
+        self.batch_invariant = batch_invariant
+        self.invariant_blocks: InvariantBlocks | None = None  # None: the device's defaults
         self.spec = ViTSpec.from_model(base.model, base.arch)  # raises UnsupportedModelError
         self.base = base.model.eval().requires_grad_(False)
         self.labels = base.labels
@@ -66,6 +72,7 @@ class MemoryViT(nn.Module):
         dtype: torch.dtype | None = None,
         labels: tuple[str, ...] | None = None,
         data_config: dict[str, Any] | None = None,
+        batch_invariant: bool = False,
         **model_kwargs: Any,
     ) -> MemoryViT:
         """Build from a timm architecture name and (optionally) a local weights file."""
@@ -77,7 +84,7 @@ class MemoryViT(nn.Module):
             data_config=data_config,
             **model_kwargs,
         )
-        return cls(base, device=device, dtype=dtype)
+        return cls(base, device=device, dtype=dtype, batch_invariant=batch_invariant)
 
     # -- device, dtype, mode -------------------------------------------------------------------
     # ``.to()``/``.half()`` are nn.Module's own and move the base only. Adapters stay prepared for the
@@ -177,7 +184,9 @@ class MemoryViT(nn.Module):
         if m == 0:
             empty = memory.new_zeros(L, self.spec.num_heads, 0, self.spec.head_dim)
             return empty, empty
-        pairs = [project_memory(block, memory[i], memory_norm) for i, block in enumerate(self.base.blocks)]
+        blocks = self._blocks() if self.batch_invariant else None  # invariant.py; None: one product
+        layers = zip(self.base.blocks, memory, strict=True)
+        pairs = [invariant.project_memory(block, rows, memory_norm, blocks) for block, rows in layers]
         return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
     # -- the fused pass ------------------------------------------------------------------------
@@ -219,21 +228,18 @@ class MemoryViT(nn.Module):
         self._check_input(x)
         base = self.base
         x = x.to(self.dtype)
+        if stack is not None:
+            self._check_stack(stack)
+        training = stack is not None and torch.is_grad_enabled() and stack.requires_grad
+        if self.batch_invariant and path != "split" and not training:  # a training pass stays split
+            return invariant.features(base, x, stack, self._blocks())
         x = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))  # (B, T, D)
         if stack is None:
             return base.norm(base.blocks(x)), None
-        if stack.cls.device != self.device or stack.cls.dtype != self.dtype:
-            # A set prepared before the engine moved (all adapters of a stack share one device/dtype).
-            raise AdapterShapeError(
-                f"these adapters were prepared for {stack.cls.device}/{stack.cls.dtype}, the engine runs "
-                f"{self.device}/{self.dtype}: prepare them with this engine (LiveAdapters.move_to moves an "
-                "engine and re-prepares its live adapters)",
-                field="name",
-            )
         cls = stack.cls if stack.cls.ndim == 3 else stack.cls.expand(x.shape[0], -1, -1)
         c = base.norm_pre(cls)  # (B, K, D)
         if path == "auto":
-            path = "split" if torch.is_grad_enabled() and stack.requires_grad else "merged"
+            path = "split" if training else "merged"
         if path == "split":
             for block, memory in zip(base.blocks, stack.layers, strict=True):
                 x, c = split_block(block, x, c, memory)
@@ -252,17 +258,33 @@ class MemoryViT(nn.Module):
     ) -> FusedOutput:
         """Final tokens -> logits. With a ``route``, only the rows asked for meet a head (ancestors
         computed for an extension do not), and ``images`` says which images each task answers."""
-        base_logits = self.base.forward_head(x)  # (B, C_0)
+        blocks = self._blocks() if self.batch_invariant else None
+        base_logits = self.base.forward_head(x) if blocks is None else invariant.head(self.base, x, blocks)
         if c is None:  # no adapter rows: the base alone
             return FusedOutput(base_logits, {}, {}, adapter_set)
         if route is None:
-            heads = adapter_set.stack.apply_heads(c)  # (B, C_k) each
+            stack = adapter_set.stack
+            heads = stack.apply_heads(c) if blocks is None else invariant.adapter_heads(stack, c, blocks)
             return FusedOutput.every_image(
                 base_logits, dict(zip(adapter_set.names, heads, strict=True)), adapter_set
             )
-        logits = {o.name: F.linear(c[o.images, o.rows], o.weight, o.bias) for o in route.outputs}  # (n, C_k)
+        head = F.linear if blocks is None else lambda r, w, b: invariant.linear(r, w, b, blocks)
+        logits = {o.name: head(c[o.images, o.rows], o.weight, o.bias) for o in route.outputs}  # (n, C_k)
         images = {o.name: o.images for o in route.outputs}
         return FusedOutput(base_logits, logits, images, adapter_set)
+
+    def _blocks(self) -> InvariantBlocks:  # the batch-invariant mode's call sizes (invariant.py)
+        return self.invariant_blocks or InvariantBlocks.for_device(self.device)
+
+    def _check_stack(self, stack: AdapterStack | Route) -> None:
+        if stack.cls.device != self.device or stack.cls.dtype != self.dtype:
+            # A set prepared before the engine moved (all adapters of a stack share one device/dtype).
+            raise AdapterShapeError(
+                f"these adapters were prepared for {stack.cls.device}/{stack.cls.dtype}, the engine runs "
+                f"{self.device}/{self.dtype}: prepare them with this engine (LiveAdapters.move_to moves an "
+                "engine and re-prepares its live adapters)",
+                field="name",
+            )
 
     def _check_input(self, x: Tensor) -> None:
         in_chans = self.base.patch_embed.proj.in_channels

@@ -51,16 +51,15 @@ def resolve_device(name: str) -> torch.device:
 def build_engine(settings: Settings) -> MemoryViT:
     """The base model the settings describe (the embedded demo when none is configured)."""
     device, dtype = resolve_device(settings.device), DTYPES[settings.dtype]
+    like = {"device": device, "dtype": dtype, "batch_invariant": settings.batch_invariant}
     if settings.uses_demo:
         from .demo import BASE_WEIGHTS
 
-        return MemoryViT.from_timm(weights=BASE_WEIGHTS, device=device, dtype=dtype)
+        return MemoryViT.from_timm(weights=BASE_WEIGHTS, **like)
     labels = None
     if settings.labels_file is not None:
         labels = tuple(line.strip() for line in settings.labels_file.read_text().splitlines() if line.strip())
-    return MemoryViT.from_timm(
-        settings.model, weights=settings.weights, labels=labels, device=device, dtype=dtype
-    )
+    return MemoryViT.from_timm(settings.model, weights=settings.weights, labels=labels, **like)
 
 
 def preflight(settings: Settings) -> None:

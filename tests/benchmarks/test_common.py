@@ -36,7 +36,9 @@ def test_shared_data_honours_the_environment(tmp_path) -> None:
     assert Path(out[0]) == tmp_path and Path(out[1]).is_relative_to(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["fused", "train_step", "paper_table", "serve", "build_demo"])
+@pytest.mark.parametrize(
+    "name", ["fused", "train_step", "paper_table", "serve", "build_demo", "batch_invariance"]
+)
 def test_benchmarks_import_as_modules(name) -> None:
     module = importlib.import_module(f"benchmarks.{name}")
     assert callable(module.main)

@@ -1,0 +1,84 @@
+"""Step ``invariance``: the batch-invariant mode on the device (memory_core/invariant.py).
+
+Which ops change with the batch here (benchmarks/batch_invariance.py's probe, on this device), then
+per base, dtype and batch: img/s of the invariant mode against the default (base alone, 8 adapters,
+routed), and whether image 0's logits alone equal its logits in the batch, bitwise, in each mode.
+On CUDA the mode's block sizes are also tried at other values, each checked the same way.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from benchmarks.batch_invariance import bench, op_probe
+from memory_core.invariant import InvariantBlocks
+
+from .plan import ARCHS, DTYPES, Plan, engine, images, timed_rounds
+from .report import Budget, StepReport, goal
+
+# On CUDA, other block sizes than the defaults, each checked and timed (rows, thin, images).
+TRIED = (InvariantBlocks(rows=2048, thin=32, images=8), InvariantBlocks(rows=8192, thin=64, images=32))
+
+
+def run(plan: Plan, report: StepReport, budget: Budget) -> str:
+    for name, same in op_probe(str(plan.device)):
+        report.add("ops: alone == in batches of 2..32", {"op": name, "invariant by itself": same})
+    timing = partial(timed_rounds, device=plan.device)
+    for arch in plan.archs:
+        spec = dict(ARCHS[arch])
+        name = spec.pop("arch", arch)
+        for dtype in plan.dtypes:
+            for batch in plan.batches:
+                if not budget.allows(60):
+                    report.note(f"budget spent: stopped before {arch} {dtype} batch {batch}")
+                    return "partial"
+                what = {"arch": arch, "dtype": dtype, "batch": batch}
+
+                def rows(name=name, dtype=dtype, batch=batch, spec=spec) -> list[dict]:
+                    return bench(
+                        name,
+                        batch,
+                        plan.rounds,
+                        str(plan.device),
+                        DTYPES[dtype],
+                        timing=lambda f, r: timing(f, rounds=r),
+                        **spec,
+                    )
+
+                try:
+                    for row in rows():
+                        row.pop("arch"), row.pop("batch")
+                        report.add(
+                            "invariant vs default",
+                            {**what, **row, "goal: holds": goal(row["invariant_holds"], "==", True)},
+                        )
+                except Exception as exc:  # recorded, and on to the next setting
+                    report.add("invariant vs default", {**what, "error": repr(exc)[:500]})
+        if plan.device.type == "cuda":
+            for blocks in TRIED:
+                if budget.allows(60):
+                    report.attempt(
+                        "try: block sizes",
+                        {"arch": arch, "blocks": str(blocks)},
+                        _blocks,
+                        arch,
+                        blocks,
+                        plan,
+                    )
+    return "done"
+
+
+def _blocks(arch: str, blocks: InvariantBlocks, plan: Plan) -> dict:
+    e = engine(arch, plan, "bf16", batch_invariant=True)
+    default = engine(arch, plan, "bf16", batch_invariant=True)
+    e.invariant_blocks = blocks
+    x = images(e, max(plan.batches))
+    with torch.inference_mode():
+        holds = all(torch.equal(e(x[:1]).base[0], e(x[:n]).base[0]) for n in (2, 7, len(x)))
+        times = timed_rounds(
+            {"default blocks": lambda: default(x), "these": lambda: e(x)}, plan.device, plan.rounds
+        )
+    faster = sum(times["default blocks"]) / sum(times["these"])
+    return {"holds (base, bf16)": holds, "speed vs default blocks": faster}

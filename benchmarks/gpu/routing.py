@@ -1,0 +1,95 @@
+"""Steps ``routing`` and ``memory``: what many loaded adapters cost.
+
+``routing``: with 1,000 adapters loaded, each image asking for 1 random task (goal <= 1.10 R(1)) or
+8 (against R(8)), against the base alone. ``memory``: peak memory of the unrouted pass and of a routed
+one (1 task per image) with 1,000 and 10,000 adapters loaded, and what the loaded set itself holds.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from memory_core import flop_ratio, uniform_adapters
+
+from .plan import Plan, adapters, engine, images, peak_mib, rate, ratio, sync, timed_rounds
+from .report import Budget, StepReport, goal
+
+
+def run_routing(plan: Plan, report: StepReport, budget: Budget) -> str:
+    for arch in plan.archs:
+        weights = adapters(engine(arch, plan), plan.loaded, 1, plan.classes)
+        for dtype in plan.dtypes:
+            for batch in plan.batches:
+                if not report.room(budget, 45):
+                    report.note(f"budget spent: stopped before {arch} {dtype} batch {batch}")
+                    return "partial"
+                what = {"arch": arch, "dtype": dtype, "batch": batch, "loaded": plan.loaded}
+                report.attempt("routed vs R(n)", what, _routed, arch, dtype, batch, weights, plan)
+    return "done"
+
+
+def _routed(arch: str, dtype: str, batch: int, weights: list, plan: Plan) -> dict:
+    e = engine(arch, plan, dtype)
+    x = images(e, batch)
+    loaded = e.prepare_set(weights)
+    rng = random.Random(batch)
+    one = [[rng.choice(loaded.names)] for _ in range(batch)]
+    eight = [rng.sample(loaded.names, min(8, len(loaded))) for _ in range(batch)]
+    with torch.inference_mode():
+        times = timed_rounds(
+            {
+                "base": lambda: e(x),
+                "1": lambda: e(x, loaded, tasks=one),
+                "8": lambda: e(x, loaded, tasks=eight),
+            },
+            plan.device,
+            plan.rounds,
+        )
+    r1, r8 = (flop_ratio(e.spec, uniform_adapters(n, 1, plan.classes)) for n in (1, min(8, len(loaded))))
+    over1, over8 = ratio(times, "1", "base") / r1, ratio(times, "8", "base") / r8
+    return {
+        "base_img_s": rate(times["base"], batch),
+        "1 task: img/s": rate(times["1"], batch),
+        "1 task: (t/base)/R(1)": over1,
+        "goal <= 1.10": goal(over1, "<=", 1.10),
+        "8 tasks: img/s": rate(times["8"], batch),
+        "8 tasks: (t/base)/R(8)": over8,
+    }
+
+
+def run_memory(plan: Plan, report: StepReport, budget: Budget) -> str:
+    arch = plan.archs[-1]  # the largest of the main shapes (ViT-B/16 on the GPU)
+    weights = adapters(engine(arch, plan), max(plan.memory_ks), 1, plan.classes)
+    for dtype in plan.dtypes[:2]:
+        for k in plan.memory_ks:
+            if not report.room(budget, 60):
+                report.note(f"budget spent: stopped before {dtype} K={k}")
+                return "partial"
+            what = {"arch": arch, "dtype": dtype, "K": k, "batch": plan.memory_batch}
+            report.attempt("peak memory", what, _memory, arch, dtype, weights[:k], plan)
+    return "done"
+
+
+def _memory(arch: str, dtype: str, weights: list, plan: Plan) -> dict:
+    e = engine(arch, plan, dtype)
+    x = images(e, plan.memory_batch)
+    cuda = plan.device.type == "cuda"
+    before = torch.cuda.memory_allocated(plan.device) if cuda else 0
+    loaded = e.prepare_set(weights)
+    loaded.stack  # noqa: B018 (builds the all-tasks stack: part of what the set holds while serving all)
+    sync(plan.device)
+    held = (torch.cuda.memory_allocated(plan.device) - before) / 2**20 if cuda else None
+    rng = random.Random(0)
+    one = [[rng.choice(loaded.names)] for _ in range(len(x))]
+    with torch.inference_mode():
+        base = peak_mib(lambda: e(x), plan.device)
+        routed = peak_mib(lambda: e(x, loaded, tasks=one), plan.device)
+        every = peak_mib(lambda: e(x, loaded), plan.device)
+    row = {"set held MiB": held, "base pass MiB": base["peak_over_resident_mib"]}
+    row["routed, 1 task/image MiB"] = routed["peak_over_resident_mib"]
+    row["unrouted, all K MiB"] = every["peak_over_resident_mib"]
+    if cuda:
+        row["unrouted: device peak MiB"] = every["peak_mib"]
+    return row

@@ -1,0 +1,234 @@
+"""Step ``server``: the HTTP service on the device against its two bounds, per model.
+
+- model bound: the fused pass (8 adapters) at the server's batch size on preprocessed images, with
+  the host-to-device copy as the server pays it (pageable), from pinned memory, and with copy and
+  compute overlapped on two streams (what pinning could give);
+- decode bound: the server's own decoder (Pillow, on every core) on JPEG photos, and
+  ``torchvision.io.decode_jpeg(device="cuda")`` plus resize and normalisation on the GPU;
+- the server: ``memvit serve`` on the device (tests/server/launcher.py), closed-loop clients posting
+  the photos; goal >= 0.9 x min(CPU decode bound, model bound).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from adapters import bundle_for
+from benchmarks.common import DEIT_TINY, NATURAL_PHOTOS
+from benchmarks.loadgen import classify_requests, load
+from memory_core import MemoryViT, save_base
+
+from .plan import ARCHS, Plan, adapters, engine, sync
+from .report import Budget, StepReport, goal
+
+MAX_BATCH = {"cuda": 64, "cpu": 8}
+
+
+def run(plan: Plan, report: StepReport, budget: Budget) -> str:
+    try:  # the server's own dependencies (FastAPI, pydantic, ...): carried as wheels to a lent GPU
+        import server.app  # noqa: F401
+    except ImportError as exc:
+        report.note(f"skipped: the server's dependencies are missing ({exc}); docs/gpu.md says what to carry")
+        return "skipped"
+    models = ["tiny"] if plan.smoke else ["deit_tiny_patch16_224", "vit_base_patch16_224"]
+    photos = _jpegs(plan)
+    report.note(f"{len(photos)} JPEG photos, {sum(map(len, photos)) // len(photos) // 1024} KiB on average")
+    for arch in models:
+        if not budget.allows(3 * plan.server_seconds + 60):
+            report.note(f"budget spent: stopped before {arch}")
+            return "partial"
+        with tempfile.TemporaryDirectory(prefix="memvit-gpu-serve-") as tmp:
+            e, weights = _model(arch, plan, Path(tmp))
+            _store(e, Path(tmp) / "store")
+            what = {"model": f"{arch} ({e.source})", "batch": MAX_BATCH[plan.device.type]}
+            bounds: dict = {}
+            report.attempt("model bound", what, _bound, bounds, "model", _model_bound, e, photos, plan)
+            report.attempt("decode bound", what, _bound, bounds, "decode", _decode_bound, e, photos, plan)
+            for clients in plan.server_clients:
+                row = {**what, "clients": clients}
+                report.attempt(
+                    "server",
+                    row,
+                    _serve,
+                    weights,
+                    Path(tmp),
+                    photos,
+                    clients,
+                    plan,
+                    bounds,
+                )
+    return "done"
+
+
+def _bound(bounds: dict, key: str, measure, *args) -> dict:
+    """``measure(*args)``, also kept in ``bounds[key]`` for the server rows that follow."""
+    bounds[key] = measure(*args)
+    return bounds[key]
+
+
+def _jpegs(plan: Plan) -> list[bytes]:
+    """The shared data's natural photos as JPEGs (quality 90), or synthetic ones where it is absent."""
+    sources = sorted(NATURAL_PHOTOS.iterdir()) if NATURAL_PHOTOS.is_dir() and not plan.smoke else []
+    images = [Image.open(p).convert("RGB") for p in sources]
+    if not images:
+        size = (64, 48) if plan.smoke else (640, 480)
+        images = [Image.radial_gradient("L").resize(size).convert("RGB").rotate(15 * i) for i in range(4)]
+    out = []
+    for image in images:
+        buf = io.BytesIO()
+        image.save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def _model(arch: str, plan: Plan, tmp: Path) -> tuple[MemoryViT, Path]:
+    if arch == "deit_tiny_patch16_224" and DEIT_TINY.is_file():
+        return MemoryViT.from_timm(weights=str(DEIT_TINY), device=plan.device), DEIT_TINY
+    e = engine(arch, replace(plan, device=torch.device("cpu")))  # saved from the host (safetensors)
+    spec = dict(ARCHS[arch])
+    name = spec.pop("arch", arch)
+    path = save_base(e.base, tmp / "base.safetensors", arch=name, model_kwargs=spec or None)
+    return e.to(plan.device), path
+
+
+def _store(e: MemoryViT, path: Path) -> None:
+    """8 adapters (m=1, 100 classes) in the server's store, as benchmarks/serve.py serves."""
+    from server.store import LocalStore
+
+    store = LocalStore(path)
+    for w in adapters(e, 8, 1, 100, prefix="task-"):
+        store.write(w.name, bundle_for(w, e).to_bytes(), replace=False)
+
+
+def _pixels(e: MemoryViT, photos: list[bytes], batch: int) -> torch.Tensor:
+    from server.images import ImageDecoder
+
+    decoder = ImageDecoder(e, max_bytes=1 << 30, max_pixels=1 << 40)
+    one = torch.stack([decoder(p) for p in photos])
+    return one[torch.arange(batch) % len(one)]
+
+
+def _timed(fn, device: torch.device, seconds: float, images: int) -> float:
+    fn()
+    sync(device)
+    done, start = 0, time.perf_counter()
+    while done < 3 * images or time.perf_counter() - start < seconds:
+        fn()
+        done += images
+    sync(device)
+    return done / (time.perf_counter() - start)
+
+
+def _model_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
+    batch, device = MAX_BATCH[plan.device.type], plan.device
+    s = e.prepare_set(adapters(e, 8, 1, 100))
+    host = _pixels(e, photos, batch)
+    seconds = plan.server_seconds / 3
+    with torch.inference_mode():
+        row = {"on device img/s": _timed(lambda: e(host.to(device), s), device, seconds, batch)}
+        if device.type == "cuda":
+            on = host.to(device)
+            row["resident img/s"] = _timed(lambda: e(on, s), device, seconds, batch)
+            pinned = host.pin_memory()
+            row["pinned img/s"] = _timed(
+                lambda: e(pinned.to(device, non_blocking=True), s), device, seconds, batch
+            )
+            row["pinned, overlapped img/s"] = _overlapped(e, s, pinned, seconds)
+    return row
+
+
+def _overlapped(e: MemoryViT, s, pinned: torch.Tensor, seconds: float) -> float:
+    """Copy batch i+1 on a side stream while batch i computes."""
+    copy = torch.cuda.Stream()
+    done, start = 0, time.perf_counter()
+    with torch.cuda.stream(copy):
+        nxt = pinned.to("cuda", non_blocking=True)
+    while done < 3 * len(pinned) or time.perf_counter() - start < seconds:
+        torch.cuda.current_stream().wait_stream(copy)
+        current = nxt
+        current.record_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(copy):
+            nxt = pinned.to("cuda", non_blocking=True)
+        e(current, s)
+        done += len(pinned)
+    torch.cuda.synchronize()
+    return done / (time.perf_counter() - start)
+
+
+def _decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
+    from server.images import ImageDecoder
+
+    decoder = ImageDecoder(e, max_bytes=1 << 30, max_pixels=1 << 40)
+    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    seconds = plan.server_seconds / 3
+    with ThreadPoolExecutor(workers) as pool:
+        row = {
+            "cpu threads": workers,
+            "cpu img/s": _timed(
+                lambda: list(pool.map(decoder, photos)), torch.device("cpu"), seconds, len(photos)
+            ),
+        }
+    try:
+        from torchvision.io import decode_jpeg
+        from torchvision.transforms.v2 import functional as TF
+    except ImportError:
+        return {**row, "gpu": "skipped: torchvision is not installed"}
+    if plan.device.type != "cuda":
+        return {**row, "gpu": "skipped: no CUDA device"}
+    config = e.data_config()
+    size = config["input_size"][-2:]
+    mean = torch.tensor(config["mean"], device="cuda")[:, None, None]
+    std = torch.tensor(config["std"], device="cuda")[:, None, None]
+    data = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in photos]
+
+    def gpu_decode() -> None:
+        for image in decode_jpeg(data, device="cuda"):
+            image = TF.center_crop(
+                TF.resize(image, int(size[0] / config.get("crop_pct", 0.875)), antialias=True), size
+            )
+            _ = (image.float() / 255 - mean) / std
+
+    row["gpu img/s"] = _timed(gpu_decode, plan.device, seconds, len(photos))
+    return row
+
+
+def _serve(weights: Path, tmp: Path, photos: list[bytes], clients: int, plan: Plan, bounds: dict) -> dict:
+    from tests.server.launcher import ServerProcess
+
+    env = {
+        "MEMVIT_DEVICE": plan.device.type,
+        "MEMVIT_MAX_BATCH": str(MAX_BATCH[plan.device.type]),
+        "MEMVIT_MAX_QUEUE": str(max(256, 4 * clients)),
+        "MEMVIT_LOG_LEVEL": "warning",
+        "MEMVIT_STORE_POLL_SECONDS": "60",
+    }
+    server = ServerProcess(weights, tmp / "store", stderr=subprocess.DEVNULL, **env).start(timeout=300)
+    try:
+        requests = classify_requests("127.0.0.1", server.port, photos)
+        result = asyncio.run(load("127.0.0.1", server.port, requests, clients, plan.server_seconds))
+    finally:
+        server.stop()
+    model = bounds.get("model", {}).get("on device img/s")
+    decode = bounds.get("decode", {}).get("cpu img/s")
+    bound = min(b for b in (model, decode) if b) if (model or decode) else None
+    share = result.throughput / bound if bound else None
+    return {
+        "img/s": result.throughput,
+        "p50 ms": result.p50_ms,
+        "p99 ms": result.p99_ms,
+        "statuses": result.statuses,
+        "bound img/s": bound,
+        "server / bound": share,
+        "goal >= 0.9": goal(share, ">=", 0.9),
+    }

@@ -1,0 +1,267 @@
+"""Batch-invariant passes: an image's logits are bit-identical whatever else shares its pass.
+
+The default pass is exact to float rounding, but its rounding depends on the batch: a matrix
+product's kernel, and with it the order of its sums, is picked from the product's shape, and some
+shapes grow with the number of images, of adapters resident and of rows a route builds. On this
+project's CPUs the heads (B rows), the class-token attention (K rows per image; memory products of
+B rows and P keys) and the memory projection at preparation (the rows of every adapter prepared
+together) change their rounding so (docs/design.md §2.6 lists what was measured).
+
+In this mode every reduction runs in calls whose shapes depend on neither the batch nor the set:
+
+- heads, memory projections and the class-token queries run on fixed blocks of rows, the last block
+  padded with zeros, so a row meets the same kernel whatever its neighbours;
+- each class-token query is scored against its own keys (lineage, memory) in fixed chunks of keys:
+  padding keys get zero weight and a chunk of padding adds exactly nothing, so an adapter's result
+  does not depend on the longest memory of the adapters stacked with it;
+- the softmax is assembled from those pieces: an exact max, exponentials, and sums taken by the
+  same products as the weighted values (a column of ones), added in a fixed order;
+- operands are made contiguous first, so no memory layout depends on the batch either;
+- the token-row layers, the patch embedding and the base attention run in fixed blocks of rows and
+  of images where the device needs it (``InvariantBlocks.for_device``: on CUDA; on CPU with MKL
+  their kernels were measured not to depend on the batch, and blocking them would only cost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import Tensor, nn
+
+from .attention import LayerMemory, _finish, base_attention
+from .attention import project_memory as _project_memory
+from .routing import Route
+from .stack import AdapterStack
+
+
+@dataclass(frozen=True)
+class InvariantBlocks:
+    """The fixed call sizes of a batch-invariant pass. Any values give invariance; they trade speed."""
+
+    rows: int | None = 256  # token rows per call of a per-token layer; None: all in one call
+    thin: int = 8  # class-token queries per image per product, and rows per head call
+    keys: int = 8  # own keys (lineage, memory) per chunk of the class-token attention
+    images: int | None = None  # images per patch-embedding and attention call; None: the whole batch
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> InvariantBlocks:
+        if device.type == "cuda":
+            # cuBLAS and the flash kernels pick tiles and split-K/split-KV from the whole shape,
+            # batch count included: bound every call's shape (sizes to be tuned on the device).
+            return cls(rows=4096, thin=64, keys=8, images=16)
+        # MKL's product kernel depends on the row count only below 4 rows (measured: 1, 2-3 and 4+
+        # rows take three kernels, at any thread count), and a pass has more token rows than that:
+        # blocking them would only cost. Other CPU BLAS libraries get blocks.
+        return cls(rows=None if torch.backends.mkl.is_available() else 256)
+
+
+def in_blocks(fn: Callable[..., Tensor | tuple[Tensor, ...]], size: int | None, *xs: Tensor):
+    """``fn`` over blocks of ``size`` rows (dim 0) of ``xs``, the last one zero-padded; None: one call."""
+    n = xs[0].shape[0]
+    if size is None:
+        return fn(*xs)
+    outs = []
+    for start in range(0, n, size):
+        parts = [x[start : start + size] for x in xs]
+        if parts[0].shape[0] < size:
+            parts = [torch.cat([p, p.new_zeros(size - p.shape[0], *p.shape[1:])]) for p in parts]
+        outs.append(fn(*parts))
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(o)[:n] for o in zip(*outs, strict=True))
+    return torch.cat(outs)[:n]
+
+
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    """(..., m, k) @ (..., k, n) as one bmm on contiguous operands of equal batch shape."""
+    batch = a.shape[:-2]
+    out = torch.bmm(a.contiguous().reshape(-1, *a.shape[-2:]), b.contiguous().reshape(-1, *b.shape[-2:]))
+    return out.reshape(*batch, *out.shape[-2:])
+
+
+def _pad(t: Tensor, dim: int, multiple: int, value: float = 0.0) -> Tensor:
+    """``t`` padded with ``value`` along ``dim`` to a multiple of ``multiple`` (always a new tensor)."""
+    extra = -t.shape[dim] % multiple
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, t.new_full(shape, value)], dim=dim)
+
+
+def project_memory(
+    block: Block, memory: Tensor, memory_norm: str, blocks: InvariantBlocks | None
+) -> tuple[Tensor, Tensor]:
+    """``attention.project_memory`` on fixed blocks of memory rows: (m, D) -> keys, values (H, m, d).
+
+    ``prepare_many`` projects the memories of many adapters together; in fixed blocks, an adapter's
+    keys do not depend on which others were prepared with it. ``blocks`` None: one product."""
+    if blocks is None:
+        return _project_memory(block, memory, memory_norm)
+
+    def project(rows: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = _project_memory(block, rows, memory_norm)  # (H, n, d)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    k, v = in_blocks(project, blocks.thin, memory)  # (m, H, d)
+    return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+
+
+def features(
+    base: VisionTransformer, x: Tensor, stack: AdapterStack | Route | None, blocks: InvariantBlocks
+) -> tuple[Tensor, Tensor | None]:
+    """``MemoryViT.forward_features`` (merged path): images -> final-normed base and class tokens."""
+    x = in_blocks(base.patch_embed, blocks.images, x)
+    x = base.patch_drop(base._pos_embed(x))  # additions and concatenation: exact per image
+    B, T, _ = x.shape
+    if stack is None:
+        z, layers = x, [None] * len(base.blocks)
+    else:
+        cls = stack.cls if stack.cls.ndim == 3 else stack.cls.expand(B, -1, -1)
+        z, layers = torch.cat([x, cls], dim=1), stack.layers
+    z = _rows(base.norm_pre, z, blocks)
+    for block, memory in zip(base.blocks, layers, strict=True):
+        z = invariant_block(block, z, T, memory, blocks)
+    z = _rows(base.norm, z, blocks)
+    return z[:, :T], (None if stack is None else z[:, T:])
+
+
+def _rows(fn: Callable[[Tensor], Tensor], z: Tensor, blocks: InvariantBlocks) -> Tensor:
+    if isinstance(fn, nn.Identity):
+        return z
+    B, N, D = z.shape
+    return in_blocks(fn, blocks.rows, z.reshape(B * N, D)).reshape(B, N, -1)
+
+
+def invariant_block(
+    block: Block, z: Tensor, T: int, memory: LayerMemory | None, blocks: InvariantBlocks
+) -> Tensor:
+    """``merged_block`` (attention.py) with every call's shape fixed. z: [X ; C] (B, T+K, D)."""
+    attn = block.attn
+    B, N, D = z.shape
+    gated = getattr(attn, "gate", None) is not None  # the one use of norm1's output after qkv
+
+    def qkv_rows(r: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        h = block.norm1(r)
+        return (attn.qkv(h), h) if gated else attn.qkv(h)
+
+    out = in_blocks(qkv_rows, blocks.rows, z.reshape(B * N, D))
+    qkv, h = out if gated else (out, None)
+    q, k, v = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k = attn.q_norm(q), attn.k_norm(k)  # (B, H, N, d); per-head norms work row by row
+    k_x, v_x = k[:, :, :T], v[:, :, :T]
+    o = in_blocks(lambda *t: base_attention(attn, *t), blocks.images, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
+    if N > T:
+        o_c = adapter_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k_x, v_x, memory, blocks)
+        o = torch.cat([o, o_c], dim=2)
+    o = o.transpose(1, 2).reshape(B * N, D)
+
+    def finish(rows: Tensor, o_rows: Tensor, h_rows: Tensor | None = None) -> Tensor:
+        return _finish(block, rows, h_rows, o_rows)
+
+    parts = (z.reshape(B * N, D), o) if h is None else (z.reshape(B * N, D), o, h)
+    return in_blocks(finish, blocks.rows, *parts).reshape(B, N, D)
+
+
+def adapter_attention(
+    attn: Attention,
+    q_c: Tensor,
+    k_c: Tensor,
+    v_c: Tensor,
+    k_x: Tensor,
+    v_x: Tensor,
+    memory: LayerMemory,
+    blocks: InvariantBlocks,
+) -> Tensor:
+    """``attention.adapter_attention`` computed so that a row's result depends on that row alone.
+
+    q_c, k_c, v_c: (B, H, K, d); k_x, v_x: (B, H, T, d). Returns (B, H, K, d).
+    """
+    B, H, K, d = q_c.shape
+    T = k_x.shape[2]
+    wide = torch.promote_types(q_c.dtype, torch.float32)  # the softmax's dtype, as in the default pass
+    q = (q_c * attn.scale).to(wide)
+    k_x, v_x = k_x.to(wide), v_x.to(wide)
+    # Values with a column of ones: one product gives the weighted values and the weights' sum.
+    v_x1 = torch.cat([v_x, v_x.new_ones(B, H, T, 1)], dim=-1)  # (B, H, T, d+1)
+    k_xt = k_x.transpose(-2, -1).contiguous()  # (B, H, d, T)
+    # Base keys: queries in fixed chunks of `thin` rows per image (K padded with zero queries).
+    q_p = _pad(q, 2, blocks.thin)
+    chunks = range(0, q_p.shape[2], blocks.thin)
+    s_x = torch.cat(
+        [in_blocks(_bmm, blocks.images, q_p[:, :, j : j + blocks.thin], k_xt) for j in chunks], dim=2
+    )[:, :, :K]  # (B, H, K, T)
+    own = [_pad_keys(*segment, blocks.keys) for segment in _own_keys(k_c, v_c, memory, B)]
+    own_scores = []  # per chunk: (B, H, K, c) scores plus bias, and (B, H, K, c, d+1) values
+    for keys, values, bias in own:
+        for j in range(0, keys.shape[3], blocks.keys):
+            kj = keys[:, :, :, j : j + blocks.keys].to(wide)
+            s = _bmm(q.unsqueeze(3), kj.transpose(-2, -1)).squeeze(3) + bias[..., j : j + blocks.keys]
+            own_scores.append((s, values[:, :, :, j : j + blocks.keys].to(wide)))
+    # Softmax from its pieces: the max is exact in any order; sums come from fixed-shape products.
+    top = s_x.amax(dim=-1)
+    for s, _ in own_scores:
+        top = torch.maximum(top, s.amax(dim=-1))
+    e_x = _pad((s_x - top[..., None]).exp(), 2, blocks.thin)
+    o = torch.cat(
+        [in_blocks(_bmm, blocks.images, e_x[:, :, j : j + blocks.thin], v_x1) for j in chunks], dim=2
+    )[:, :, :K]  # (B, H, K, d+1)
+    for s, values in own_scores:
+        e = (s - top[..., None]).exp()  # padding: exp(-inf) = 0, and 0 x 0-values adds exactly 0
+        v1 = torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1)
+        o = o + _bmm(e.unsqueeze(3), v1).squeeze(3)
+    return (o[..., :d] / o[..., d:]).to(q_c.dtype)
+
+
+def _own_keys(k_c: Tensor, v_c: Tensor, memory: LayerMemory, B: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Each row's lineage and memory keys, values and bias: (B, H, K, n, d) twice and (B, 1, K, n)."""
+    if memory.lineage.ndim == 2:  # shared by every image
+        k_l, v_l = k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]  # (B, H, K, A, d)
+        l_bias = memory.lineage_bias.expand(B, 1, *memory.lineage_bias.shape)
+        k_m = memory.keys.transpose(0, 1).expand(B, -1, -1, -1, -1)  # (K, H, P, d) -> (B, H, K, P, d)
+        v_m = memory.values.transpose(0, 1).expand(B, -1, -1, -1, -1)
+        m_bias = memory.bias.expand(B, 1, *memory.bias.shape)
+    else:  # routed: row k of image b is adapter idx[b, k]
+        images = torch.arange(B, device=k_c.device)[:, None, None]
+        k_l = k_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)
+        v_l = v_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)
+        l_bias = memory.lineage_bias[:, None]
+        k_m, v_m = memory.keys.transpose(1, 2), memory.values.transpose(1, 2)  # (B, H, K, P, d)
+        m_bias = memory.bias[:, None]
+    return [(k_l, v_l, l_bias), (k_m, v_m, m_bias)]
+
+
+def _pad_keys(keys: Tensor, values: Tensor, bias: Tensor, multiple: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Keys and values (B, H, K, n, d), bias (B, 1, K, n): n padded to a multiple (zeros; -inf bias)."""
+    if keys.shape[3] == 0:
+        return keys, values, bias
+    return _pad(keys, 3, multiple), _pad(values, 3, multiple), _pad(bias, 3, multiple, float("-inf"))
+
+
+def head(base: VisionTransformer, x: Tensor, blocks: InvariantBlocks) -> Tensor:
+    """The base's own head (pooling, norm, classifier) on fixed blocks of images."""
+    return in_blocks(base.forward_head, blocks.thin, x)
+
+
+def adapter_heads(stack: AdapterStack, c: Tensor, blocks: InvariantBlocks) -> list[Tensor]:
+    """``AdapterStack.apply_heads`` on fixed blocks of images, with contiguous rows."""
+    return list(in_blocks(lambda rows: tuple(_heads(stack, rows)), blocks.thin, c))
+
+
+def _heads(stack: AdapterStack, c: Tensor) -> list[Tensor]:
+    if not stack.head_groups:
+        return [F.linear(c[:, k].contiguous(), w, b) for k, (w, b) in enumerate(stack.heads)]
+    logits: list[Tensor] = [c] * len(stack.heads)  # every slot is overwritten below
+    for group in stack.head_groups:
+        rows = c.index_select(1, group.members).transpose(0, 1).contiguous()  # (G, n, D)
+        z = torch.baddbmm(group.bias[:, None], rows, group.weight.transpose(1, 2))
+        for i, k in enumerate(group.members.tolist()):
+            logits[k] = z[i]
+    return logits
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor, blocks: InvariantBlocks) -> Tensor:
+    """``F.linear`` on fixed blocks of rows (a routed adapter's head)."""
+    return in_blocks(lambda r: F.linear(r, weight, bias), blocks.thin, x)
