@@ -216,10 +216,8 @@ class MemoryViT(nn.Module):
         records only the class-token rows (training, docs/design.md §2.3); "auto" picks split exactly
         when gradients will flow into the stack.
         """
-        self._check_input(x)
         base = self.base
-        x = x.to(self.dtype)
-        x = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))  # (B, T, D)
+        x = self.embed(x)  # (B, T, D)
         if stack is None:
             return base.norm(base.blocks(x)), None
         if stack.cls.device != self.device or stack.cls.dtype != self.dtype:
@@ -246,6 +244,12 @@ class MemoryViT(nn.Module):
         else:
             raise ValueError(f"path must be 'auto', 'merged' or 'split', got {path!r}")
         return base.norm(x), base.norm(c)
+
+    def embed(self, x: Tensor) -> Tensor:
+        """Images (B, C, H, W) -> the base tokens (B, T, D) the first block reads."""
+        self._check_input(x)
+        base = self.base
+        return base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x.to(self.dtype)))))
 
     def forward_head(
         self, x: Tensor, c: Tensor | None, adapter_set: AdapterSet, route: Route | None = None

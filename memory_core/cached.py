@@ -1,0 +1,147 @@
+"""The adapters' class-token path from cached base activations (docs/design.md §2.9).
+
+Base tokens never see adapter tokens (§1.1), so for a fixed image what the base computes at every
+layer is the same for every adapter, every step and every epoch. ``capture`` runs the base once per
+image and returns what the class-token path reads of each layer; ``forward_cached`` then runs only
+that path (every adapter of a set, fused) from it. Training from a cache costs the class-token rows
+alone, forward and back, about 1/T of the base pass per adapter.
+
+What is kept per image (the ``store``):
+
+- ``"inputs"``: the normed layer inputs h = norm1(x_l), (L, T, D). Keys and values are affine in h
+  (k = h W_k^T + b_k, v = h W_v^T + b_v), so a class token never needs the T keys themselves:
+  q.k = (q W_k).h + q.b_k and p.v = (p h) W_v^T + (sum p) b_v (``NormedInputs``). Half the bytes of
+  keys and values, and no projection of the base rows; the scores cost H times those of stored keys
+  (each head reads the D-wide h, not its d-wide slice), which is small while K * H < D. A base with a
+  key norm (``qk_norm``) cannot fold its queries into W_k: its keys and values are projected from h.
+- ``"keys-values"``: the keys and values themselves, (L, 2, H, T, d): twice the bytes, and the very
+  tensors the split path reads (float32 storage gives its numbers bit for bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from timm.layers import Attention
+from torch import Tensor, nn
+
+from .adapter_set import AdapterSet
+from .attention import BaseKeys, KeysValues, base_block, class_token_block, project_qkv
+from .errors import AdapterShapeError, InputError
+from .model import MemoryViT
+from .output import FusedOutput
+from .spec import ViTSpec
+
+STORES = ("inputs", "keys-values")
+
+
+def stored_shape(spec: ViTSpec, store: str) -> tuple[int, ...]:
+    """The shape of one image's cached activations."""
+    L, T, D = spec.depth, spec.num_tokens, spec.width
+    if store == "inputs":
+        return (L, T, D)
+    if store == "keys-values":
+        return (L, 2, spec.num_heads, T, spec.head_dim)
+    raise ValueError(f"store must be one of {', '.join(STORES)}, got {store!r}")
+
+
+@torch.no_grad()
+def capture(engine: MemoryViT, x: Tensor, store: str) -> tuple[Tensor, Tensor]:
+    """Images (B, C, H, W) -> the base logits (B, C_0) and each image's activations (B, *stored_shape).
+
+    The base runs exactly as in the split path (``attention.base_block``), so a cache holds what that
+    path computes."""
+    stored_shape(engine.spec, store)  # refuses an unknown store before any work
+    base = engine.base
+    t = engine.embed(x)
+    layers = []
+    for block in base.blocks:
+        t, h, k, v = base_block(block, t)
+        layers.append(h if store == "inputs" else torch.stack([k, v], dim=1))
+    return base.forward_head(base.norm(t)), torch.stack(layers, dim=1)
+
+
+@dataclass(frozen=True)
+class CachedBatch:
+    """A batch of cached activations, as ``forward_cached`` reads them."""
+
+    store: str
+    layers: Tensor  # (B, *stored_shape), any float dtype (float16 storage stays float16 until read)
+    base_logits: Tensor  # (B, C_0)
+
+    def __len__(self) -> int:
+        return self.layers.shape[0]
+
+
+@dataclass(frozen=True)
+class NormedInputs:
+    """One layer's base tokens held as their normed inputs h (B, T, D): keys and values never formed."""
+
+    attn: Attention
+    h: Tensor
+
+    def _weight(self, part: int) -> tuple[Tensor, Tensor | None]:
+        """W_k (part 1) or W_v (part 2) as (H, d, D), and its bias as (H, 1, d)."""
+        attn, width = self.attn, self.attn.attn_dim
+        rows = slice(part * width, (part + 1) * width)
+        weight = attn.qkv.weight[rows].view(attn.num_heads, attn.head_dim, -1)
+        bias = attn.qkv.bias
+        return weight, None if bias is None else bias[rows].view(attn.num_heads, 1, attn.head_dim)
+
+    def scores(self, q: Tensor) -> Tensor:
+        B, H, K, _ = q.shape
+        w_k, b_k = self._weight(1)
+        u = torch.einsum("bhkd,hde->bhke", q, w_k)  # the queries folded into W_k: (B, H, K, D)
+        s = torch.bmm(u.reshape(B, H * K, -1), self.h.transpose(1, 2)).view(B, H, K, -1)
+        return s if b_k is None else s + (q * b_k).sum(-1, keepdim=True)
+
+    def mix(self, p: Tensor) -> Tensor:
+        B, H, K, T = p.shape
+        w_v, b_v = self._weight(2)
+        ph = torch.bmm(p.reshape(B, H * K, T), self.h).view(B, H, K, -1)  # (B, H, K, D)
+        o = torch.einsum("bhke,hde->bhkd", ph, w_v)
+        return o if b_v is None else o + p.sum(-1, keepdim=True) * b_v
+
+
+def _base_keys(block: nn.Module, store: str, layer: Tensor) -> BaseKeys:
+    """One layer of a batch (B, ...) in the storage dtype -> how the class tokens read it."""
+    attn = block.attn
+    if store == "keys-values":
+        return KeysValues(layer[:, 0].contiguous(), layer[:, 1].contiguous())
+    if isinstance(attn.k_norm, nn.Identity):
+        return NormedInputs(attn, layer.contiguous())
+    _, k, v = project_qkv(attn, layer)  # a key norm sits between h and the scores: project
+    return KeysValues(k, v)
+
+
+def forward_cached(engine: MemoryViT, batch: CachedBatch, adapter_set: AdapterSet) -> FusedOutput:
+    """The fused pass from cached activations: the base logits as cached, every adapter's logits
+    computed from the cached layers (with autograd when the set's tensors require grad)."""
+    expected = stored_shape(engine.spec, batch.store)
+    if tuple(batch.layers.shape[1:]) != expected:
+        raise InputError(
+            f"cached activations of shape {tuple(batch.layers.shape[1:])} per image, this base reads "
+            f"{expected} ({batch.store})"
+        )
+    stack = adapter_set.stack
+    if stack is None:
+        return FusedOutput(batch.base_logits, {}, {}, adapter_set)
+    if stack.cls.device != engine.device or stack.cls.dtype != engine.dtype:
+        raise AdapterShapeError(
+            f"these adapters were prepared for {stack.cls.device}/{stack.cls.dtype}, the engine runs "
+            f"{engine.device}/{engine.dtype}",
+            field="name",
+        )
+    base = engine.base
+    layers = batch.layers.to(engine.device)
+    c = base.norm_pre(stack.cls).expand(len(batch), -1, -1)  # (B, K, D)
+    for i, (block, memory) in enumerate(zip(base.blocks, stack.layers, strict=True)):
+        # One layer at a time in the engine's dtype: float16 storage is widened where it is read,
+        # and only the layers autograd keeps for the backward pass are ever held widened.
+        layer = layers[:, i].to(engine.dtype)
+        c = class_token_block(block, c, _base_keys(block, batch.store, layer), memory)
+    heads = stack.apply_heads(base.norm(c))
+    return FusedOutput.every_image(
+        batch.base_logits.to(engine.device), dict(zip(adapter_set.names, heads, strict=True)), adapter_set
+    )
