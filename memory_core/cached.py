@@ -21,6 +21,7 @@ What is kept per image (the ``store``):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from timm.layers import Attention
@@ -29,9 +30,11 @@ from torch import Tensor, nn
 from .adapter_set import AdapterSet
 from .attention import BaseKeys, KeysValues, base_block, class_token_block, project_qkv
 from .errors import AdapterShapeError, InputError
-from .model import MemoryViT
 from .output import FusedOutput
 from .spec import ViTSpec
+
+if TYPE_CHECKING:  # the engine calls in here (MemoryViT.forward): no import at run time
+    from .model import MemoryViT
 
 STORES = ("inputs", "keys-values")
 

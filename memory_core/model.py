@@ -24,6 +24,7 @@ from .adapter import AdapterWeights
 from .adapter_set import AdapterSet
 from .attention import merged_block, project_memory, split_block
 from .base_model import BaseModel, create_base
+from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
 from .fingerprint import state_fingerprint
 from .output import FusedOutput
@@ -183,7 +184,7 @@ class MemoryViT(nn.Module):
     # -- the fused pass ------------------------------------------------------------------------
     def forward(
         self,
-        x: Tensor,
+        x: Tensor | CachedBatch,
         adapter_set: AdapterSet | None = None,
         *,
         tasks: Sequence[Collection[str]] | None = None,
@@ -196,8 +197,16 @@ class MemoryViT(nn.Module):
         ``tasks[b]`` names the adapters image b asks for, and only those rows (plus, in extension
         mode, their ancestors') are built: an image pays for the base pass plus what it asks for,
         whatever else the set holds.
+
+        ``x`` may also be a ``CachedBatch``: the base's cached activations for a batch of images
+        (training and evaluation from an activation cache, docs/design.md §2.9). Then only the
+        class-token path runs, and every adapter answers every image.
         """
         adapter_set = _BASE_ONLY if adapter_set is None else adapter_set
+        if isinstance(x, CachedBatch):
+            if tasks is not None:
+                raise ValueError("a cached batch runs every adapter for every image: tasks must be None")
+            return forward_cached(self, x, adapter_set)
         if tasks is None:
             x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
             return self.forward_head(x_tokens, c_tokens, adapter_set)
