@@ -21,10 +21,11 @@ What is kept per image (the ``store``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from timm.layers import Attention
+from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from .adapter_set import AdapterSet
@@ -33,10 +34,22 @@ from .errors import AdapterShapeError, InputError
 from .output import FusedOutput
 from .spec import ViTSpec
 
-if TYPE_CHECKING:  # the engine calls in here (MemoryViT.forward): no import at run time
-    from .model import MemoryViT
-
 STORES = ("inputs", "keys-values")
+
+
+class Engine(Protocol):
+    """What of ``MemoryViT`` this module uses (the engine calls in here: it is not imported)."""
+
+    spec: ViTSpec
+    base: VisionTransformer
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def embed(self, x: Tensor) -> Tensor: ...
 
 
 def stored_shape(spec: ViTSpec, store: str) -> tuple[int, ...]:
@@ -50,7 +63,7 @@ def stored_shape(spec: ViTSpec, store: str) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def capture(engine: MemoryViT, x: Tensor, store: str) -> tuple[Tensor, Tensor]:
+def capture(engine: Engine, x: Tensor, store: str) -> tuple[Tensor, Tensor]:
     """Images (B, C, H, W) -> the base logits (B, C_0) and each image's activations (B, *stored_shape).
 
     The base runs exactly as in the split path (``attention.base_block``), so a cache holds what that
@@ -118,7 +131,7 @@ def _base_keys(block: nn.Module, store: str, layer: Tensor) -> BaseKeys:
     return KeysValues(k, v)
 
 
-def forward_cached(engine: MemoryViT, batch: CachedBatch, adapter_set: AdapterSet) -> FusedOutput:
+def forward_cached(engine: Engine, batch: CachedBatch, adapter_set: AdapterSet) -> FusedOutput:
     """The fused pass from cached activations: the base logits as cached, every adapter's logits
     computed from the cached layers (with autograd when the set's tensors require grad)."""
     expected = stored_shape(engine.spec, batch.store)

@@ -181,7 +181,10 @@ def _fill(
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers)
     views = len(key["views"])
     start = 0
-    with tqdm(total=len(samples), desc="activation cache", unit="img", disable=not progress) as bar:
+    # disable=None: a bar on a terminal only, never in captured or piped output.
+    with tqdm(
+        total=len(samples), desc="activation cache", unit="img", disable=None if progress else True
+    ) as bar:
         for images, _ in loader:
             x = images.to(engine.device)
             if views == 2:
