@@ -42,18 +42,21 @@ class LayerMemory:
 
 
 class BaseKeys(Protocol):
-    """One layer's base tokens as the adapter class tokens read them: scores against their keys and
-    the weighted sum of their values. The fused pass holds the keys and values themselves
-    (``KeysValues``); training from cached activations may hold only the normed layer inputs they are
-    projected from (memory_core/cached.py)."""
+    """One layer's base tokens as the adapter class tokens read them. The fused pass holds their keys
+    and values (``KeysValues``); training from cached activations may hold only the normed layer
+    inputs they are projected from (memory_core/cached.py)."""
 
-    def scores(self, q: Tensor) -> Tensor:
-        """Scaled class-token queries (B, H, K, d) -> scores over the T base tokens (B, H, K, T)."""
+    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
+        """Scaled class-token queries (B, H, K, d) and their scores on the other keys they read
+        (lineage and memory, (B, H, K, S)) -> the weighted sum of the base values (B, H, K, d) and
+        the weights of the other keys (B, H, K, S), from one softmax over [base keys ; other keys]."""
         ...
 
-    def mix(self, p: Tensor) -> Tensor:
-        """Attention weights (B, H, K, T) -> the weighted sum of the base values (B, H, K, d)."""
-        ...
+
+def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Adapter softmaxes run in at least float32: bf16 scores over ~200 keys lose too much, and a
+    float64 engine should be float64-accurate."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,11 @@ class KeysValues:
     keys: Tensor
     values: Tensor
 
-    def scores(self, q: Tensor) -> Tensor:
-        return q @ self.keys.transpose(-2, -1)
-
-    def mix(self, p: Tensor) -> Tensor:
-        return p @ self.values
+    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
+        T = self.keys.shape[-2]
+        scores = torch.cat([q @ self.keys.transpose(-2, -1), other], dim=-1)  # (B, H, K, T + S)
+        probs = attn.attn_drop(scores.softmax(dim=-1, dtype=softmax_dtype(q.dtype)).to(q.dtype))
+        return probs[..., :T] @ self.values, probs[..., T:]
 
 
 def project_qkv(attn: Attention, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -130,26 +133,15 @@ def adapter_attention(
         m_scores = torch.einsum("bhkd,khpd->bhkp", q, memory.keys) + memory.bias  # bias (K, P)
     else:
         m_scores = torch.einsum("bhkd,bkhpd->bhkp", q, memory.keys) + memory.bias[:, None]  # (B, 1, K, P)
-    base_scores = base.scores(q)  # (B, H, K, T): every class token reads its image's base tokens
-    T = base_scores.shape[-1]
-    scores = torch.cat(
-        [
-            base_scores,
-            (q.unsqueeze(3) * k_l).sum(-1) + lineage_bias,  # (B, H, K, A)
-            m_scores,  # (B, H, K, P)
-        ],
-        dim=-1,
-    )
-    # Softmax in at least float32: bf16 scores over ~200 keys lose too much, and a float64 engine
-    # should be float64-accurate.
-    probs = scores.softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-    probs = attn.attn_drop(probs)
-    p_x, p_l, p_m = probs[..., :T], probs[..., T : T + A], probs[..., T + A :]
+    other = torch.cat([(q.unsqueeze(3) * k_l).sum(-1) + lineage_bias, m_scores], dim=-1)  # (B, H, K, A+P)
+    # Every class token reads its image's base tokens; one softmax over those and the others.
+    o_x, p_other = base.attend(attn, q, other)
+    p_l, p_m = p_other[..., :A], p_other[..., A:]
     if shared:
         o_m = torch.einsum("bhkp,khpd->bhkd", p_m, memory.values)
     else:
         o_m = torch.einsum("bhkp,bkhpd->bhkd", p_m, memory.values)
-    return base.mix(p_x) + (p_l.unsqueeze(-1) * v_l).sum(3) + o_m  # (B, H, K, d)
+    return o_x + (p_l.unsqueeze(-1) * v_l).sum(3) + o_m  # (B, H, K, d)
 
 
 def _finish(block: Block, x: Tensor, h: Tensor, o: Tensor) -> Tensor:

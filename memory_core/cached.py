@@ -29,7 +29,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from .adapter_set import AdapterSet
-from .attention import BaseKeys, KeysValues, base_block, class_token_block, project_qkv
+from .attention import BaseKeys, KeysValues, base_block, class_token_block, project_qkv, softmax_dtype
 from .errors import AdapterShapeError, InputError
 from .output import FusedOutput
 from .spec import ViTSpec
@@ -90,44 +90,110 @@ class CachedBatch:
         return self.layers.shape[0]
 
 
+class _TimesStored(torch.autograd.Function):
+    """``a @ x`` (or ``a @ x^T``) for a stored constant ``x``, widened to ``a``'s dtype where it is used.
+
+    The backward pass widens ``x`` again instead of keeping the widened copy: per layer the copy is a
+    few MB, made and read while it is still in cache, where a copy kept for the backward pass would
+    come back from main memory (and the whole batch would stay allocated at twice its size). Reading
+    the stored layers is most of a cached step's memory traffic.
+    """
+
+    @staticmethod
+    def forward(ctx, a: Tensor, x: Tensor, transpose: bool) -> Tensor:
+        ctx.save_for_backward(x)
+        ctx.transpose = transpose
+        wide = x.to(a.dtype)
+        return a @ (wide.transpose(-1, -2) if transpose else wide)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (x,) = ctx.saved_tensors
+        wide = x.to(grad.dtype)
+        return grad @ (wide if ctx.transpose else wide.transpose(-1, -2)), None, None
+
+
+@dataclass(frozen=True)
+class StoredKeysValues:
+    """One layer's cached base keys and values, each (B, H, T, d) in the storage dtype."""
+
+    keys: Tensor
+    values: Tensor
+
+    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
+        T = self.keys.shape[-2]
+        scores = torch.cat([_TimesStored.apply(q, self.keys, True), other], dim=-1)
+        probs = scores.softmax(dim=-1, dtype=softmax_dtype(q.dtype)).to(q.dtype)
+        return _TimesStored.apply(probs[..., :T], self.values, False), probs[..., T:]
+
+
+class _AttendInputs(torch.autograd.Function):
+    """Base scores u.h + c, one softmax with the other scores, and the weighted sum of h, for a stored
+    h (B, T, D) widened once per pass (forward, then backward) and read twice while in cache.
+
+    u (B, H, K, D): the queries folded into W_k; c (B, H, K, 1): their product with the key bias;
+    other (B, H, K, S). Returns p h (B, H, K, D) and the weights (B, H, K, T + S).
+    """
+
+    @staticmethod
+    def forward(
+        ctx, u: Tensor, c: Tensor, other: Tensor, h: Tensor, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        B, H, K, D = u.shape
+        T = h.shape[1]
+        wide = h.to(u.dtype)
+        scores = torch.bmm(u.reshape(B, H * K, D), wide.transpose(1, 2)).view(B, H, K, T) + c
+        p = torch.cat([scores, other], dim=-1).softmax(dim=-1, dtype=dtype).to(u.dtype)
+        ph = torch.bmm(p[..., :T].reshape(B, H * K, T), wide).view(B, H, K, D)
+        ctx.save_for_backward(h, p)
+        ctx.dtype = dtype
+        return ph, p
+
+    @staticmethod
+    def backward(ctx, grad_ph: Tensor, grad_p: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        h, p = ctx.saved_tensors
+        B, H, K, D = grad_ph.shape
+        T = h.shape[1]
+        wide = h.to(grad_ph.dtype)
+        grad_p = grad_p.clone()
+        grad_p[..., :T] += torch.bmm(grad_ph.reshape(B, H * K, D), wide.transpose(1, 2)).view(B, H, K, T)
+        pw, gw = p.to(ctx.dtype), grad_p.to(ctx.dtype)
+        grad_s = (pw * (gw - (gw * pw).sum(-1, keepdim=True))).to(grad_ph.dtype)  # softmax backward
+        grad_u = torch.bmm(grad_s[..., :T].reshape(B, H * K, T), wide).view(B, H, K, D)
+        return grad_u, grad_s[..., :T].sum(-1, keepdim=True), grad_s[..., T:], None, None
+
+
 @dataclass(frozen=True)
 class NormedInputs:
-    """One layer's base tokens held as their normed inputs h (B, T, D): keys and values never formed."""
+    """One layer's base tokens held as their normed inputs h (B, T, D), in the storage dtype: keys and
+    values are never formed (q.k = (q W_k).h + q.b_k, p.v = (p h) W_v^T + (sum p) b_v)."""
 
-    attn: Attention
     h: Tensor
 
-    def _weight(self, part: int) -> tuple[Tensor, Tensor | None]:
-        """W_k (part 1) or W_v (part 2) as (H, d, D), and its bias as (H, 1, d)."""
-        attn, width = self.attn, self.attn.attn_dim
-        rows = slice(part * width, (part + 1) * width)
-        weight = attn.qkv.weight[rows].view(attn.num_heads, attn.head_dim, -1)
-        bias = attn.qkv.bias
-        return weight, None if bias is None else bias[rows].view(attn.num_heads, 1, attn.head_dim)
-
-    def scores(self, q: Tensor) -> Tensor:
-        B, H, K, _ = q.shape
-        w_k, b_k = self._weight(1)
+    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
+        B, H, K, d = q.shape
+        T, width = self.h.shape[1], attn.attn_dim
+        w_k, w_v = attn.qkv.weight[width:].view(2, H, d, -1)  # (H, d, D) each
         u = torch.einsum("bhkd,hde->bhke", q, w_k)  # the queries folded into W_k: (B, H, K, D)
-        s = torch.bmm(u.reshape(B, H * K, -1), self.h.transpose(1, 2)).view(B, H, K, -1)
-        return s if b_k is None else s + (q * b_k).sum(-1, keepdim=True)
-
-    def mix(self, p: Tensor) -> Tensor:
-        B, H, K, T = p.shape
-        w_v, b_v = self._weight(2)
-        ph = torch.bmm(p.reshape(B, H * K, T), self.h).view(B, H, K, -1)  # (B, H, K, D)
+        bias = attn.qkv.bias
+        b_k, b_v = (None, None) if bias is None else bias[width:].view(2, H, 1, d)
+        c = q.new_zeros(B, H, K, 1) if b_k is None else (q * b_k).sum(-1, keepdim=True)
+        ph, p = _AttendInputs.apply(u, c, other, self.h, softmax_dtype(q.dtype))
         o = torch.einsum("bhke,hde->bhkd", ph, w_v)
-        return o if b_v is None else o + p.sum(-1, keepdim=True) * b_v
+        if b_v is not None:
+            o = o + p[..., :T].sum(-1, keepdim=True) * b_v
+        return o, p[..., T:]
 
 
-def _base_keys(block: nn.Module, store: str, layer: Tensor) -> BaseKeys:
-    """One layer of a batch (B, ...) in the storage dtype -> how the class tokens read it."""
+def _base_keys(block: nn.Module, store: str, layer: Tensor, dtype: torch.dtype) -> BaseKeys:
+    """One layer of a batch (B, ...), in the storage dtype -> how the class tokens read it."""
     attn = block.attn
     if store == "keys-values":
-        return KeysValues(layer[:, 0].contiguous(), layer[:, 1].contiguous())
-    if isinstance(attn.k_norm, nn.Identity):
-        return NormedInputs(attn, layer.contiguous())
-    _, k, v = project_qkv(attn, layer)  # a key norm sits between h and the scores: project
+        return StoredKeysValues(layer[:, 0], layer[:, 1])
+    dropout = attn.training and attn.attn_drop.p > 0  # only the keys-and-values path applies it
+    if isinstance(attn.k_norm, nn.Identity) and not dropout:
+        return NormedInputs(layer)
+    _, k, v = project_qkv(attn, layer.to(dtype))  # a key norm sits between h and the scores: project
     return KeysValues(k, v)
 
 
@@ -153,10 +219,7 @@ def forward_cached(engine: Engine, batch: CachedBatch, adapter_set: AdapterSet) 
     layers = batch.layers.to(engine.device)
     c = base.norm_pre(stack.cls).expand(len(batch), -1, -1)  # (B, K, D)
     for i, (block, memory) in enumerate(zip(base.blocks, stack.layers, strict=True)):
-        # One layer at a time in the engine's dtype: float16 storage is widened where it is read,
-        # and only the layers autograd keeps for the backward pass are ever held widened.
-        layer = layers[:, i].to(engine.dtype)
-        c = class_token_block(block, c, _base_keys(block, batch.store, layer), memory)
+        c = class_token_block(block, c, _base_keys(block, batch.store, layers[:, i], engine.dtype), memory)
     heads = stack.apply_heads(base.norm(c))
     return FusedOutput.every_image(
         batch.base_logits.to(engine.device), dict(zip(adapter_set.names, heads, strict=True)), adapter_set

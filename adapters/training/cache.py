@@ -52,6 +52,11 @@ class ActivationCache:
         self.activations = np.memmap(directory / "activations.bin", DTYPES[self.dtype], "r", shape=shape)
         self.base_logits = np.memmap(directory / "base_logits.bin", np.float32, "r", shape=logits_shape)
 
+    @classmethod
+    def open(cls, directory: Path) -> ActivationCache:
+        """The complete cache in ``directory`` as it is, unchecked (to read what a cache holds)."""
+        return cls(directory, read_manifest(directory))
+
     def __len__(self) -> int:
         return self.activations.shape[0]
 

@@ -227,3 +227,23 @@ def test_a_cached_run_resumes_exactly(tmp_path, image_folder, tiny_weights) -> N
         assert a.augmentation == "cached views: original+hflip (mirror with p=0.5), centre crop"
     manifest = json.loads((tmp_path / "cache" / "train" / "manifest.json").read_text())
     assert manifest["key"]["views"] == ["original", "hflip"] and manifest["key"]["dtype"] == "float16"
+
+
+def test_the_folded_attention_is_the_attention_over_keys_and_values_in_float64() -> None:
+    # The "inputs" store never forms the base keys: its scores, softmax and weighted sum, and their
+    # hand-written backward pass, against autograd through the keys and values projected from h.
+    from memory_core.attention import KeysValues, project_qkv
+    from memory_core.cached import NormedInputs
+
+    engine = tiny_engine().double()
+    attn = engine.base.blocks[0].attn
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 64, generator=g, dtype=torch.float64)
+    q = torch.randn(2, 4, 3, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    other = torch.randn(2, 4, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    _, k, v = project_qkv(attn, h)
+    for a, b in zip(
+        NormedInputs(h).attend(attn, q, other), KeysValues(k, v).attend(attn, q, other), strict=True
+    ):
+        assert max_diff(a, b) <= 1e-12
+    assert torch.autograd.gradcheck(lambda q, o: NormedInputs(h).attend(attn, q, o), (q, other))
