@@ -58,7 +58,7 @@ def drop_from_memory(caches: list[ActivationCache]) -> None:
     """Unmap a cache file's pages from every mapping of it here and drop them from the page cache: the
     next reads come from disk, as when streaming a cache larger than memory."""
     for cache in caches:
-        cache.activations._mmap.madvise(mmap.MADV_DONTNEED)  # numpy's mmap object: no public handle
+        cache.mapping.madvise(mmap.MADV_DONTNEED)
     fd = os.open(caches[0].directory / "activations.bin", os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import mmap
 import os
 import shutil
 from collections.abc import Sequence
@@ -49,8 +50,15 @@ class ActivationCache:
         self.key: dict[str, Any] = manifest["key"]
         self.store, self.dtype = self.key["store"], self.key["dtype"]
         shape, logits_shape = tuple(manifest["shape"]), tuple(manifest["logits_shape"])
-        self.activations = np.memmap(directory / "activations.bin", DTYPES[self.dtype], "r", shape=shape)
-        self.base_logits = np.memmap(directory / "base_logits.bin", np.float32, "r", shape=logits_shape)
+        # Mapped by hand (not np.memmap) to give the kernel read-ahead hints for each batch (``batch``).
+        with open(directory / "activations.bin", "rb") as f:
+            self.mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self.activations = np.frombuffer(self.mapping, DTYPES[self.dtype]).reshape(shape)
+            self.base_logits = np.memmap(directory / "base_logits.bin", np.float32, "r", shape=logits_shape)
+        except ValueError as exc:
+            raise CacheError(f"{directory}: damaged ({exc}); rebuild it with --rebuild-cache") from None
+        self._row_bytes = self.activations[0, 0].nbytes
 
     @classmethod
     def open(cls, directory: Path) -> ActivationCache:
@@ -82,10 +90,22 @@ class ActivationCache:
         """Images ``rows`` (each as view ``views[i]``, default the original) as one batch."""
         index = np.asarray(rows, dtype=np.int64)
         view = np.zeros_like(index) if views is None else np.asarray(views, dtype=np.int64)
-        layers = torch.from_numpy(np.ascontiguousarray(self.activations[index, view]))
+        self._will_need(index * len(self.views) + view)
+        layers = torch.from_numpy(self.activations[index, view])  # fancy indexing: a copy
         if self.dtype == "bfloat16":
             layers = layers.view(torch.bfloat16)
         return CachedBatch(self.store, layers, torch.from_numpy(np.array(self.base_logits[index, view])))
+
+    def _will_need(self, rows: np.ndarray) -> None:
+        """Ask the kernel to read these (image, view) rows now, all at once. Page faults alone read a
+        cache that is not in memory at a fraction of the disk's speed: ~250 MB/s against ~1.8 GB/s
+        with the hint, measured on a CIFAR-10 cache (docs/design.md §2.9)."""
+        if not hasattr(self.mapping, "madvise"):
+            return
+        for row in rows.tolist():
+            start = row * self._row_bytes
+            aligned = start - start % mmap.PAGESIZE
+            self.mapping.madvise(mmap.MADV_WILLNEED, aligned, start + self._row_bytes - aligned)
 
     @classmethod
     def open_or_build(
