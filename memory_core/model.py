@@ -131,15 +131,15 @@ class MemoryViT(nn.Module):
 
         Memory tokens are projected independently of one another, so the memories of many adapters
         go through each block's norm and qkv together: one matmul per layer and chunk instead of
-        one per adapter and layer, which is what dominates preparing small adapters one by one.
+        one per adapter and layer, which is what dominates preparing small adapters one by one (and,
+        for the adapters a training step prepares, what it costs on top of the pass).
         """
-        if any(w.requires_grad for w in weights):
-            return [self.prepare(w) for w in weights]
         for w in weights:
             w.check_fits(self.spec)
         like = {"device": self.device, "dtype": self.dtype}
         prepared: list[PreparedAdapter | None] = [None] * len(weights)
-        with torch.no_grad():
+        grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+        with torch.set_grad_enabled(grad):
             for start in range(0, len(weights), chunk):
                 group = range(start, min(start + chunk, len(weights)))
                 for norm in sorted({weights[i].memory_norm for i in group}):
@@ -147,9 +147,10 @@ class MemoryViT(nn.Module):
                     sizes = [weights[i].num_memory for i in members]
                     memory = torch.cat([weights[i].memory.to(**like) for i in members], dim=1)  # (L, Σm, D)
                     keys, values = self.project_memory(memory, norm)  # (L, H, Σm, d)
-                    # Own copies: a view would keep the whole chunk alive after its neighbours are gone.
-                    split_k = [k.clone() for k in keys.split(sizes, dim=2)]
-                    split_v = [v.clone() for v in values.split(sizes, dim=2)]
+                    # Own copies when serving: a view would keep the whole chunk alive after its
+                    # neighbours are gone. Training keeps the views: its graph holds the chunk anyway.
+                    split_k = [k if grad else k.clone() for k in keys.split(sizes, dim=2)]
+                    split_v = [v if grad else v.clone() for v in values.split(sizes, dim=2)]
                     for i, k, v in zip(members, split_k, split_v, strict=True):
                         prepared[i] = self._prepared(weights[i], k, v)
         return prepared  # type: ignore[return-value]  # every slot is filled above

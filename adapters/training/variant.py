@@ -116,7 +116,7 @@ def fused_step(
 ) -> None:
     """One optimiser step for every variant, from one fused pass over the batch (the base runs once;
     from an activation cache, not at all)."""
-    prepared = tuple(engine.prepare(v.adapter.live_weights()) for v in variants)
+    prepared = tuple(engine.prepare_many([v.adapter.live_weights() for v in variants]))
     out = engine(images, AdapterSet(((parent,) if parent else ()) + prepared))
     losses = [F.cross_entropy(out.adapters[v.name].float(), labels) for v in variants]
     for v in variants:
