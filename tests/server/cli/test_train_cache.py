@@ -23,8 +23,10 @@ def image_folder(tmp_path):
 
 def _train(tmp_path, weights, folder, *extra: str):
     args = ["train", "--name", "colours", "--train-dir", str(folder), "--weights", str(weights)]
-    args += ["--steps", "4", "--batch-size", "8", "--cache", str(tmp_path / "cache"), "--quiet", *extra]
-    return runner.invoke(app, args)
+    args += ["--steps", "4", "--batch-size", "8", "--cache", str(tmp_path / "cache"), "--quiet"]
+    if "--out" not in extra:  # never the working directory
+        args += ["--out", str(tmp_path / "colours.safetensors")]
+    return runner.invoke(app, args + list(extra))
 
 
 def test_train_and_eval_from_a_cache(tmp_path, tiny_weights, image_folder) -> None:
