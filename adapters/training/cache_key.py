@@ -72,6 +72,8 @@ def cache_key(engine: MemoryViT, samples: Samples, spec: CacheSpec, decode: str)
 
 
 def files(samples: Samples) -> list[list[Any]]:
+    """[path relative to the root, size, mtime in ns, label] per image: what identifies the images
+    (a folder moved elsewhere keeps its caches)."""
     rows = []
     for path, label in zip(samples.paths, samples.labels, strict=True):
         stat = path.stat()
