@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/memvit-train-cache"))
     args = parser.parse_args(argv)
     malloc = pin_malloc()
+    load_at_start = os.getloadavg()[0]  # the machine is shared: say how busy it was
     torch.manual_seed(0)
     train, val = data(args.dir, args.images // 10, args.val_images // 10)
     engine = deit_tiny_engine()
@@ -161,11 +162,9 @@ def main(argv: list[str] | None = None) -> None:
             run.run(until=run.steps + per_epoch)
             if round_:
                 times[name].append(time.perf_counter() - started)
-    print(
-        environment(
-            "deit_tiny_patch16_224", f"{n} CIFAR-10 images", "batch 32", f"{args.rounds} rounds", malloc
-        )
-    )
+    load = f"load average {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    details = (f"{n} CIFAR-10 images", "batch 32", f"{args.rounds} rounds", malloc, load)
+    print(environment("deit_tiny_patch16_224", *details))
     _print_epochs(times, residency, n, args.variants, specs)
     many = runs[f"inputs RAM K={args.variants}"]
     _print_projection(times, build, n, many, engine)
