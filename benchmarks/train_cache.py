@@ -187,8 +187,9 @@ def _print_epochs(times: dict, residency: dict, n: int, many: int, specs: dict) 
             print(f"| {k} | {source} | {seconds:.2f} | {n / seconds:.0f} | {ratio:.1f}x | {seen} |")
     for store, spec in specs.items():
         cache = ActivationCache.open(spec.part("train").directory)
+        per_view, logits = cache.activations[0, 0].nbytes, cache.base_logits[0, 0].nbytes
         print(
-            f"{store}: {cache.bytes_per_image // len(cache.views):,} bytes per image and view ({spec.dtype})"
+            f"{store}: {per_view:,} bytes per image and view ({spec.dtype}), plus {logits:,} of base logits"
         )
 
 
