@@ -17,7 +17,7 @@ from typing import Any
 
 from memory_core import AdapterError, MemvitError, check_memory_norm, check_name
 
-from .cache_key import CacheSpec
+from .cache_key import CacheError, CacheSpec
 from .memory_init import MEMORY_INITS
 
 
@@ -139,7 +139,10 @@ class TrainConfig:
         ):
             raise TrainingError("need lr > 0, 0 <= momentum < 1, clip_grad > 0 and 0 <= warmup_fraction < 1")
         self.crop_scale = tuple(self.crop_scale)
-        self.cache_spec()  # checks the cache settings (CacheError names the bad one)
+        try:
+            self.cache_spec()  # checks the cache settings
+        except CacheError as exc:
+            raise TrainingError(str(exc)) from None
 
     def cache_spec(self, *, rebuild: bool = False) -> CacheSpec | None:
         """The activation cache this run trains from, or None (from images)."""
