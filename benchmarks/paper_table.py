@@ -2,6 +2,7 @@
 
     python -m benchmarks.paper_table                                # the full table (~1.5-2 h on 2 CPU cores)
     python -m benchmarks.paper_table --datasets cifar10 --train-per-class 200 --steps 250 --seeds 0
+    python -m benchmarks.paper_table --cache /tmp/memvit-paper-cache     # from activation caches
 
 On the real DeiT-Tiny (frozen, ImageNet weights from the shared data), for CIFAR-10 (the shared
 JPEGs) and Fashion-MNIST (Debian's dataset-fashion-mnist):
@@ -166,6 +167,9 @@ def plot_curves(path: Path, dataset: str, chosen: dict[str, dict[int, object]]) 
 
 def run_dataset(engine: MemoryViT, dataset: str, dirs: tuple[Path, Path, Path], args) -> dict:
     train_dir, val_dir, test_dir = dirs
+    cache = {}
+    if args.cache is not None:  # the base once per image and view: DIR/<dataset>-<sizes>/{train,val}
+        cache = {"cache": str(args.cache / train_dir.parent.name), "cache_dtype": args.cache_dtype}
     configs, where = [], []
     for regime, overrides in REGIMES.items():
         for g, (lr, tls, mls, init) in enumerate(grid(regime, args.memory_inits)):
@@ -186,6 +190,7 @@ def run_dataset(engine: MemoryViT, dataset: str, dirs: tuple[Path, Path, Path], 
                         init_seed=seed,
                         workers=args.workers,
                         eval_batch_size=128,
+                        **cache,
                         **overrides,
                     )
                 )
@@ -211,6 +216,7 @@ def run_dataset(engine: MemoryViT, dataset: str, dirs: tuple[Path, Path, Path], 
         "grid_val": grid_val,
         "correct": per_regime,
         "test_images": len(next(iter(correct.values()))),
+        "augmentation": results[0].augmentation,
     }
 
 
@@ -230,6 +236,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--plots", type=Path, default=None, help="directory for the learning-curve PNGs")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="activation cache root: the base runs once per image and view (original and mirror), every "
+        "step reads the cache (no random crops; docs/design.md §2.9)",
+    )
+    parser.add_argument("--cache-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     args = parser.parse_args(argv)
     if not DEIT_TINY.is_file():
         sys.exit(f"needs the real DeiT-Tiny weights at {DEIT_TINY} (set MEMVIT_SHARED_DATA)")
@@ -243,7 +257,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         per_dataset[dataset] = run_dataset(engine, dataset, dirs, args)
         r = per_dataset[dataset]
-        print(f"{dataset}: {r['variants']} variants in one run, {r['seconds']:.0f} s", flush=True)
+        print(
+            f"{dataset}: {r['variants']} variants in one run, {r['seconds']:.0f} s; augmentation: "
+            f"{r['augmentation']}",
+            flush=True,
+        )
         if args.plots:
             args.plots.mkdir(parents=True, exist_ok=True)
             plot_curves(args.plots / f"paper_table_{dataset}.png", dataset, r["chosen"])

@@ -15,6 +15,7 @@ layer's GEMM with the class-token rows, which can change float rounding but not 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,38 @@ class LayerMemory:
     bias: Tensor  # (K, P) additive 0 / -inf
     lineage: Tensor  # (K, A) long indices into the K class tokens
     lineage_bias: Tensor  # (K, A) additive 0 / -inf
+
+
+class BaseKeys(Protocol):
+    """One layer's base tokens as the adapter class tokens read them. The fused pass holds their keys
+    and values (``KeysValues``); training from cached activations may hold only the normed layer
+    inputs they are projected from (memory_core/cached.py)."""
+
+    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
+        """Scaled class-token queries (B, H, K, d) and their scores on the other keys they read
+        (lineage and memory, (B, H, K, S)) -> the weighted sum of the base values (B, H, K, d) and
+        the weights of the other keys (B, H, K, S), from one softmax over [base keys ; other keys]."""
+        ...
+
+
+def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Adapter softmaxes run in at least float32: bf16 scores over ~200 keys lose too much, and a
+    float64 engine should be float64-accurate."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@dataclass(frozen=True)
+class KeysValues:
+    """The base tokens' keys and values, each (B, H, T, d)."""
+
+    keys: Tensor
+    values: Tensor
+
+    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
+        T = self.keys.shape[-2]
+        scores = torch.cat([q @ self.keys.transpose(-2, -1), other], dim=-1)  # (B, H, K, T + S)
+        probs = attn.attn_drop(scores.softmax(dim=-1, dtype=softmax_dtype(q.dtype)).to(q.dtype))
+        return probs[..., :T] @ self.values, probs[..., T:]
 
 
 def project_qkv(attn: Attention, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -72,18 +105,17 @@ def adapter_attention(
     q_c: Tensor,
     k_c: Tensor,
     v_c: Tensor,
-    k_x: Tensor,
-    v_x: Tensor,
+    base: BaseKeys,
     memory: LayerMemory,
 ) -> Tensor:
-    """Attention of the K adapter class tokens. q_c, k_c, v_c: (B, H, K, d); k_x, v_x: (B, H, T, d).
+    """Attention of the K adapter class tokens. q_c, k_c, v_c: (B, H, K, d); ``base``: the T base
+    tokens of each image (their keys and values (B, H, T, d), or what they are projected from).
 
     One softmax per class token over [base keys ; lineage class-token keys ; memory keys].
     ``memory`` is shared by every image (keys (K, H, P, d), lineage (K, A): every adapter's row in
     every image) or routed (keys (B, K, H, P, d), lineage (B, K, A): row k of image b is whichever
     adapter the route put there, memory_core/routing.py). Returns (B, H, K, d).
     """
-    T = k_x.shape[2]
     A = memory.lineage.shape[-1]
     q = q_c * attn.scale
     shared = memory.lineage.ndim == 2  # else routed: rows differ per image
@@ -101,24 +133,15 @@ def adapter_attention(
         m_scores = torch.einsum("bhkd,khpd->bhkp", q, memory.keys) + memory.bias  # bias (K, P)
     else:
         m_scores = torch.einsum("bhkd,bkhpd->bhkp", q, memory.keys) + memory.bias[:, None]  # (B, 1, K, P)
-    scores = torch.cat(
-        [
-            q @ k_x.transpose(-2, -1),  # (B, H, K, T): every class token reads its image's base tokens
-            (q.unsqueeze(3) * k_l).sum(-1) + lineage_bias,  # (B, H, K, A)
-            m_scores,  # (B, H, K, P)
-        ],
-        dim=-1,
-    )
-    # Softmax in at least float32: bf16 scores over ~200 keys lose too much, and a float64 engine
-    # should be float64-accurate.
-    probs = scores.softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-    probs = attn.attn_drop(probs)
-    p_x, p_l, p_m = probs[..., :T], probs[..., T : T + A], probs[..., T + A :]
+    other = torch.cat([(q.unsqueeze(3) * k_l).sum(-1) + lineage_bias, m_scores], dim=-1)  # (B, H, K, A+P)
+    # Every class token reads its image's base tokens; one softmax over those and the others.
+    o_x, p_other = base.attend(attn, q, other)
+    p_l, p_m = p_other[..., :A], p_other[..., A:]
     if shared:
         o_m = torch.einsum("bhkp,khpd->bhkd", p_m, memory.values)
     else:
         o_m = torch.einsum("bhkp,bkhpd->bhkd", p_m, memory.values)
-    return p_x @ v_x + (p_l.unsqueeze(-1) * v_l).sum(3) + o_m  # (B, H, K, d)
+    return o_x + (p_l.unsqueeze(-1) * v_l).sum(3) + o_m  # (B, H, K, d)
 
 
 def _finish(block: Block, x: Tensor, h: Tensor | None, o: Tensor) -> Tensor:
@@ -156,12 +179,34 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
     k_x, v_x = k[:, :, :T], v[:, :, :T]
     o_x = base_attention(block.attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
     o_c = adapter_attention(
-        block.attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k_x, v_x, memory
+        block.attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory
     )  # (B, H, K, d)
     del q, k, v, k_x, v_x  # drop this layer's keys and values before the MLP allocates its hidden layer
     o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1).flatten(2)  # (B, T+K, H*d)
     del o_x, o_c
     return _finish(block, z, h, o)
+
+
+def base_block(block: Block, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Base tokens x (B, T, D) through one block, as timm computes it.
+
+    Returns the block's output and what the class tokens read of this layer: the normed input
+    h = norm1(x) (B, T, D) and the keys and values (B, H, T, d) projected from it. The split path and
+    the activation cache (memory_core/cached.py) both run the base through here, so a cache holds
+    exactly what the split path would have computed.
+    """
+    h = block.norm1(x)
+    q, k, v = project_qkv(block.attn, h)  # (B, H, T, d) each
+    o = base_attention(block.attn, q, k, v)
+    return _finish(block, x, h, _merge_heads(o)), h, k, v
+
+
+def class_token_block(block: Block, c: Tensor, base: BaseKeys, memory: LayerMemory) -> Tensor:
+    """Adapter class tokens c (B, K, D) through one block, reading the base tokens as ``base``."""
+    h_c = block.norm1(c)
+    q_c, k_c, v_c = project_qkv(block.attn, h_c)  # (B, H, K, d) each
+    o_c = adapter_attention(block.attn, q_c, k_c, v_c, base, memory)
+    return _finish(block, c, h_c, _merge_heads(o_c))
 
 
 def split_block(block: Block, x: Tensor, c: Tensor, memory: LayerMemory) -> tuple[Tensor, Tensor]:
@@ -170,11 +215,5 @@ def split_block(block: Block, x: Tensor, c: Tensor, memory: LayerMemory) -> tupl
     The training path (docs/design.md §2.3): x never meets a tensor that needs gradients, so autograd records
     only the class-token rows and back-propagation costs about one inference pass.
     """
-    h_x = block.norm1(x)
-    q_x, k_x, v_x = project_qkv(block.attn, h_x)  # (B, H, T, d) each
-    o_x = base_attention(block.attn, q_x, k_x, v_x)
-    h_c = block.norm1(c)
-    q_c, k_c, v_c = project_qkv(block.attn, h_c)  # (B, H, K, d) each
-    o_c = adapter_attention(block.attn, q_c, k_c, v_c, k_x, v_x, memory)
-    del q_x, k_x, v_x, q_c, k_c, v_c
-    return _finish(block, x, h_x, _merge_heads(o_x)), _finish(block, c, h_c, _merge_heads(o_c))
+    x_out, _, k_x, v_x = base_block(block, x)
+    return x_out, class_token_block(block, c, KeysValues(k_x, v_x), memory)

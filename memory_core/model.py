@@ -25,6 +25,7 @@ from .adapter import AdapterWeights
 from .adapter_set import AdapterSet
 from .attention import merged_block, split_block
 from .base_model import BaseModel, create_base
+from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
 from .fingerprint import state_fingerprint
 from .invariant import InvariantBlocks
@@ -137,15 +138,15 @@ class MemoryViT(nn.Module):
 
         Memory tokens are projected independently of one another, so the memories of many adapters
         go through each block's norm and qkv together: one matmul per layer and chunk instead of
-        one per adapter and layer, which is what dominates preparing small adapters one by one.
+        one per adapter and layer, which is what dominates preparing small adapters one by one (and,
+        for the adapters a training step prepares, what it costs on top of the pass).
         """
-        if any(w.requires_grad for w in weights):
-            return [self.prepare(w) for w in weights]
         for w in weights:
             w.check_fits(self.spec)
         like = {"device": self.device, "dtype": self.dtype}
         prepared: list[PreparedAdapter | None] = [None] * len(weights)
-        with torch.no_grad():
+        grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+        with torch.set_grad_enabled(grad):
             for start in range(0, len(weights), chunk):
                 group = range(start, min(start + chunk, len(weights)))
                 for norm in sorted({weights[i].memory_norm for i in group}):
@@ -153,9 +154,10 @@ class MemoryViT(nn.Module):
                     sizes = [weights[i].num_memory for i in members]
                     memory = torch.cat([weights[i].memory.to(**like) for i in members], dim=1)  # (L, Σm, D)
                     keys, values = self.project_memory(memory, norm)  # (L, H, Σm, d)
-                    # Own copies: a view would keep the whole chunk alive after its neighbours are gone.
-                    split_k = [k.clone() for k in keys.split(sizes, dim=2)]
-                    split_v = [v.clone() for v in values.split(sizes, dim=2)]
+                    # Own copies when serving: a view would keep the whole chunk alive after its
+                    # neighbours are gone. Training keeps the views: its graph holds the chunk anyway.
+                    split_k = [k if grad else k.clone() for k in keys.split(sizes, dim=2)]
+                    split_v = [v if grad else v.clone() for v in values.split(sizes, dim=2)]
                     for i, k, v in zip(members, split_k, split_v, strict=True):
                         prepared[i] = self._prepared(weights[i], k, v)
         return prepared  # type: ignore[return-value]  # every slot is filled above
@@ -192,7 +194,7 @@ class MemoryViT(nn.Module):
     # -- the fused pass ------------------------------------------------------------------------
     def forward(
         self,
-        x: Tensor,
+        x: Tensor | CachedBatch,
         adapter_set: AdapterSet | None = None,
         *,
         tasks: Sequence[Collection[str]] | None = None,
@@ -205,8 +207,16 @@ class MemoryViT(nn.Module):
         ``tasks[b]`` names the adapters image b asks for, and only those rows (plus, in extension
         mode, their ancestors') are built: an image pays for the base pass plus what it asks for,
         whatever else the set holds.
+
+        ``x`` may also be a ``CachedBatch``: the base's cached activations for a batch of images
+        (training and evaluation from an activation cache, docs/design.md §2.9). Then only the
+        class-token path runs, and every adapter answers every image.
         """
         adapter_set = _BASE_ONLY if adapter_set is None else adapter_set
+        if isinstance(x, CachedBatch):
+            if tasks is not None:
+                raise ValueError("a cached batch runs every adapter for every image: tasks must be None")
+            return forward_cached(self, x, adapter_set)
         if tasks is None:
             x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
             return self.forward_head(x_tokens, c_tokens, adapter_set)
@@ -225,15 +235,14 @@ class MemoryViT(nn.Module):
         records only the class-token rows (training, docs/design.md §2.3); "auto" picks split exactly
         when gradients will flow into the stack.
         """
-        self._check_input(x)
         base = self.base
-        x = x.to(self.dtype)
         if stack is not None:
             self._check_stack(stack)
         training = stack is not None and torch.is_grad_enabled() and stack.requires_grad
         if self.batch_invariant and path != "split" and not training:  # a training pass stays split
-            return invariant.features(base, x, stack, self._blocks())
-        x = base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x))))  # (B, T, D)
+            self._check_input(x)
+            return invariant.features(base, x.to(self.dtype), stack, self._blocks())
+        x = self.embed(x)  # (B, T, D)
         if stack is None:
             return base.norm(base.blocks(x)), None
         cls = stack.cls if stack.cls.ndim == 3 else stack.cls.expand(x.shape[0], -1, -1)
@@ -252,6 +261,12 @@ class MemoryViT(nn.Module):
         else:
             raise ValueError(f"path must be 'auto', 'merged' or 'split', got {path!r}")
         return base.norm(x), base.norm(c)
+
+    def embed(self, x: Tensor) -> Tensor:
+        """Images (B, C, H, W) -> the base tokens (B, T, D) the first block reads."""
+        self._check_input(x)
+        base = self.base
+        return base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x.to(self.dtype)))))
 
     def forward_head(
         self, x: Tensor, c: Tensor | None, adapter_set: AdapterSet, route: Route | None = None

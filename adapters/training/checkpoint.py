@@ -17,7 +17,7 @@ import torch
 from memory_core import MemoryViT
 
 from ..files import write_atomic
-from .config import TrainConfig, TrainingError
+from .config import CACHE_FIELDS, TrainConfig, TrainingError
 from .variant import Variant
 
 CHECKPOINT_VERSION = 2  # 2: several adapters per run
@@ -66,9 +66,15 @@ def read_checkpoint(path: str | Path, engine: MemoryViT, variants: list[Variant]
 
 
 def config_key(config: TrainConfig) -> dict[str, Any]:
-    """Everything that shapes the run; workers and eval batch size do not change the result."""
+    """Everything that shapes the run; workers, eval batch size and where a cache lives do not change
+    the result (whether there is one does: it decides the augmentation)."""
     key = dataclasses.asdict(config)
     for k in ("workers", "eval_batch_size", "extra"):
         key.pop(k)
     key["crop_scale"] = list(key["crop_scale"])
+    if config.cache is None:  # an uncached run keys as it did before caches existed
+        for k in CACHE_FIELDS:
+            key.pop(k)
+    else:
+        key["cache"] = True
     return key

@@ -2,8 +2,9 @@
 
 Several adapters for one base train in ONE pass over the data (``trainer.train_adapters``) when they
 share everything that decides which images a step sees: the data, the split, the number of steps,
-the batch and the augmentation (``SHARED_FIELDS``). Everything else (``VARIANT_FIELDS``) is each
-adapter's own: what learns, the learning rates, the schedule's shape, the clipping.
+the batch, the augmentation and the activation cache (``SHARED_FIELDS``). Everything else
+(``VARIANT_FIELDS``) is each adapter's own: what learns, the learning rates, the schedule's shape, the
+clipping.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from memory_core import AdapterError, MemvitError, check_memory_norm, check_name
 
+from .cache_key import CacheError, CacheSpec
 from .memory_init import MEMORY_INITS
 
 
@@ -63,7 +66,8 @@ class TrainConfig:
     warmup_fraction: float = field(default=0.05, metadata={"help": "share of steps for linear warm-up"})
     clip_grad: float = field(default=1.0, metadata={"help": "gradient-norm clip"})
     crop_scale: tuple[float, float] = field(
-        default=(0.35, 1.0), metadata={"help": "area range of the random-resized crops: MIN MAX"}
+        default=(0.35, 1.0),
+        metadata={"help": "area range of the random-resized crops: MIN MAX (none with --cache)"},
     )
     hflip: float = field(
         default=0.5,
@@ -77,6 +81,33 @@ class TrainConfig:
     init_seed: int | None = field(
         default=None,
         metadata={"help": "seeds the adapter's initialisation alone (default: seed); sweepable"},
+    )
+    cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "activation cache directory: the base runs once per image and view, and training reads "
+            "its activations from there (built if absent, reused if it matches, refused if the base, the "
+            "preprocessing or the images changed). Augmentation is then the cached views only: no random "
+            "crops"
+        },
+    )
+    cache_dtype: str = field(
+        default="float16",
+        metadata={"help": "storage dtype of --cache: float16, bfloat16 or float32 (float32: exact)"},
+    )
+    cache_views: int = field(
+        default=2,
+        metadata={
+            "help": "views cached per image: 1 (original) or 2 (original and mirror; "
+            "each epoch draws the mirror with p=hflip)"
+        },
+    )
+    cache_store: str = field(
+        default="inputs",
+        metadata={
+            "help": "what --cache keeps per layer: inputs (normed layer inputs: half the bytes) "
+            "or keys-values"
+        },
     )
     workers: int = field(default=0, metadata={"help": "data-loading processes"})
     eval_batch_size: int = field(default=64, metadata={"help": "batch size for validation"})
@@ -108,9 +139,29 @@ class TrainConfig:
         ):
             raise TrainingError("need lr > 0, 0 <= momentum < 1, clip_grad > 0 and 0 <= warmup_fraction < 1")
         self.crop_scale = tuple(self.crop_scale)
+        try:
+            self.cache_spec()  # checks the cache settings
+        except CacheError as exc:
+            raise TrainingError(str(exc)) from None
+
+    def cache_spec(self, *, rebuild: bool = False) -> CacheSpec | None:
+        """The activation cache this run trains from, or None (from images)."""
+        spec = CacheSpec(
+            Path(self.cache or "."), self.cache_dtype, self.cache_store, self.cache_views, rebuild
+        )
+        return spec if self.cache is not None else None
 
     def hyper_parameters(self) -> dict[str, Any]:
-        skip = {"name", "train_dir", "val_dir", "parent", "workers", "eval_batch_size", "extra"}
+        skip = {
+            "name",
+            "train_dir",
+            "val_dir",
+            "parent",
+            "workers",
+            "eval_batch_size",
+            "extra",
+            *CACHE_FIELDS,
+        }
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
     @property
@@ -139,9 +190,14 @@ SHARED_FIELDS = (
     "crop_scale",
     "hflip",
     "seed",
+    "cache",
+    "cache_dtype",
+    "cache_views",
+    "cache_store",
     "workers",
     "eval_batch_size",
 )
+CACHE_FIELDS = ("cache", "cache_dtype", "cache_views", "cache_store")
 # Each adapter's own: what a sweep may vary.
 VARIANT_FIELDS = tuple(
     f.name for f in dataclasses.fields(TrainConfig) if f.name not in SHARED_FIELDS and f.name != "extra"

@@ -8,7 +8,7 @@ depend on which other adapters are served with it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +16,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from memory_core import BASE_TASK, AdapterSet, AdapterWeights, LiveAdapters, MemoryViT, PreparedAdapter
+from memory_core.cached import CachedBatch
 
 from ..preprocess import Transform, decode_target, eval_transform
+from .cache import ActivationCache
+from .cache_key import CacheSpec
+from .cache_stream import in_order
 from .data import DataError, ImageDataset, Samples, scan_folder
 
 
@@ -57,9 +61,17 @@ def _count(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
     return int((top[:, 0] == labels).sum()), int((top == labels[:, None]).any(-1).sum())
 
 
-def _loader(
-    samples: Samples, transform: Transform, batch_size: int, workers: int, shrink_to: int | None = None
-) -> DataLoader:
+def _batches(
+    samples: Samples,
+    transform: Transform,
+    batch_size: int,
+    workers: int,
+    shrink_to: int | None = None,
+    cache: ActivationCache | None = None,
+) -> Iterable[tuple[torch.Tensor | CachedBatch, torch.Tensor]]:
+    """(images or cached activations, labels) of every sample once, in order."""
+    if cache is not None:
+        return in_order(cache, samples, batch_size)
     dataset = ImageDataset(samples, transform, shrink_to=shrink_to)
     return DataLoader(dataset, batch_size=batch_size, num_workers=workers)
 
@@ -74,15 +86,17 @@ def evaluate_many(
     batch_size: int = 64,
     workers: int = 0,
     parent: PreparedAdapter | None = None,
+    cache: ActivationCache | None = None,
 ) -> list[Accuracy]:
     """Accuracy of each adapter (all sharing ``parent``, if any) on the same labelled samples.
 
-    One fused pass per batch scores them all: the images are decoded and the base runs once.
+    One fused pass per batch scores them all: the images are decoded and the base runs once; with
+    ``cache`` (the samples' activation cache), neither: the class-token path reads the cache.
     """
     prepared = tuple(engine.prepare_many(list(weights)))
     adapter_set = AdapterSet(((parent,) if parent else ()) + prepared)
     counts = [[0, 0] for _ in weights]
-    for images, labels in _loader(samples, transform, batch_size, workers):
+    for images, labels in _batches(samples, transform, batch_size, workers, cache=cache):
         out = engine(images, adapter_set)
         for count, w in zip(counts, weights, strict=True):
             c1, c5 = _count(out.adapters[w.name], labels)
@@ -114,10 +128,13 @@ def evaluate_tasks(
     workers: int = 0,
     limit: int | None = None,
     decode: str = "exact",
+    cache: CacheSpec | None = None,
 ) -> list[TaskReport]:
     """Score each task ("base" or an adapter name) on its folder, through ``live``'s current set.
 
-    ``decode``: "exact" or "fast", as the server's ``MEMVIT_DECODE`` (the same ``load_rgb``)."""
+    ``decode``: "exact" or "fast", as the server's ``MEMVIT_DECODE`` (the same ``load_rgb``).
+    ``cache``: read each task's images from the activation cache ``cache.directory/<task>`` (built if
+    absent, refused if it was built from other images, base or preprocessing)."""
     engine, adapters = live.engine, live.current  # one snapshot for every task
     transform = eval_transform(engine)
     shrink_to = decode_target(engine, decode)
@@ -137,7 +154,17 @@ def evaluate_tasks(
         fused = [0, 0]
         alone = [0, 0]
         max_diff, same = 0.0, True
-        for images, folder_labels in _loader(samples, transform, batch_size, workers, shrink_to):
+        task_cache = None
+        if cache is not None:
+            task_cache = ActivationCache.open_or_build(
+                cache.part(task, views=1),
+                engine,
+                samples,
+                decode=decode,
+                batch_size=batch_size,
+                workers=workers,
+            )
+        for images, folder_labels in _batches(samples, transform, batch_size, workers, shrink_to, task_cache):
             target = rows[folder_labels]
             out = engine(images, adapters)
             logits = out.base if task == BASE_TASK else out.adapters[task]

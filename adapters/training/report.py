@@ -41,6 +41,7 @@ def write_report(result: SweepResult, out_dir: Path) -> list[Path]:
                 "val_images": r.val.images,
                 "final_train_loss": sum(r.losses[-20:]) / max(1, len(r.losses[-20:])),
                 "steps": r.steps,
+                "augmentation": r.augmentation,
                 "curve": r.curve,
                 "bundle": f"{v.config.name}.safetensors",
             }
@@ -54,6 +55,8 @@ def write_report(result: SweepResult, out_dir: Path) -> list[Path]:
         f"Chosen on validation top-1 ({rows[0]['val_images']} images): **{result.chosen.config.name}**, "
         "also written under the run's own name. Its validation score is the one it was chosen on: "
         "score it on held-out data before quoting it.",
+        "",
+        f"Augmentation: {result.chosen.result.augmentation or 'not recorded'}.",
         "",
         "| variant | " + " | ".join(keys) + " | val top-1 | val top-5 | final train loss |",
         "|---|" + "---:|" * (len(keys) + 3),

@@ -23,6 +23,8 @@ class TrainResult:
     losses: list[float]
     # (step, validation top-1) at the points asked for (``curve_points``), the last at the end.
     curve: list[tuple[int, float]] = field(default_factory=list)
+    # What the training images went through, e.g. "cached views: original+hflip (mirror with p=0.5), ..."
+    augmentation: str = ""
 
 
 @dataclass(frozen=True)

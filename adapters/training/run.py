@@ -22,7 +22,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -30,11 +30,14 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from memory_core import MemoryViT, PreparedAdapter
+from memory_core.cached import CachedBatch
 
 from ..attach import check_compatible
 from ..bundle import AdapterBundle, bundle_for, save_bundle
 from ..preprocess import eval_transform, train_transform
 from ..reader import read_bundle
+from .cache import ActivationCache
+from .cache_stream import CachedStream, augmentation
 from .checkpoint import read_checkpoint, write_checkpoint
 from .config import TrainConfig, TrainingError, check_together
 from .data import ImageDataset, Samples, StreamSampler, scan_folder, split
@@ -58,13 +61,18 @@ class TrainingRun:
         checkpoint_every: int = 50,
         curve_points: int = 0,
         progress: bool = True,
+        rebuild_cache: bool = False,
     ) -> None:
-        """Check the configs, scan the data and build every variant; ``curve_points`` > 0 scores every
-        variant on the validation split that many times during the run (one fused pass for all)."""
+        """Check the configs, scan the data, open or build the activation caches (``config.cache``) and
+        build every variant; ``curve_points`` > 0 scores every variant on the validation split that
+        many times during the run (one fused pass for all)."""
         self._started = time.perf_counter()
         self.engine = engine
         self.config = check_together(configs)  # the first; every config shares its data and steps
         self.train_samples, self.val_samples = _data(self.config)
+        self.train_cache, self.val_cache = _caches(
+            engine, self.config, (self.train_samples, self.val_samples), rebuild_cache, progress
+        )
         self.parent = _parent(engine, self.config, [c.name for c in configs])
         per_epoch = math.ceil(len(self.train_samples) / self.config.batch_size)
         self.total = self.config.steps or max(1, round(self.config.epochs * per_epoch))
@@ -79,7 +87,13 @@ class TrainingRun:
         self.progress = progress
         self.steps = 0  # optimiser steps taken (a resumed run counts those before the checkpoint)
         self.seen = 0  # images trained on in this process (the progress bar's running accuracy)
-        self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._batches: Iterator[tuple[torch.Tensor | CachedBatch, torch.Tensor]] | None = None
+
+    @property
+    def augmentation(self) -> str:
+        """What the training images go through, in words (recorded in every bundle)."""
+        views = None if self.train_cache is None else self.train_cache.views
+        return augmentation(views, self.config.hflip, self.config.crop_scale)
 
     @property
     def finished(self) -> bool:
@@ -159,15 +173,29 @@ class TrainingRun:
             if outs is not None:
                 save_bundle(bundle, outs[i])
                 log.info("wrote %s (val top-1 %.4f)", outs[i], val.top1)
-            results.append(TrainResult(bundle, val, self.steps, seconds, variant.losses, variant.curve))
+            results.append(
+                TrainResult(
+                    bundle, val, self.steps, seconds, variant.losses, variant.curve, self.augmentation
+                )
+            )
         return results
 
-    def _loader(self) -> DataLoader:
+    def _loader(self) -> Iterable[tuple[torch.Tensor | CachedBatch, torch.Tensor]]:
         """The batches from the current step to the end: a resumed run skips what it has seen."""
         c = self.config
+        draws, start = self.total * c.batch_size, self.steps * c.batch_size
+        if self.train_cache is not None:
+            return CachedStream(
+                self.train_cache,
+                self.train_samples,
+                batch_size=c.batch_size,
+                seed=c.seed,
+                draws=draws,
+                start=start,
+                hflip=c.hflip,
+            )
         transform = train_transform(self.engine, scale=c.crop_scale, hflip=c.hflip)
         dataset = ImageDataset(self.train_samples, transform, seed=c.seed)
-        draws, start = self.total * c.batch_size, self.steps * c.batch_size
         sampler = StreamSampler(len(dataset), c.seed, draws, start=start)
         return DataLoader(dataset, batch_size=c.batch_size, sampler=sampler, num_workers=c.workers)
 
@@ -182,6 +210,7 @@ class TrainingRun:
             batch_size=self.config.eval_batch_size,
             workers=self.config.workers,
             parent=self.parent,
+            cache=self.val_cache,
         )
         for v, accuracy in zip(self.variants, accuracies, strict=True):
             if not v.curve or v.curve[-1][0] != self.steps:
@@ -200,6 +229,8 @@ class TrainingRun:
                 "val_images": len(self.val_samples),
             },
             "regime": variant.adapter.regime,
+            "augmentation": self.augmentation,
+            "cache": None if self.train_cache is None else self.train_cache.describe(),
             "steps": self.steps,
             "epochs": round(self.steps * config.batch_size / len(train), 3),
             "hyper_parameters": config.hyper_parameters(),
@@ -216,6 +247,23 @@ def _data(config: TrainConfig) -> tuple[Samples, Samples]:
     if config.val_dir:
         return samples, scan_folder(config.val_dir, classes=samples.classes)
     return split(samples, config.val_fraction, config.seed)
+
+
+def _caches(
+    engine: MemoryViT, config: TrainConfig, samples: tuple[Samples, Samples], rebuild: bool, progress: bool
+) -> tuple[ActivationCache | None, ActivationCache | None]:
+    """The training and validation caches (``DIR/train``, ``DIR/val``), opened or built; or none."""
+    spec = config.cache_spec(rebuild=rebuild)
+    if spec is None:
+        return None, None
+    if spec.views == 2 and config.hflip <= 0:
+        log.warning("--cache-views 2 with hflip 0: the mirrored views are cached but never used")
+    train, val = samples
+    kw = {"batch_size": config.eval_batch_size, "workers": config.workers, "progress": progress}
+    return (
+        ActivationCache.open_or_build(spec.part("train"), engine, train, **kw),
+        ActivationCache.open_or_build(spec.part("val", views=1), engine, val, **kw),
+    )
 
 
 def _parent(engine: MemoryViT, config: TrainConfig, names: list[str]) -> PreparedAdapter | None:

@@ -168,6 +168,7 @@ def run_sweep(
     checkpoint: str | Path | None = None,
     checkpoint_every: int = 50,
     resume: bool = False,
+    rebuild_cache: bool = False,
 ) -> SweepResult:
     """Train every variant in one run; write each bundle, the chosen one as ``NAME``, and the report."""
     variants = expand(config, check_sweep(sweep))
@@ -184,6 +185,7 @@ def run_sweep(
         checkpoint=checkpoint,
         checkpoint_every=checkpoint_every,
         resume=resume,
+        rebuild_cache=rebuild_cache,
     )
     done = [SweepVariant(c, o, r) for (c, o), r in zip(variants, results, strict=True)]
     best = max(range(len(done)), key=lambda i: (done[i].result.val.top1, -i))  # ties: the first

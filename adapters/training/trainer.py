@@ -28,12 +28,15 @@ def train_adapters(
     resume: bool = False,
     progress: bool = True,
     curve_points: int = 0,
+    rebuild_cache: bool = False,
 ) -> list[TrainResult]:
     """Train every config's adapter in one run over the shared data; results in the same order.
 
-    The configs must agree on ``SHARED_FIELDS`` (the data and the steps) and have distinct names.
-    ``curve_points`` > 0 scores every adapter on the validation split that many times during the run
-    (one fused pass for all of them), for learning curves. ``resume`` continues from ``checkpoint``."""
+    The configs must agree on ``SHARED_FIELDS`` (the data, the steps, the cache) and have distinct
+    names. ``curve_points`` > 0 scores every adapter on the validation split that many times during
+    the run (one fused pass for all of them), for learning curves. ``resume`` continues from
+    ``checkpoint``; ``rebuild_cache`` replaces the activation cache (``config.cache``) however it
+    matches."""
     run = TrainingRun(
         engine,
         configs,
@@ -41,6 +44,7 @@ def train_adapters(
         checkpoint_every=checkpoint_every,
         curve_points=curve_points,
         progress=progress,
+        rebuild_cache=rebuild_cache,
     )
     if resume:
         run.resume()
@@ -57,6 +61,7 @@ def train_adapter(
     checkpoint_every: int = 50,
     resume: bool = False,
     progress: bool = True,
+    rebuild_cache: bool = False,
 ) -> TrainResult:
     """Train one adapter, validate it and (if ``out``) write its bundle."""
     (result,) = train_adapters(
@@ -67,5 +72,6 @@ def train_adapter(
         checkpoint_every=checkpoint_every,
         resume=resume,
         progress=progress,
+        rebuild_cache=rebuild_cache,
     )
     return result

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memory_core import AdapterSet, MemoryViT, PreparedAdapter
+from memory_core.cached import CachedBatch
 
 from .config import TrainConfig
 from .memory_init import token_memory
@@ -110,11 +111,12 @@ def fused_step(
     engine: MemoryViT,
     variants: list[Variant],
     parent: PreparedAdapter | None,
-    images: torch.Tensor,
+    images: torch.Tensor | CachedBatch,
     labels: torch.Tensor,
 ) -> None:
-    """One optimiser step for every variant, from one fused pass over the batch (the base runs once)."""
-    prepared = tuple(engine.prepare(v.adapter.live_weights()) for v in variants)
+    """One optimiser step for every variant, from one fused pass over the batch (the base runs once;
+    from an activation cache, not at all)."""
+    prepared = tuple(engine.prepare_many([v.adapter.live_weights() for v in variants]))
     out = engine(images, AdapterSet(((parent,) if parent else ()) + prepared))
     losses = [F.cross_entropy(out.adapters[v.name].float(), labels) for v in variants]
     for v in variants:

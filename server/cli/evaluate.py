@@ -32,11 +32,26 @@ def evaluate(
     decode: Annotated[
         str, typer.Option(help="exact (every pixel) or fast (large JPEGs shrunk while decoding), as serve's")
     ] = "exact",
+    cache: Annotated[
+        Path | None,
+        typer.Option(
+            help="activation cache directory: each task's images through the base once (DIR/TASK, built "
+            "if absent, refused if built from other images, base or preprocessing); later runs read it"
+        ),
+    ] = None,
+    cache_dtype: Annotated[
+        str, typer.Option(help="storage dtype of --cache: float16, bfloat16 or float32 (float32: exact)")
+    ] = "float16",
+    cache_store: Annotated[
+        str, typer.Option(help="what --cache keeps per layer: inputs or keys-values")
+    ] = "inputs",
+    rebuild_cache: Annotated[bool, typer.Option(help="build --cache afresh, whatever it holds")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Top-1/top-5 of the base and of each adapter through ONE fused model, checked against each alone."""
     from adapters import attach_bundle
     from adapters.training import evaluate_tasks
+    from adapters.training.cache_key import CacheSpec
     from adapters.training.metrics import LabelMatchError
     from memory_core import BASE_TASK, LiveAdapters, MemvitError
 
@@ -47,8 +62,9 @@ def evaluate(
         live = LiveAdapters(engine)
         for path in adapter or []:
             attach_bundle(live, path)
+        spec = None if cache is None else CacheSpec(cache, cache_dtype, cache_store, 1, rebuild_cache)
         reports = evaluate_tasks(
-            live, tasks, batch_size=batch_size, workers=workers, limit=limit, decode=decode
+            live, tasks, batch_size=batch_size, workers=workers, limit=limit, decode=decode, cache=spec
         )
     except LabelMatchError as exc:
         if exc.task == BASE_TASK and exc.matches == 0 and engine is not None and engine.labels is None:

@@ -59,6 +59,10 @@ def train(
     hflip: Annotated[float, _field("hflip")] = 0.5,
     seed: Annotated[int, _field("seed")] = 0,
     init_seed: Annotated[int | None, _field("init_seed")] = None,
+    cache: Annotated[Path | None, _field("cache")] = None,
+    cache_dtype: Annotated[str, _field("cache_dtype")] = "float16",
+    cache_views: Annotated[int, _field("cache_views")] = 2,
+    cache_store: Annotated[str, _field("cache_store")] = "inputs",
     workers: Annotated[int, _field("workers")] = 0,
     eval_batch_size: Annotated[int, _field("eval_batch_size")] = 64,
     # -- the command's own ---------------------------------------------------------------------------
@@ -87,6 +91,9 @@ def train(
     checkpoint: Annotated[Path | None, typer.Option(help="checkpoint file (default: OUT.ckpt)")] = None,
     checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 50,
     resume: Annotated[bool, typer.Option(help="continue from the checkpoint")] = False,
+    rebuild_cache: Annotated[
+        bool, typer.Option(help="with --cache: build the activation cache afresh, whatever it holds")
+    ] = False,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
     """Fine-tune one adapter on an image folder against a frozen base and write its bundle."""
@@ -113,6 +120,7 @@ def train(
                 checkpoint=checkpoint or out / "sweep.ckpt",
                 checkpoint_every=checkpoint_every,
                 resume=resume,
+                rebuild_cache=rebuild_cache,
             )
             _print_sweep(swept, run_config.name, out)
             return
@@ -125,12 +133,13 @@ def train(
             checkpoint_every=checkpoint_every,
             resume=resume,
             progress=not quiet,
+            rebuild_cache=rebuild_cache,
         )
     except (MemvitError, ValueError) as exc:
         raise fail(exc) from None
     typer.echo(
         f"{out}: {result.steps} steps, val top-1 {result.val.top1:.4f}, top-5 {result.val.top5:.4f} "
-        f"({result.val.images} images), {result.seconds:.0f}s"
+        f"({result.val.images} images), {result.seconds:.0f}s; augmentation: {result.augmentation}"
     )
 
 
@@ -140,8 +149,9 @@ def _print_sweep(result: SweepResult, name: str, out_dir: Path) -> None:
         val = variant.result.val
         mark = "  <- chosen" if i == result.best else ""
         typer.echo(f"{variant.config.name}: val top-1 {val.top1:.4f}, top-5 {val.top5:.4f}{mark}")
+    chosen = result.chosen.result
     typer.echo(
-        f"{out_dir}: {len(result.variants)} variants in one run, {result.chosen.result.steps} steps, "
-        f"{result.chosen.result.seconds:.0f}s; chosen {result.chosen.config.name} as "
-        f"{out_dir / (name + '.safetensors')}; report {out_dir / 'sweep.md'}"
+        f"{out_dir}: {len(result.variants)} variants in one run, {chosen.steps} steps, "
+        f"{chosen.seconds:.0f}s, augmentation: {chosen.augmentation}; chosen {result.chosen.config.name} "
+        f"as {out_dir / (name + '.safetensors')}; report {out_dir / 'sweep.md'}"
     )

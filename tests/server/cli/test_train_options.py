@@ -31,13 +31,20 @@ ALL_FIELDS = dataclasses.fields(TrainConfig)
 # The options of `memvit train` that are the command's, not the config's.
 COMMAND_OPTIONS = {
     "config", "out", "sweep", "curve_points", "arch", "weights", "checkpoint", "checkpoint_every", "resume",
-    "quiet",
+    "quiet", "rebuild_cache",
 }  # fmt: skip
 
 
 def _changed(f: dataclasses.Field, tmp_path) -> object:
     """A valid value for a field that differs from its default."""
-    special = {"name": "other-name", "memory_norm": "none", "memory_init": "normal"}
+    special = {
+        "name": "other-name",
+        "memory_norm": "none",
+        "memory_init": "normal",
+        "cache_dtype": "bfloat16",
+        "cache_views": 1,
+        "cache_store": "keys-values",
+    }
     if f.name in special:
         return special[f.name]
     hint, default = TRAIN_HINTS[f.name], f.default
@@ -72,7 +79,7 @@ def captured(monkeypatch) -> list:
 
     def fake_train_adapter(engine, config, **kwargs):
         calls.append((engine, config, kwargs))
-        return SimpleNamespace(steps=1, val=Accuracy(1.0, 1.0, 1), seconds=0.0)
+        return SimpleNamespace(steps=1, val=Accuracy(1.0, 1.0, 1), seconds=0.0, augmentation="none")
 
     monkeypatch.setattr(adapters.training, "train_adapter", fake_train_adapter)
     return calls
@@ -168,6 +175,7 @@ def test_train_passes_the_command_options_and_the_old_defaults(
         "checkpoint_every": 7,
         "resume": False,
         "progress": False,
+        "rebuild_cache": False,
     }
     assert "extra" not in runner.invoke(app, ["train", "--help"], terminal_width=200).output
 

@@ -1,0 +1,259 @@
+"""Training from an activation cache against training from the images: epoch time, bytes, exactness.
+
+    python -m benchmarks.train_cache       # DeiT-Tiny, 1,024 CIFAR-10 images, ~10 minutes on 2 CPU cores
+
+On the real DeiT-Tiny (frozen) and a CIFAR-10 subset (``--images``, upscaled to 224 as the base reads
+it), with ``TrainingRun`` as ``memvit train`` runs it (batch 32, the threads torch has):
+1. Builds the activation caches (float16; "inputs" with the original and mirrored view, "keys-values"
+   with the original) and times the build: base passes per second.
+2. Times one epoch of each, in interleaved rounds: from the images (decode, random-resized crop and
+   flip, the base and the class-token path), from the cache in RAM (its pages resident), and from
+   the cache on disk (its pages dropped from memory before the epoch, ``mincore`` says how many
+   stayed), for 1 adapter and for 8 (a sweep's variants). Ratios are medians of per-round ratios.
+3. Projects "8 variants x 20,000 images x 20 epochs" from the measured rates: the cache build, 20
+   epochs streamed from disk (36 GB of float16 views do not fit in 24 GiB) and 9 validation passes
+   (a sweep's curve points and its final score) over 2,000 held-out images.
+4. Exactness: the adapter trained above, on held-out images: its logits from float32, float16 and
+   bfloat16 caches against the uncached pass (max abs difference), and top-1 from each.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adapters.preprocess import eval_transform
+from adapters.training import TrainConfig, TrainingRun, evaluate_many, scan_folder
+from adapters.training.cache import ActivationCache
+from adapters.training.cache_key import CacheSpec
+from adapters.training.data import ImageDataset
+from benchmarks.common import CIFAR10, argument_parser, deit_tiny_engine, environment, pin_malloc
+from benchmarks.datasets import cifar_tar_to_folder
+from memory_core import MemoryViT
+
+TRAIN_TAR = CIFAR10 / "cifar10_jpg_train_50k.tar.gz"
+TEST_TAR = CIFAR10 / "cifar10_jpg_test_10k.tar.gz"
+
+
+def resident(cache: ActivationCache) -> float:
+    """Fraction of the cache's activation pages in memory now (``mincore``)."""
+    array = cache.activations
+    pages = math.ceil(array.nbytes / mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(array.ctypes.data), ctypes.c_size_t(array.nbytes), vec) != 0:
+        return float("nan")
+    return sum(b & 1 for b in vec) / pages
+
+
+def drop_from_memory(caches: list[ActivationCache]) -> None:
+    """Unmap a cache file's pages from every mapping of it here and drop them from the page cache: the
+    next reads come from disk, as when streaming a cache larger than memory."""
+    for cache in caches:
+        cache.mapping.madvise(mmap.MADV_DONTNEED)
+    fd = os.open(caches[0].directory / "activations.bin", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm(cache: ActivationCache) -> None:
+    """Touch every page once, so the epoch after finds the whole cache in memory."""
+    np.asarray(cache.activations).reshape(-1).view(np.uint8)[:: mmap.PAGESIZE].sum()
+
+
+def data(root: Path, per_class: int, val_per_class: int) -> tuple[Path, Path]:
+    train, val = root / f"train-{per_class}", root / f"test-{val_per_class}"
+    if not train.is_dir():
+        cifar_tar_to_folder(TRAIN_TAR, train, per_class=per_class)
+    if not val.is_dir():
+        cifar_tar_to_folder(TEST_TAR, val, per_class=val_per_class)
+    return train, val
+
+
+def configs(k: int, train: Path, val: Path, epochs: int, spec: CacheSpec | None = None) -> list[TrainConfig]:
+    """A sweep's variants (learning rates and memory sizes differ, the data is shared), from the images
+    or from the cache ``spec`` describes."""
+    cache = {}
+    if spec is not None:
+        cache = {"cache": str(spec.directory), "cache_dtype": spec.dtype, "cache_store": spec.store}
+        cache["cache_views"] = spec.views
+    return [
+        TrainConfig(
+            name=f"v{i}",
+            train_dir=str(train),
+            val_dir=str(val),
+            epochs=epochs,
+            batch_size=32,
+            lr=0.02 * (i + 1),
+            memory_tokens=(1, 5)[i % 2],
+            memory_init="normal",
+            **cache,
+        )
+        for i in range(k)
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argument_parser(__file__, __doc__)
+    parser.add_argument("--images", type=int, default=1024, help="training images (CIFAR-10, per class / 10)")
+    parser.add_argument("--val-images", type=int, default=500, help="held-out images (CIFAR-10 test)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", type=int, default=8)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/memvit-train-cache"))
+    args = parser.parse_args(argv)
+    malloc = pin_malloc()
+    load_at_start = os.getloadavg()[0]  # the machine is shared: say how busy it was
+    torch.manual_seed(0)
+    train, val = data(args.dir, args.images // 10, args.val_images // 10)
+    engine = deit_tiny_engine()
+    # float16; the mirrored view only where the comparison trains from it (both read one view per epoch)
+    specs = {
+        "inputs": CacheSpec(args.dir / "cache-inputs", "float16", "inputs", 2),
+        "keys-values": CacheSpec(args.dir / "cache-keys-values", "float16", "keys-values", 1),
+    }
+    build = {}
+    for store, spec in specs.items():
+        started = time.perf_counter()
+        run = TrainingRun(engine, configs(1, train, val, 1, spec), progress=False)
+        build[store] = (
+            len(run.train_samples) * spec.views + len(run.val_samples),
+            time.perf_counter() - started,
+        )
+    n = len(run.train_samples)
+
+    # One run per (adapters, source), each stepped one epoch per round; the order is interleaved.
+    runs: dict[str, TrainingRun] = {}
+    sources = {
+        "images": None,
+        **{f"{s} {where}": spec for s, spec in specs.items() for where in ("RAM", "disk")},
+    }
+    for k in (1, args.variants):
+        for source, spec in sources.items():
+            runs[f"{source} K={k}"] = TrainingRun(
+                engine, configs(k, train, val, args.rounds + 1, spec), progress=False
+            )
+    per_epoch = math.ceil(n / 32)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    residency: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(args.rounds + 1):  # the first round warms up and is not counted
+        for name, run in runs.items():
+            if run.train_cache is not None:
+                if " disk " in name:
+                    same_file = [
+                        r.train_cache
+                        for r in runs.values()
+                        if r.train_cache and r.train_cache.directory == run.train_cache.directory
+                    ]
+                    drop_from_memory(same_file)
+                else:
+                    warm(run.train_cache)
+                residency[name].append(resident(run.train_cache))
+            started = time.perf_counter()
+            run.run(until=run.steps + per_epoch)
+            if round_:
+                times[name].append(time.perf_counter() - started)
+    load = f"load average {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    details = (f"{n} CIFAR-10 images", "batch 32", f"{args.rounds} rounds", malloc, load)
+    print(environment("deit_tiny_patch16_224", *details))
+    _print_epochs(times, residency, n, args.variants, specs)
+    many = runs[f"inputs RAM K={args.variants}"]
+    _print_projection(times, build, n, many, engine)
+    _print_exactness(engine, runs["inputs RAM K=1"], val, args.dir)
+
+
+def _print_epochs(times: dict, residency: dict, n: int, many: int, specs: dict) -> None:
+    print(
+        "\n| adapters | epoch from | s / epoch | images/s | speed-up vs images | resident before the epoch |"
+    )
+    print("|--:|---|--:|--:|--:|--:|")
+    for k in (1, many):
+        base = f"images K={k}"
+        for name in [base, *(f"{s} {where} K={k}" for s in specs for where in ("RAM", "disk"))]:
+            ratio = statistics.median(tb / t for tb, t in zip(times[base], times[name], strict=True))
+            res = residency[name][1:]
+            seen = "-" if not res else f"{min(res):.0%}-{max(res):.0%}"
+            source = name.rsplit(" K=", 1)[0]
+            seconds = statistics.median(times[name])
+            print(f"| {k} | {source} | {seconds:.2f} | {n / seconds:.0f} | {ratio:.1f}x | {seen} |")
+    for store, spec in specs.items():
+        cache = ActivationCache.open(spec.part("train").directory)
+        per_view, logits = cache.activations[0, 0].nbytes, cache.base_logits[0, 0].nbytes
+        print(
+            f"{store}: {per_view:,} bytes per image and view ({spec.dtype}), plus {logits:,} of base logits"
+        )
+
+
+def _print_projection(times: dict, build: dict, n: int, run: TrainingRun, engine: MemoryViT) -> None:
+    passes, seconds = build["inputs"]
+    build_rate = passes / seconds
+    k = len(run.variants)
+    train_rate = n / statistics.median(times[f"inputs disk K={k}"])
+    weights = [v.adapter.weights() for v in run.variants]
+    started = time.perf_counter()
+    evaluate_many(
+        engine, weights, run.val_samples, eval_transform(engine), batch_size=64, cache=run.val_cache
+    )
+    eval_rate = len(run.val_samples) / (time.perf_counter() - started)
+    images, epochs, val_images, val_passes = 20_000, 20, 2_000, 9
+    parts = {
+        "cache build (20,000 images x 2 views, 2,000 validation images)": (images * 2 + val_images)
+        / build_rate,
+        f"{epochs} epochs of {k} variants, streamed from disk": images * epochs / train_rate,
+        f"{val_passes} validation passes of {k} variants, from the cache": val_passes
+        * val_images
+        / eval_rate,
+    }
+    print(
+        f"\nProjected: {k} variants x {images:,} images x {epochs} epochs, from the measured rates (build "
+        f"{build_rate:.0f} base passes/s, training {train_rate:.0f} images/s from disk, validation "
+        f"{eval_rate:.0f} images/s from the cache):"
+    )
+    for what, s in parts.items():
+        print(f"- {what}: {s / 60:.1f} min")
+    total = sum(parts.values())
+    print(f"- total: {total / 60:.1f} min (target under 60 min: {'met' if total < 3600 else 'MISSED'})")
+
+
+def _print_exactness(engine: MemoryViT, run: TrainingRun, val: Path, root: Path) -> None:
+    weights = run.variants[0].adapter.weights()
+    adapter_set = engine.prepare_set([weights])
+    samples = scan_folder(val, check_images=False)
+    labels = torch.tensor(samples.labels)
+    loader = torch.utils.data.DataLoader(ImageDataset(samples, eval_transform(engine)), batch_size=64)
+    with torch.inference_mode():
+        uncached = torch.cat([engine(x, adapter_set).adapters[weights.name] for x, _ in loader])
+    top1 = (uncached.argmax(-1) == labels).float().mean().item()
+    print(
+        f"\nThe adapter trained above (memory 1, {run.steps} steps from the float16 cache) on "
+        f"{len(samples)} held-out CIFAR-10 test images:"
+    )
+    print("| logits from | max abs diff vs uncached | top-1 | top-1 change |\n|---|--:|--:|--:|")
+    print(f"| the images (uncached) | 0 | {top1:.4f} | - |")
+    for store, dtype in (
+        ("inputs", "float32"),
+        ("keys-values", "float32"),
+        ("inputs", "float16"),
+        ("inputs", "bfloat16"),
+    ):
+        spec = CacheSpec(root / f"exact-{store}-{dtype}", dtype, store, 1)
+        cache = ActivationCache.open_or_build(spec, engine, samples, progress=False)
+        with torch.inference_mode():
+            rows = [range(s, min(s + 64, len(cache))) for s in range(0, len(cache), 64)]
+            cached = torch.cat([engine(cache.batch(r), adapter_set).adapters[weights.name] for r in rows])
+        acc = (cached.argmax(-1) == labels).float().mean().item()
+        diff = (cached - uncached).abs().max().item()
+        print(f"| cache: {store}, {dtype} | {diff:.1e} | {acc:.4f} | {acc - top1:+.4f} |")
+
+
+if __name__ == "__main__":
+    main()
