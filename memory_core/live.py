@@ -65,9 +65,12 @@ class LiveAdapters:
         check_prepared_for(adapter_set, self.engine.device, self.engine.dtype)
         with self._lock:
             self._current = adapter_set  # one reference assignment
-        names = adapter_set.names
-        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-        log.info("adapter set v%d live: [%s]", adapter_set.version, shown)
+        # Debug, not info: a server swaps the set on every cold load and eviction (many per second
+        # under skewed traffic); its registry logs the changes that matter.
+        if log.isEnabledFor(logging.DEBUG):
+            names = adapter_set.names
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            log.debug("adapter set v%d live: [%s]", adapter_set.version, shown)
         return adapter_set
 
     # Conveniences over ``install``: each derives the new set from the live one under the lock.

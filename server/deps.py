@@ -66,7 +66,7 @@ PipelineDep = Annotated[ClassifyPipeline, Depends(get_pipeline)]
 @dataclass(frozen=True)
 class ClassifyInput:
     """A /classify request, checked: at most the allowed number of images, and ``tasks`` parsed and
-    each one live when the request arrived (None: every task)."""
+    each one registered when the request arrived (None: every task)."""
 
     images: list[UploadFile]
     tasks: list[str] | None
@@ -74,8 +74,8 @@ class ClassifyInput:
     logits: bool
 
 
-def classify_input(
-    live: LiveDep,
+async def classify_input(
+    registry: RegistryDep,
     settings: SettingsDep,
     image: Annotated[list[UploadFile], File(description="one or more images (repeat the field for a batch)")],
     top_k: Annotated[int, Query(ge=1, le=1000, description="labels per task")] = 5,
@@ -85,14 +85,14 @@ def classify_input(
     logits: Annotated[bool, Query(description="also return raw logits")] = False,
 ) -> ClassifyInput:
     """Runs only once every parameter is valid (FastAPI answers 422 for those first); then the image
-    count (413), then the tasks against the live set (422), before anything is decoded."""
+    count (413), then the tasks against the registry (400, 413, 422), before anything is decoded."""
     if len(image) > settings.max_images_per_request:
         raise TooManyImagesError(
             f"{len(image)} images in one request; the limit is {settings.max_images_per_request}",
             field="image",
         )
     wanted = parse_tasks(tasks)
-    check_tasks(wanted, live.current)  # fail fast, before decoding anything
+    await check_tasks(wanted, registry)  # fail fast, before decoding anything
     return ClassifyInput(image, wanted, top_k, logits)
 
 

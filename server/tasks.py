@@ -1,18 +1,27 @@
-"""Task names in a /classify request: ``?tasks=`` parsed, and checked against an adapter set.
+"""Task names in a /classify request: ``?tasks=`` parsed, and checked against the registry.
 
-The request's tasks are parsed and checked once, before anything is decoded (``deps.classify_input``);
-the pipeline receives the checked list. The batcher looks again, against the snapshot its pass will
-use, only because an adapter can be removed while a request waits: a different moment, not the same
-check again, and the same error (``unknown_tasks_error``).
+The request's tasks are parsed and checked once, before anything is decoded (``deps.classify_input``):
+no filter is allowed only while the registry is small enough for one request to compute every
+adapter; a filter may name at most ``max_tasks`` adapters, each registered (a name not found sends the
+registry to the store once, rate-limited, in case another replica registered it a moment ago). The
+batcher looks again, against the snapshot its pass will use, only because an adapter can be deleted
+while a request waits: a different moment, not the same check again, and the same error.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from memory_core import BASE_TASK, AdapterSet
 
-from .errors import UnknownTaskError
+from .errors import TasksRequiredError, TooManyTasksError, UnknownTaskError
+
+if TYPE_CHECKING:
+    from .registry import AdapterRegistry
+
+_NAMES_SHOWN = 20  # an error lists this many known tasks, not 100,000
 
 
 def parse_tasks(tasks: Sequence[str] | None) -> list[str] | None:
@@ -22,16 +31,35 @@ def parse_tasks(tasks: Sequence[str] | None) -> list[str] | None:
     return [t.strip() for item in tasks for t in item.split(",") if t.strip()] or None
 
 
-def check_tasks(wanted: list[str] | None, adapter_set: AdapterSet) -> None:
-    """Raise ``UnknownTaskError`` naming every asked-for task that ``adapter_set`` cannot answer."""
+async def check_tasks(wanted: list[str] | None, registry: AdapterRegistry) -> None:
+    """Raise ``TasksRequiredError``, ``TooManyTasksError`` or ``UnknownTaskError`` for ``wanted``."""
+    limit = registry.max_tasks
     if wanted is None:
+        if len(registry) > limit:
+            raise TasksRequiredError(
+                f"this registry holds {len(registry):,} adapters: name the tasks you want with ?tasks= "
+                f"(at most {limit})",
+                field="tasks",
+            )
         return
-    unknown = [t for t in wanted if t != BASE_TASK and t not in adapter_set]
-    if unknown:
-        raise unknown_tasks_error(unknown, adapter_set)
+    adapters = list(dict.fromkeys(t for t in wanted if t != BASE_TASK))
+    if len(adapters) > limit:
+        raise TooManyTasksError(
+            f"{len(adapters)} adapters asked for in one request; the limit is {limit} "
+            "(MEMVIT_MAX_TASKS_PER_REQUEST)",
+            field="tasks",
+        )
+    if registry.unknown(adapters):
+        await asyncio.to_thread(registry.lookup_refresh)  # registered elsewhere a moment ago?
+        if unknown := registry.unknown(adapters):
+            known = [e.name for e in registry.catalog.page(None, _NAMES_SHOWN)]
+            raise unknown_tasks_error(unknown, known, len(registry))
 
 
-def unknown_tasks_error(unknown: list[str], adapter_set: AdapterSet, why: str = "") -> UnknownTaskError:
-    """The 422 for ``unknown`` tasks, naming the ones ``adapter_set`` has; ``why``: how it came about."""
-    known = [BASE_TASK, *adapter_set.names]
-    return UnknownTaskError(f"unknown task(s) {unknown}{why}; this server has {known}", field="tasks")
+def unknown_tasks_error(
+    unknown: list[str], known: Sequence[str] | AdapterSet, registered: int, why: str = ""
+) -> UnknownTaskError:
+    """The 422 for ``unknown`` tasks, naming some of the ``registered`` ones; ``why``: how it came about."""
+    names = [BASE_TASK, *(known.names if isinstance(known, AdapterSet) else known)][: _NAMES_SHOWN + 1]
+    more = f" and {registered + 1 - len(names):,} more (GET /adapters)" if registered + 1 > len(names) else ""
+    return UnknownTaskError(f"unknown task(s) {unknown}{why}; this server has {names}{more}", field="tasks")

@@ -1,4 +1,4 @@
-"""The adapter resource: list (paged), describe, register (validated, persisted, live), delete.
+"""The adapter resource: list (paged), describe, register (validated, journaled, resident), delete.
 
 Registering and deleting are admin routes: the guard (server/edge/) has checked the caller, and capped
 the body, before these handlers run.
@@ -11,33 +11,46 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, File, Path, Query, UploadFile
 
-from memory_core import NAME_PATTERN, AdapterSet
+from memory_core import NAME_PATTERN
 
 from ..deps import RegistryDep, SettingsDep, require_multipart
 from ..edge.body import read_upload
 from ..errors import BundleTooLargeError
 from ..openapi import errors
-from ..registry import StoredAdapter
-from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList, AdapterSetInfo
+from ..registry import RegistryInfo
+from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList
+from ..schemas import RegistryInfo as RegistryModel
+from ..store import Entry
 
 router = APIRouter(prefix="/adapters", tags=["adapters"])
 Name = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="adapter name")]
 
 
-def _info(stored: StoredAdapter) -> AdapterInfo:
-    # extra keys of describe() (layers, width) are ignored
-    return AdapterInfo.model_validate({**stored.bundle.describe(), "sha256": stored.sha256})
+def _info(entry: Entry, training: dict | None = None) -> AdapterInfo:
+    """From the registry's entry alone: listing reads no bundle."""
+    return AdapterInfo(
+        name=entry.name,
+        parent=entry.parent,
+        memory_tokens=entry.memory_tokens,
+        memory_norm=entry.memory_norm,
+        num_classes=entry.num_classes,
+        labels=list(entry.labels),
+        base_model=entry.base_model,
+        base_fingerprint=entry.base_fingerprint,
+        sha256=entry.sha256,
+        training=training,
+    )
 
 
-def _set_info(adapter_set: AdapterSet) -> AdapterSetInfo:
-    return AdapterSetInfo(version=adapter_set.version, adapters=list(adapter_set.names))
+def _registry(info: RegistryInfo) -> RegistryModel:
+    return RegistryModel(version=info.version, adapters=info.adapters)
 
 
 @router.get(
     "",
     response_model=AdapterList,
     responses=errors(422, 503),
-    summary="Live adapters (paged by name), and store objects not loaded",
+    summary="Registered adapters (paged by name), and store objects not served",
 )
 def list_adapters(
     registry: RegistryDep,
@@ -46,13 +59,14 @@ def list_adapters(
         str | None, Query(max_length=64, description="the previous page's `next`: list names after it")
     ] = None,
 ) -> AdapterList:
-    live, invalid = registry.live.current, dict(registry.invalid)
-    names = sorted(n for n in live.names if after is None or n > after)
-    page, more = names[:limit], len(names) > limit
-    last = page[-1] if more else None
+    info, invalid = registry.info(), registry.invalid
+    entries = registry.catalog.page(after, limit + 1)  # no bundle is read, nothing is sorted
+    page, more = entries[:limit], len(entries) > limit
+    last = page[-1].name if more else None
     return AdapterList(
-        adapter_set=_set_info(live),
-        adapters=[_info(registry.get(name)) for name in page],
+        registry=_registry(info),
+        max_tasks_per_request=registry.max_tasks,
+        adapters=[_info(entry) for entry in page],
         invalid={
             n: why
             for n, why in sorted(invalid.items())
@@ -64,7 +78,7 @@ def list_adapters(
 
 @router.get("/{name}", response_model=AdapterInfo, responses=errors(404, 422, 503))
 def get_adapter(name: Name, registry: RegistryDep) -> AdapterInfo:
-    return _info(registry.get(name))
+    return _info(registry.get(name), registry.training(name))
 
 
 @router.post(
@@ -72,7 +86,7 @@ def get_adapter(name: Name, registry: RegistryDep) -> AdapterInfo:
     response_model=AdapterCreated,
     status_code=201,
     responses=errors(400, 401, 403, 408, 409, 413, 415, 422, 503),
-    summary="Register an adapter bundle (validated completely, persisted atomically, live at once)",
+    summary="Register an adapter bundle (validated completely, persisted atomically, served at once)",
     dependencies=[Depends(require_multipart)],
 )
 async def register_adapter(
@@ -84,11 +98,8 @@ async def register_adapter(
     limit = settings.max_bundle_bytes
     too_large = BundleTooLargeError(f"bundle over the {limit}-byte upload limit", field="bundle")
     data = await read_upload(bundle, limit, too_large)
-    existed = registry.live.current
-    current, live = await asyncio.to_thread(registry.register, data, replace=replace)
-    return AdapterCreated(
-        adapter=_info(current), adapter_set=_set_info(live), replaced=current.bundle.name in existed
-    )
+    current, info, replaced = await asyncio.to_thread(registry.register, data, replace=replace)
+    return AdapterCreated(adapter=_info(current), registry=_registry(info), replaced=replaced)
 
 
 @router.delete(
@@ -97,5 +108,5 @@ async def register_adapter(
     responses=errors(401, 403, 404, 409, 422, 503),
 )
 async def delete_adapter(name: Name, registry: RegistryDep) -> AdapterDeleted:
-    live = await asyncio.to_thread(registry.delete, name)
-    return AdapterDeleted(deleted=name, adapter_set=_set_info(live))
+    info = await asyncio.to_thread(registry.delete, name)
+    return AdapterDeleted(deleted=name, registry=_registry(info))
