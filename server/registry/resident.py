@@ -1,10 +1,17 @@
 """The resident set: the registered adapters prepared in memory now, bounded, loaded on demand.
 
 The live set (``LiveAdapters``, what passes read) holds the resident adapters and nothing else. It is
-bounded by a count and optionally by bytes; past either, installing an adapter evicts the least
-recently used ones that no request holds. A request *pins* its adapters from the moment it asks for
-them until its batch has run, so a cold load for another request never evicts what a queued one
-needs; if nothing can be evicted the load is refused (503, Retry-After) rather than over-filling.
+bounded by a count and optionally by bytes; past either, installing an adapter evicts others that no
+request holds, in segmented-LRU order: an adapter loaded for one request waits on *probation*; asked
+for again while resident, it is *protected* (80% of the set at most; the protected set's least recently
+used fall back to probation). Probation is evicted first, least recently used first, then protected.
+Under skewed traffic this keeps the popular adapters through bursts of one-off requests, which plain
+LRU does not: on a Zipf(1.1) trace over 100,000 adapters with 5% resident, LRU hits 0.93 of the ideal
+static top-5% set's rate, segmented LRU 0.97 (benchmarks/registry_scale.py measures it here).
+
+A request *pins* its adapters from the moment it asks for them until its batch has run, so a cold
+load for another request never evicts what a queued one needs; if nothing can be evicted the load is
+refused (503, Retry-After) rather than over-filling.
 
 A cold load is *single flight*: however many requests ask at once for an adapter that is not
 resident, one of them starts its load (read, verify, validate, prepare, in a worker thread) and
@@ -15,6 +22,7 @@ the others wait for that one. Nothing is evicted before the load has succeeded, 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -32,6 +40,7 @@ from .flight import Load, Pin
 
 log = logging.getLogger(__name__)
 _STALE_RETRIES = 3
+PROTECTED_SHARE = 0.8  # of the resident set, for adapters asked for again while resident
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,7 +73,11 @@ class ResidentSet:
         self.max_adapters, self.max_bytes = max_adapters, max_bytes
         self.metrics = metrics
         self.loads = 0  # cold loads started (each reads one bundle): what single flight keeps low
-        self._resident: OrderedDict[str, Resident] = OrderedDict()  # least recently used first
+        self._resident: dict[str, Resident] = {}
+        # Segmented LRU, least recently used first in each: loaded once, and asked for again.
+        self._probation: OrderedDict[str, None] = OrderedDict()
+        self._protected: OrderedDict[str, None] = OrderedDict()
+        self._protected_cap = int(PROTECTED_SHARE * max_adapters)
         self._pins: Counter[str] = Counter()
         self._stale: set[str] = set()  # replaced in the registry while pinned: reloaded when next asked
         self._loading: dict[str, Load] = {}
@@ -137,7 +150,7 @@ class ResidentSet:
             for name in names:
                 self._pins[name] += 1
                 if name in self._resident and name not in self._stale:
-                    self._resident.move_to_end(name)  # used now
+                    self._touch(name)
                     continue
                 load = self._loading.get(name)
                 if load is None:
@@ -231,23 +244,37 @@ class ResidentSet:
             with self._lock:
                 for victim in victims:
                     self._forget(victim)
+                segment = self._protected if name in self._protected else self._probation
                 self._forget(name)
                 self._resident[name] = resident
+                segment[name] = None  # a replaced copy keeps its standing; a new one is on probation
                 self._bytes += resident.nbytes
-                self._stale.discard(name)
         if victims:
             log.debug("evicted %s to load %s", victims, name)
         self._gauges()
         return True
 
+    def _touch(self, name: str) -> None:
+        """``name`` asked for while resident (lock held): protected, the most recently used there."""
+        if name in self._protected:
+            self._protected.move_to_end(name)
+            return
+        self._probation.pop(name, None)
+        self._protected[name] = None
+        while len(self._protected) > self._protected_cap:
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
+
     def _victims(self, resident: Resident, replacing: Resident | None) -> list[str] | None:
-        """Least recently used first: unpinned adapters no resident adapter extends (lock held)."""
+        """Probation then protected, least recently used first: unpinned adapters no resident
+        adapter extends (lock held). None when evicting all of those would not make room."""
         count = len(self._resident) + (replacing is None)
         nbytes = self._bytes + resident.nbytes - (replacing.nbytes if replacing else 0)
         # Parents of resident adapters stay (an extension needs its parent), the new one's included.
         parents = {r.entry.parent for r in (*self._resident.values(), resident) if r.entry.parent is not None}
         victims = []
-        for name, held in self._resident.items():
+        for name in itertools.chain(self._probation, self._protected):
+            held = self._resident[name]
             if count <= self.max_adapters and (self.max_bytes is None or nbytes <= self.max_bytes):
                 return victims
             if name == resident.entry.name or self._pins[name] > 0 or name in parents:
@@ -281,6 +308,8 @@ class ResidentSet:
         self.remove(name)
 
     def _forget(self, name: str) -> None:
+        self._probation.pop(name, None)
+        self._protected.pop(name, None)
         held = self._resident.pop(name, None)
         if held is not None:
             self._bytes -= held.nbytes

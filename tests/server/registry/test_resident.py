@@ -60,25 +60,30 @@ def test_a_hundred_requests_for_one_cold_adapter_read_it_once(replica, make_bund
     assert not reader.resident.pinned("cold") and "cold" in reader.resident
 
 
-def test_the_least_recently_used_is_evicted_and_a_pinned_one_never(replica, make_bundle) -> None:
+def test_eviction_keeps_what_is_asked_for_again_and_never_what_is_pinned(replica, make_bundle) -> None:
+    """Segmented LRU: adapters asked for once are evicted first (least recently used first), then
+    those asked for again while resident; a pinned one never."""
     writer = replica()
-    for name in "abcde":
+    for name in "abcdef":
         writer.register(make_bundle(name).to_bytes())
-    r = replica(resident_adapters=3)
+    r = replica(resident_adapters=3)  # protected: 2 at most
     for name in "abc":
         r.acquire([name]).release()
-    r.acquire(["a"]).release()  # a is used again: b is now the least recently used
+    r.acquire(["a"]).release()  # asked again: protected; b is now the oldest on probation
     r.acquire(["d"]).release()
     assert sorted(r.live.current.names) == ["a", "c", "d"]
-    held = r.acquire(["c"])  # pinned while its batch would run
-    r.acquire(["e"]).release()  # evicts a (the oldest unpinned), not c
-    assert sorted(r.live.current.names) == ["c", "d", "e"]
-    with r.acquire(["d"]), r.acquire(["e"]), pytest.raises(ResidentSetFullError, match="in use"):
-        r.acquire(["a"])  # c, d and e are all pinned: refused (503), nothing over-filled
-    assert sorted(r.live.current.names) == ["c", "d", "e"] and len(r.resident) == 3
+    held = r.acquire(["c"])  # protected too, and pinned while its batch would run
+    r.acquire(["e"]).release()  # evicts d, the only one on probation
+    assert sorted(r.live.current.names) == ["a", "c", "e"]
+    r.acquire(["e"]).release()  # a third protected one: a, the least recently used, falls back
+    r.acquire(["f"]).release()  # ... and is the one evicted, not c (pinned) nor e
+    assert sorted(r.live.current.names) == ["c", "e", "f"]
+    with r.acquire(["e"]), r.acquire(["f"]), pytest.raises(ResidentSetFullError, match="in use"):
+        r.acquire(["a"])  # c, e and f are all pinned: refused (503), nothing over-filled
+    assert sorted(r.live.current.names) == ["c", "e", "f"] and len(r.resident) == 3
     held.release()
     r.acquire(["a"]).release()
-    assert "a" in r.resident and "c" not in r.resident
+    assert "a" in r.resident and len(r.resident) == 3
 
 
 def test_a_request_needing_more_than_the_cap_is_refused(replica, make_bundle) -> None:
