@@ -4,6 +4,10 @@ after ``generation`` changes (docs/design.md §4).
 Both are plain JSON. An entry carries everything the registry lists about an adapter (no bundle is
 read to list it) and the key and SHA-256 of its bundle object, so a replica loading it on demand
 reads exactly those bytes and can tell if they are not the ones registered.
+
+The index is written in columns, with the values many adapters share (label sets, bases, their
+fingerprints) in tables: 100,000 adapters are about 20 MB of JSON that a replica parses in a fraction
+of a second, where one object per adapter was 48 MB and several seconds.
 """
 
 from __future__ import annotations
@@ -12,16 +16,22 @@ import json
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
-from memory_core import NAME_PATTERN, MemvitError
+from memory_core import NAME_PATTERN
 
 from .base import StoreUnavailableError
 
 INDEX_FORMAT = "memvit.index/1"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _PUT_FIELDS = ("key", "size", "sha256", "parent", "memory_tokens", "memory_norm", "labels")
+# The index's columns, in order; those in _TABLES hold an index into the table of that name.
+COLUMNS = (
+    "name", "key", "size", "sha256", "parent", "memory_tokens", "memory_norm", "labels",
+    "base_model", "base_fingerprint", "time",
+)  # fmt: skip
+_TABLES = ("memory_norm", "labels", "base_model", "base_fingerprint")
 
 
 class JournalDamagedError(StoreUnavailableError):
@@ -33,10 +43,9 @@ class JournalDamagedError(StoreUnavailableError):
     """
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
+class Entry(NamedTuple):
     """One change: ``put`` registers (or replaces) ``name`` with the bundle at ``key``; ``delete``
-    removes it, or the invalid object at ``key``."""
+    removes it, or the invalid object at ``key``. A tuple: 100,000 of them are built at start-up."""
 
     op: str  # "put" | "delete"
     name: str
@@ -56,13 +65,13 @@ class Entry:
         return len(self.labels)
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = self._asdict()
         data["labels"] = list(self.labels)
         return data
 
     @classmethod
     def from_json(cls, data: object) -> Entry:
-        """Parse one entry; anything that is not a well-formed entry raises ``ValueError``."""
+        """Parse one journal entry; anything that is not a well-formed entry raises ``ValueError``."""
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         op, name = data.get("op"), data.get("name")
@@ -85,21 +94,20 @@ class Entry:
         parent = data["parent"]
         if parent is not None and not isinstance(parent, str):
             raise ValueError("parent is not a string")
-        # Interned: 100,000 entries share a handful of label sets, norms, bases and fingerprints.
         intern = sys.intern
         return cls(
-            op="put",
-            name=name,
-            key=data["key"],
-            size=int(data["size"]),
-            sha256=data["sha256"],
-            parent=parent,
-            memory_tokens=int(data["memory_tokens"]),
-            memory_norm=intern(str(data["memory_norm"])),
-            labels=tuple(intern(label) for label in labels),
-            base_model=intern(str(data.get("base_model", ""))),
-            base_fingerprint=intern(str(data.get("base_fingerprint", ""))),
-            time=float(data.get("time") or 0.0),
+            "put",
+            name,
+            data["key"],
+            int(data["size"]),
+            data["sha256"],
+            parent,
+            int(data["memory_tokens"]),
+            intern(str(data["memory_norm"])),
+            tuple(intern(label) for label in labels),
+            intern(str(data.get("base_model", ""))),
+            intern(str(data.get("base_fingerprint", ""))),
+            float(data.get("time") or 0.0),
         )
 
 
@@ -139,13 +147,24 @@ class Snapshot:
         return Snapshot(self.generation, dict(self.adapters), dict(self.invalid))
 
     def to_bytes(self) -> bytes:
-        adapters = {}
-        for name, entry in self.adapters.items():
-            data = entry.to_json()
-            del data["op"], data["name"]
-            adapters[name] = data
-        body = {"format": INDEX_FORMAT, "generation": self.generation, "adapters": adapters}
-        body["invalid"] = self.invalid
+        tables: dict[str, dict[Any, int]] = {name: {} for name in _TABLES}
+        rows = []
+        for e in self.adapters.values():
+            row: list[Any] = list(e[1:])  # every field but op, in COLUMNS' order
+            for column in _TABLES:
+                i = COLUMNS.index(column)
+                row[i] = tables[column].setdefault(row[i], len(tables[column]))
+            rows.append(row)
+        body = {
+            "format": INDEX_FORMAT,
+            "generation": self.generation,
+            "columns": COLUMNS,
+            "tables": {
+                name: [list(v) if isinstance(v, tuple) else v for v in t] for name, t in tables.items()
+            },
+            "adapters": rows,
+            "invalid": self.invalid,
+        }
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -157,12 +176,21 @@ class Snapshot:
             generation = body["generation"]
             if not isinstance(generation, int) or generation < 0:
                 raise ValueError(f"generation {generation!r}")
-            adapters = {
-                name: Entry.from_json({**data, "op": "put", "name": name})
-                for name, data in body["adapters"].items()
-            }
+            if tuple(body["columns"]) != COLUMNS:
+                raise ValueError(f"columns {body['columns']} are not {list(COLUMNS)}")
+            tables = body["tables"]
+            norms = [sys.intern(str(v)) for v in tables["memory_norm"]]
+            labels = [tuple(sys.intern(str(x)) for x in v) for v in tables["labels"]]
+            bases = [sys.intern(str(v)) for v in tables["base_model"]]
+            prints = [sys.intern(str(v)) for v in tables["base_fingerprint"]]
+            make = Entry._make
+            adapters = {}
+            for n, k, size, sha, parent, m, norm, lab, base, fp, t in body["adapters"]:
+                adapters[n] = make(
+                    ("put", n, k, size, sha, parent, m, norms[norm], labels[lab], bases[base], prints[fp], t)
+                )
             invalid = {str(k): str(v) for k, v in body.get("invalid", {}).items()}
-        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as exc:
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, UnicodeDecodeError) as exc:
             raise JournalDamagedError(f"{where} is damaged ({exc})") from None
         return cls(generation, adapters, invalid)
 
@@ -170,7 +198,3 @@ class Snapshot:
 def dependents(adapters: dict[str, Entry], name: str) -> Iterator[str]:
     """Registered adapters that extend ``name`` directly (a scan: only changes call it)."""
     return (n for n, e in adapters.items() if e.parent == name)
-
-
-class EntryRefusedError(MemvitError):
-    """Raised by a change's check against the registry: the change is not written (internal)."""

@@ -7,7 +7,6 @@ written before the journal when a replica first starts on it.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import random
 import time
@@ -62,7 +61,7 @@ def test_mutated_bundles_journaled_in_a_live_store_are_refused_and_listed(client
     catalog = Catalog(LocalStore(store))
     catalog.open(lambda *_: None, max_bytes=1)  # type: ignore[arg-type, return-value]
     for i, entry in enumerate(entries):  # each under its own name, with the hash of its bytes
-        catalog.commit(lambda _state, e=entry, i=i: dataclasses.replace(e, name=f"fuzz{i}"))
+        catalog.commit(lambda _state, e=entry, i=i: e._replace(name=f"fuzz{i}"))
     (store / "dropped.safetensors").write_bytes(good.to_bytes())
     time.sleep(1.0)  # five poll intervals of 0.2 s
     png = io.BytesIO()
