@@ -93,7 +93,6 @@ def _load(settings: Settings, metrics: Metrics) -> tuple[MemoryViT, AdapterRegis
     """The slow, blocking part of start-up (run in a thread): the model, then the registry's index."""
     engine = build_engine(settings)
     store = open_store(settings.adapter_store)
-    store.clean_temp_files()
     registry = AdapterRegistry(
         LiveAdapters(engine),
         store,
@@ -144,6 +143,9 @@ async def _start(state: AppState) -> None:
     state.tasks.append(
         asyncio.create_task(_poll_store(state.service, settings, state.metrics), name="store-poller")
     )
+    # Off the start-up path: a local store walks a directory per adapter (100,000 of them), and a
+    # stale temp file is garbage, never a registration.
+    state.tasks.append(asyncio.create_task(asyncio.to_thread(registry.store.clean_temp_files), name="clean"))
     _update_gauges(state.service, state.metrics)
     state.metrics.ready.set(1)
     spec = engine.spec
