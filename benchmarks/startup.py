@@ -6,7 +6,7 @@ from ``python -X importtime``), and the server on the real DeiT-Tiny weights wit
 store. Medians of ``--rounds``.
 
     python -m benchmarks.startup
-    python -m benchmarks.startup --repo /tmp/memvit-before
+    python -m benchmarks.startup --repo . /tmp/memvit-before   # two checkouts, alternating
 """
 
 from __future__ import annotations
@@ -80,22 +80,27 @@ def ready_seconds(repo: Path, store: Path) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__file__, __doc__)
-    parser.add_argument("--repo", type=Path, default=REPO, help="the checkout to measure")
+    parser.add_argument("--repo", type=Path, nargs="+", default=[REPO], help="checkouts, alternated")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    imports, ready = [], []
-    packages: dict[str, float] = {}
+    imports: dict[Path, list[float]] = {repo: [] for repo in args.repo}
+    ready: dict[Path, list[float]] = {repo: [] for repo in args.repo}
+    packages: dict[Path, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="memvit-startup-") as tmp:
-        for i in range(args.rounds):
-            wall, packages = import_seconds(args.repo)
-            imports.append(wall)
-            ready.append(ready_seconds(args.repo, Path(tmp) / f"store{i}"))
-    print(f"checkout: {args.repo}")
-    rounds = ", ".join(f"{x:.2f}" for x in imports)
-    print(f"import server.cli: median {statistics.median(imports):.2f} s ({rounds})")
-    print("  self time by package (last round): " + ", ".join(f"{k} {v:.2f} s" for k, v in packages.items()))
-    print(f"memvit serve to /readyz 200 (DeiT-Tiny, empty store): median {statistics.median(ready):.2f} s "
-          f"({', '.join(f'{x:.2f}' for x in ready)})")  # fmt: skip
+        for i in range(args.rounds):  # alternating: a busy minute of a shared machine hits each alike
+            for j, repo in enumerate(args.repo):
+                wall, packages[repo] = import_seconds(repo)
+                imports[repo].append(wall)
+                ready[repo].append(ready_seconds(repo, Path(tmp) / f"store{i}-{j}"))
+    for repo in args.repo:
+        print(f"checkout: {repo}")
+        rounds = ", ".join(f"{x:.2f}" for x in imports[repo])
+        print(f"  import server.cli: median {statistics.median(imports[repo]):.2f} s ({rounds})")
+        top = ", ".join(f"{k} {v:.2f} s" for k, v in packages[repo].items())
+        print(f"  self time by package (last round): {top}")
+        rounds = ", ".join(f"{x:.2f}" for x in ready[repo])
+        median = statistics.median(ready[repo])
+        print(f"  memvit serve to /readyz 200 (DeiT-Tiny, empty store): median {median:.2f} s ({rounds})")
 
 
 if __name__ == "__main__":

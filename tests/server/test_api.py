@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 
 import httpx
 import pytest
@@ -272,3 +273,20 @@ def test_the_adapter_list_pages_by_name(settings, store, make_bundle) -> None:
         assert [a["name"] for a in everything["adapters"]] == ["a", "b", "c", "d", "e"]
         assert everything["next"] is None and everything["max_tasks_per_request"] == 64
         assert all(a["training"] is None for a in everything["adapters"])  # lists read no bundle
+
+
+def test_a_damaged_journal_entry_refuses_changes_and_keeps_serving(client, store, make_bundle) -> None:
+    """Never skipped (the replicas would disagree on what a version holds): the replica says so in
+    /readyz, answers changes 503, and serves what it knows until an operator repairs the entry."""
+    assert register(client, make_bundle("kept").to_bytes()).status_code == 201
+    version = client.get("/adapters").json()["registry"]["version"]
+    (store / ".journal" / f"{version + 1:016d}.json").write_bytes(b"{not json")
+    for _ in range(50):  # the next poll finds it
+        detail = client.get("/readyz").json()["detail"]
+        if "damaged" in detail:
+            break
+        time.sleep(0.1)
+    assert "is damaged" in detail and client.get("/readyz").status_code == 200
+    r = register(client, make_bundle("new").to_bytes())
+    assert r.status_code == 503 and "changes are refused until it is repaired" in r.json()["error"]["message"]
+    assert post_image(client, jpeg(), tasks="kept").status_code == 200
