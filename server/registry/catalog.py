@@ -72,11 +72,14 @@ class Catalog:
         return self.state.invalid
 
     def page(self, after: str | None, limit: int) -> list[Entry]:
-        """Up to ``limit`` registered adapters by name, after ``after``. Reads no bundle."""
-        with self._lock:
-            start = 0 if after is None else bisect.bisect_right(self._names, after)
-            names = self._names[start : start + limit]
-            return [self.state.adapters[n] for n in names]
+        """Up to ``limit`` registered adapters by name, after ``after``. Reads no bundle.
+
+        Without the lock (the event loop calls it, and a refresh may hold the lock through a store
+        request): a slice of a list is atomic, and a name deleted in between is left out."""
+        names = self._names
+        start = 0 if after is None else bisect.bisect_right(names, after)
+        adapters = self.state.adapters
+        return [e for n in names[start : start + limit] if (e := adapters.get(n)) is not None]
 
     def lineage(self, name: str) -> list[str]:
         """``name`` and its registered ancestors, nearest first."""
