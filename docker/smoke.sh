@@ -120,7 +120,7 @@ classify() {  # prints "version task,task,... base-label" of the answer
 import json, sys
 r = json.load(sys.stdin)
 tasks = r["results"][0]["tasks"]
-print(r["adapter_set"]["version"], ",".join(sorted(tasks)), tasks["base"]["predictions"][0]["label"])
+print(r["registry"]["version"], ",".join(sorted(tasks)), tasks["base"]["predictions"][0]["label"])
 for task, result in sorted(tasks.items()):
     top = result["predictions"][0]
     print("   %s: %s (%.2f)" % (task, top["label"], top["probability"]), file=sys.stderr)'
@@ -128,7 +128,7 @@ for task, result in sorted(tasks.items()):
 
 step "classify $(basename "$PHOTO")"
 read -r V1 TASKS1 LABEL1 < <(classify)
-echo "adapter set v$V1: $TASKS1; base says $LABEL1"
+echo "registry v$V1: $TASKS1; base says $LABEL1"
 [[ "$TASKS1" == *base* && "$TASKS1" == *orientation* ]] || fail "expected base + demo adapters, got $TASKS1"
 [[ "$LABEL1" == trouser ]] || fail "the demo base called the trouser sample '$LABEL1'"
 
@@ -144,7 +144,7 @@ read -r V2 TASKS2 _ < <(classify)
 curl -fsS -H "Authorization: Bearer $TOKEN" -F bundle=@server/demo/adapters/orientation.safetensors \
     -o /dev/null -w 'POST /adapters: %{http_code}\n' "$URL/adapters"
 read -r V3 TASKS3 _ < <(classify)
-echo "adapter set v$V2: $TASKS2 -> v$V3: $TASKS3"
+echo "registry v$V2: $TASKS2 -> v$V3: $TASKS3"
 [[ "$TASKS3" == *orientation* ]] || fail "registered adapter is not served"
 
 step "restart: the store volume keeps the set"

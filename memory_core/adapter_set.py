@@ -26,7 +26,8 @@ class AdapterSet:
     """An immutable, ordered set of prepared adapters.
 
     ``version`` identifies the set: unique per set built in this process, unless the caller gives
-    one (the server gives its store's generation, so replicas serving one state report one number).
+    one (the server gives its registry's version, the journal's head, so replicas serving one registry
+    report one number).
     """
 
     __slots__ = ("_by_name", "_stack", "adapters", "version")

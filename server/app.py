@@ -1,8 +1,9 @@
 """The FastAPI application: built by ``create_app(settings)``, loaded in the background.
 
 Start-up order: the server answers at once (``/healthz`` 200, ``/readyz`` 503); a background task
-loads the base model and every valid bundle in the store, then starts the batcher and the store
-poller and flips ready. If loading fails, the error is logged in one line and the process stops.
+loads the base model and the registry (the store's index and the journal since: no bundle is read),
+then starts the batcher and the store poller and flips ready. If loading fails, the error is logged
+in one line and the process stops.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .registry import AdapterRegistry
 from .routers import adapters, classify, health, oip, ui
 from .settings import Settings, get_settings
 from .state import AppState, Service
-from .store import AdapterStore, StoreUnavailableError, open_store
+from .store import StoreUnavailableError, open_store
 
 log = logging.getLogger("memvit.server")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,31 +83,36 @@ def preflight(settings: Settings) -> None:
         raise ValueError(f"MEMVIT_ADAPTER_STORE: {exc}") from None
 
 
-def _seed_demo_store(settings: Settings, store: AdapterStore) -> None:
+def _seed_demo_store(settings: Settings, registry: AdapterRegistry) -> None:
     """With the demo model, a brand-new store starts from the demo's adapters (once in its life)."""
     from .demo import demo_adapters
 
-    if settings.uses_demo and store.seed_once({path.stem: path for path in demo_adapters()}):
-        log.info("seeded the new adapter store %s with the demo adapters", store.location)
+    if settings.uses_demo and registry.seed_once({path.stem: path for path in demo_adapters()}):
+        log.info("seeded the new adapter store %s with the demo adapters", registry.store.location)
 
 
-def _load(settings: Settings) -> tuple[MemoryViT, AdapterRegistry]:
-    """The slow, blocking part of start-up (run in a thread): the model, then every valid bundle."""
+def _load(settings: Settings, metrics: Metrics) -> tuple[MemoryViT, AdapterRegistry]:
+    """The slow, blocking part of start-up (run in a thread): the model, then the registry's index."""
     engine = build_engine(settings)
     store = open_store(settings.adapter_store)
-    store.clean_temp_files()
-    _seed_demo_store(settings, store)
-    registry = AdapterRegistry(LiveAdapters(engine), store, max_bundle_bytes=settings.max_bundle_bytes)
-    registry.sync()
-    for name, reason in registry.invalid.items():
-        log.warning("adapter store: %s is invalid and was not loaded: %s", name, reason)
+    registry = AdapterRegistry(
+        LiveAdapters(engine),
+        store,
+        max_bundle_bytes=settings.max_bundle_bytes,
+        resident_adapters=settings.resident_adapters,
+        resident_bytes=settings.resident_bytes,
+        max_tasks=settings.max_tasks_per_request,
+        metrics=metrics,
+    )
+    registry.open()
+    _seed_demo_store(settings, registry)
     return engine, registry
 
 
 async def _start(state: AppState) -> None:
     settings = state.settings
     try:
-        engine, registry = await asyncio.to_thread(_load, settings)
+        engine, registry = await asyncio.to_thread(_load, settings, state.metrics)
     except Exception as exc:  # configuration or weights problems: say so in one line and stop
         log.error("cannot start: %s", exc)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -128,7 +134,7 @@ async def _start(state: AppState) -> None:
         decode=settings.decode,
     )
     pipeline = ClassifyPipeline(
-        live,
+        registry,
         decoder,
         batcher,
         decode_pool,
@@ -139,12 +145,16 @@ async def _start(state: AppState) -> None:
     state.tasks.append(
         asyncio.create_task(_poll_store(state.service, settings, state.metrics), name="store-poller")
     )
+    # Off the start-up path: a local store walks a directory per adapter (100,000 of them), and a
+    # stale temp file is garbage, never a registration.
+    state.tasks.append(asyncio.create_task(asyncio.to_thread(registry.store.clean_temp_files), name="clean"))
     _update_gauges(state.service, state.metrics)
     state.metrics.ready.set(1)
     spec = engine.spec
     log.info(
-        "ready: %s (%s) on %s/%s, %d adapters, store %s",
-        spec.arch, engine.source, engine.device, engine.dtype, len(live.current), settings.adapter_store,
+        "ready: %s (%s) on %s/%s, %d adapters registered (v%d), store %s",
+        spec.arch, engine.source, engine.device, engine.dtype, len(registry), registry.version,
+        settings.adapter_store,
     )  # fmt: skip
 
 
@@ -162,6 +172,7 @@ def _update_gauges(service: Service, metrics: Metrics) -> None:
     live = service.live.current
     metrics.adapters_loaded.set(len(live))
     metrics.adapter_set_version.set(live.version)
+    metrics.adapters_registered.set(len(service.registry))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class _Job:
     images: Tensor  # (n, C, H, W)
     future: asyncio.Future[FusedOutput]
-    tasks: frozenset[str] | None = None  # adapters its images ask for; None: every one loaded
+    tasks: frozenset[str] | None = None  # adapters its images ask for; None: every one resident
 
 
 class DynamicBatcher:
@@ -161,7 +161,9 @@ class DynamicBatcher:
             if unknown:
                 if not job.future.done():
                     why = ": removed while the request waited"
-                    job.future.set_exception(unknown_tasks_error(unknown, adapter_set, why))
+                    job.future.set_exception(
+                        unknown_tasks_error(unknown, adapter_set.names, len(adapter_set), why)
+                    )
                 continue
             runnable.append(job)
         if all(job.tasks is None for job in runnable):

@@ -85,8 +85,8 @@ AuditDep = Annotated[AuditEntry, Depends(get_audit)]
 @dataclass(frozen=True)
 class ClassifyInput:
     """A /classify request, checked: at most the allowed number of images, and ``tasks`` parsed and
-    each one live when the request arrived (None: every task). For a key, ``tasks`` is never None: no
-    filter means base and the adapters the key may read, so nothing else is computed."""
+    each one registered when the request arrived (None: every task). For a key, ``tasks`` is never None:
+    no filter means base and the adapters the key may read, so nothing else is computed."""
 
     images: list[UploadFile]
     tasks: list[str] | None
@@ -94,8 +94,8 @@ class ClassifyInput:
     logits: bool
 
 
-def classify_input(
-    live: LiveDep,
+async def classify_input(
+    registry: RegistryDep,
     settings: SettingsDep,
     principal: PrincipalDep,
     image: Annotated[list[UploadFile], File(description="one or more images (repeat the field for a batch)")],
@@ -107,29 +107,30 @@ def classify_input(
 ) -> ClassifyInput:
     """Runs only once every parameter is valid (FastAPI answers 422 for those first); then the image
     count (413), then the tasks against the key (403, before whether they exist), then against the
-    live set (422), before anything is decoded."""
+    registry (400, 413, 422), before anything is decoded."""
     if len(image) > settings.max_images_per_request:
         raise TooManyImagesError(
             f"{len(image)} images in one request; the limit is {settings.max_images_per_request}",
             field="image",
         )
-    wanted = resolve_tasks(parse_tasks(tasks), principal, live)  # before decoding anything
+    wanted = await resolve_tasks(parse_tasks(tasks), principal, registry)  # before decoding anything
     return ClassifyInput(image, wanted, top_k, logits)
 
 
-def resolve_tasks(wanted: list[str] | None, principal: Principal, live: LiveAdapters) -> list[str] | None:
+async def resolve_tasks(
+    wanted: list[str] | None, principal: Principal, registry: AdapterRegistry
+) -> list[str] | None:
     """The tasks a request will compute: ``wanted`` checked against the caller (403, before whether
-    they exist) and the live set (422); for a key, no filter means base and the adapters it may read.
-    None: every task. Shared by /classify and the Open Inference Protocol's infer."""
-    current = live.current
+    they exist) and the registry (400, 413, 422); for a key, no filter means base and the adapters it
+    may read. None: every task. Shared by /classify and the Open Inference Protocol's infer."""
     if not principal.sees_all:
         if wanted is None:
-            wanted = [BASE_TASK, *principal.visible(current.names)]
+            wanted = [BASE_TASK, *principal.visible(registry.all_names())]
         elif refused := [t for t in wanted if not principal.may_read(t)]:
             error = name_refused(principal, refused, "read")
             error.field = "tasks"
             raise error
-    check_tasks(wanted, current, principal.may_read)
+    await check_tasks(wanted, registry, None if principal.sees_all else principal.may_read)
     return wanted
 
 

@@ -74,6 +74,19 @@ class TooManyImagesError(ServiceError):
     status = 413
 
 
+class TooManyTasksError(ServiceError):
+    """A request names more adapters than one request may ask for, or than this server can hold
+    resident at once: a limit of the server's, like the number of images (413), named in the message."""
+
+    status = 413
+
+
+class TasksRequiredError(ServiceError):
+    """No ``tasks`` filter while the registry holds more adapters than one request may compute."""
+
+    status = 400
+
+
 class UnknownTaskError(ServiceError):
     status = 422
     unknown: tuple[str, ...] = ()  # the tasks asked for that the adapter set lacks
@@ -137,6 +150,10 @@ class NotReadyError(RetryLaterError):
 
 class OverloadedError(RetryLaterError):
     pass
+
+
+class ResidentSetFullError(RetryLaterError):
+    """A cold load found every resident adapter pinned by queued requests: nothing could be evicted."""
 
 
 class RequestTimeoutError(ServiceError):

@@ -30,10 +30,20 @@ class Metrics:
         self.rejected = Counter(
             "memvit_rejected_total", "requests refused because the queue was full", registry=r
         )
-        self.adapters_loaded = Gauge("memvit_adapters_loaded", "adapters in the live set", registry=r)
-        self.adapter_set_version = Gauge(
-            "memvit_adapter_set_version", "version of the live adapter set", registry=r
+        self.adapters_loaded = Gauge(
+            "memvit_adapters_loaded", "adapters in the live set (the resident ones)", registry=r
         )
+        self.adapter_set_version = Gauge(
+            "memvit_adapter_set_version", "version of the registry (the journal's head)", registry=r
+        )
+        self.adapters_registered = Gauge(
+            "memvit_adapters_registered", "adapters in the registry, resident or not", registry=r
+        )
+        self.adapter_loads = Counter(
+            "memvit_adapter_loads_total", "cold loads of adapters from the store", ["result"], registry=r
+        )
+        self.resident_adapters = Gauge("memvit_resident_adapters", "adapters resident in memory", registry=r)
+        self.resident_bytes = Gauge("memvit_resident_bytes", "bytes of the resident adapters", registry=r)
         # Label values are task names: "base" and live adapter names (validated, bounded by the set).
         self.task_requests = Counter(
             "memvit_task_requests_total", "classify requests answered, per task asked", ["task"], registry=r

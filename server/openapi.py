@@ -18,19 +18,23 @@ from .schemas import ErrorResponse, ProtocolErrorResponse
 from .settings import Settings
 
 DESCRIPTIONS = {
-    400: "malformed request: an empty or broken image, an unreadable multipart body, or a Host header "
-    "this server does not answer to (`MEMVIT_ALLOWED_HOSTS`)",
+    400: "malformed request: an empty or broken image, an unreadable multipart body, a Host header "
+    "this server does not answer to (`MEMVIT_ALLOWED_HOSTS`), or no `tasks` while the registry holds "
+    "more adapters than one request may ask for",
     401: "no `Authorization: Bearer <admin token or API key>` header where one is needed "
     "(management; reads with `MEMVIT_REQUIRE_READ_KEY`)",
     403: "the token or key is not valid or does not cover the adapter named, another site's page sent "
     "a change, or management is disabled (no token configured)",
     404: "no such adapter",
     408: "the request's body did not arrive in time",
-    409: "conflicts with the live set: the name is taken, the parent is missing, or adapters extend it",
-    413: "over a size cap: the request body, an image, a bundle or the number of images",
+    409: "conflicts with the registry: the name is taken, the parent is missing, or adapters extend it",
+    413: "over a size cap: the request body, an image, a bundle, the number of images, or more adapters "
+    "than one request may ask for or this server can hold resident at once",
     415: "not multipart/form-data, or a file that is not an image in an accepted format",
-    422: "a parameter, bundle or task name that fails validation (the message names the field)",
-    503: "not ready yet, overloaded (see Retry-After) or the adapter store is unavailable",
+    422: "a parameter, bundle or task name that fails validation, or an adapter that cannot be served "
+    "here (the message names the field)",
+    503: "not ready yet, overloaded or every resident adapter in use (see Retry-After), or the adapter "
+    "store is unavailable (an adapter could not be loaded)",
 }
 
 

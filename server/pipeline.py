@@ -1,9 +1,11 @@
 """POST /classify from uploaded bytes to the response: decode -> batch -> fused pass -> predictions.
 
 One object owns the whole path from checked input (``deps.classify_input``: the image count, and the
-tasks against the live set, before anything is decoded) to the response, so that its rules live
+tasks against the registry, before anything is decoded) to the response, so that its rules live
 together:
 - each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop;
+- while they decode, the adapters asked for are made resident (loaded from the store if they are
+  not) and pinned until the batch has run, so no other request's cold load evicts them;
 - the images are announced to the batcher while they decode, so a forming batch waits for them;
 - the batch's snapshot answers or refuses the tasks (an adapter removed meanwhile gives a 422 naming
   it, never a wrong or missing answer: server/batching.py);
@@ -13,6 +15,7 @@ together:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Executor
 
@@ -20,20 +23,21 @@ import torch
 from fastapi import UploadFile
 from torch import Tensor
 
-from memory_core import BASE_TASK, FusedOutput, LiveAdapters
+from memory_core import BASE_TASK, FusedOutput
 
 from .batching import DynamicBatcher
 from .edge.body import read_upload
 from .errors import ImageTooLargeError, NonFiniteOutputError
 from .images import ImageDecoder
 from .metrics import Metrics
-from .schemas import AdapterSetInfo, ClassifyResponse, ImageResult, Prediction, TaskResult
+from .registry import AdapterRegistry, Pin
+from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
 
 
 class ClassifyPipeline:
     def __init__(
         self,
-        live: LiveAdapters,
+        registry: AdapterRegistry,
         decoder: ImageDecoder,
         batcher: DynamicBatcher,
         decode_pool: Executor,
@@ -41,8 +45,8 @@ class ClassifyPipeline:
         max_image_bytes: int,
         metrics: Metrics | None = None,
     ) -> None:
-        self.live = live
-        self.engine = live.engine
+        self.registry = registry
+        self.engine = registry.engine
         self.decoder = decoder
         self.batcher = batcher
         self.decode_pool = decode_pool
@@ -65,10 +69,23 @@ class ClassifyPipeline:
     async def run(self, images: Awaitable[Tensor], count: int, tasks: list[str] | None) -> FusedOutput:
         """``count`` images (decoding, or already preprocessed) through one batched fused pass.
 
-        Routed: these images pay for the adapters asked for, not for every one loaded. The batch's
-        snapshot refuses any of them removed since the request's tasks were checked."""
+        Routed: these images pay for the adapters asked for, not for every one resident. Their adapters
+        are made resident and pinned while the images decode, and stay pinned until the batch has run.
+        The batch's snapshot refuses any of them deleted since the request's tasks were checked."""
         adapters = None if tasks is None else [t for t in tasks if t != BASE_TASK]
-        return await self.batcher.run(count, images, adapters)
+        # Unfiltered (a small registry): every adapter, less any deleted meanwhile or invalid here.
+        wanted = self.registry.all_names() if adapters is None else adapters
+        pinning = asyncio.ensure_future(self.registry.acquire_async(wanted, optional=adapters is None))
+
+        async def ready() -> Tensor:
+            decoded = await images
+            await pinning  # resident and pinned before the images are queued
+            return decoded
+
+        try:
+            return await self.batcher.run(count, ready(), adapters)
+        finally:
+            await _unpin(pinning)
 
     async def _uploads(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
         """Every upload read, each with its byte cap, then decoded."""
@@ -100,10 +117,10 @@ class ClassifyPipeline:
         """Logits of ``len(names)`` images -> the top ``top_k`` labels of each wanted task."""
         adapter_set = out.adapter_set
         task_logits = out.logits()
-        labels = {BASE_TASK: self.engine.labels, **{a.name: a.weights.labels for a in adapter_set}}
         per_task = {}
         for task in wanted or list(task_logits):
             values = task_logits[task]  # (n, C)
+            labels = self.engine.labels if task == BASE_TASK else adapter_set[task].weights.labels
             if not torch.isfinite(
                 values
             ).all():  # refused at registration; float16 serving could still overflow
@@ -111,7 +128,7 @@ class ClassifyPipeline:
                     f"task {task!r} produced non-finite logits; not answering with null"
                 )
             top = values.softmax(-1).topk(min(top_k, values.shape[-1]), dim=-1)
-            per_task[task] = (values, top, labels[task])
+            per_task[task] = (values, top, labels)
         results = []
         for i, name in enumerate(names):
             answers = {}
@@ -124,8 +141,17 @@ class ClassifyPipeline:
                     predictions=predictions, logits=values[i].tolist() if logits else None
                 )
             results.append(ImageResult(image=name, tasks=answers))
-        info = AdapterSetInfo(version=adapter_set.version, adapters=list(adapter_set.names))
-        return ClassifyResponse(adapter_set=info, results=results)
+        registry = self.registry.info(adapter_set.version)
+        info = RegistryInfo(version=registry.version, adapters=registry.adapters)
+        return ClassifyResponse(registry=info, tasks=list(per_task), results=results)
+
+
+async def _unpin(pinning: asyncio.Future[Pin]) -> None:
+    """Release a request's pin once its batch has run (or it failed): the load may still be going."""
+    if not pinning.done():
+        pinning.cancel()  # acquire_async releases what it pinned when cancelled
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        (await pinning).release()
 
 
 def _label(labels: tuple[str, ...] | None, index: int) -> str:

@@ -146,8 +146,9 @@ class MemvitDeployment:
             await asyncio.sleep(0.05)
 
     def describe(self) -> dict[str, Any]:
-        """Where this replica runs, whether it is loaded, what it serves and how many HTTP requests it
-        holds (through a Serve handle, not over HTTP: ``handle.describe.remote()``)."""
+        """Where this replica runs, whether it is loaded, its registry and the adapters resident in it,
+        and how many HTTP requests it holds (through a Serve handle, not over HTTP:
+        ``handle.describe.remote()``)."""
         import ray
 
         context = ray.get_runtime_context()
@@ -158,7 +159,10 @@ class MemvitDeployment:
             "node_id": context.get_node_id(),
             "ready": service is not None,
             "in_flight": self.in_flight.count,
-            "adapters": list(service.live.current.names) if service is not None else [],
+            "registry": None
+            if service is None
+            else {"version": service.registry.version, "adapters": len(service.registry)},
+            "resident": list(service.live.current.names) if service is not None else [],
         }
 
 

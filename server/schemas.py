@@ -23,16 +23,17 @@ class ImageResult(BaseModel):
     tasks: dict[str, TaskResult]
 
 
-class AdapterSetInfo(BaseModel):
+class RegistryInfo(BaseModel):
     version: int = Field(
-        description="the store generation the snapshot that answered was read at: only grows, and is "
-        "equal across replicas serving the same adapters"
+        description="the registry's version: the number of changes its journal holds. Only grows, and "
+        "equal versions mean equal registries on every replica"
     )
-    adapters: list[str]
+    adapters: int = Field(description="adapters registered (resident in memory or not)")
 
 
 class ClassifyResponse(BaseModel):
-    adapter_set: AdapterSetInfo
+    registry: RegistryInfo = Field(description="the registry that answered")
+    tasks: list[str] = Field(description="the tasks answered, base first when asked for")
     results: list[ImageResult]
 
 
@@ -46,28 +47,33 @@ class AdapterInfo(BaseModel):
     base_model: str
     base_fingerprint: str
     sha256: str = Field(description="hash of the bundle's bytes as stored: equal across replicas serving it")
-    training: dict[str, Any] | None = None
+    training: dict[str, Any] | None = Field(
+        None, description="how it was trained; only GET /adapters/{name} reads it (null in lists)"
+    )
 
 
 class AdapterCreated(BaseModel):
     adapter: AdapterInfo = Field(
-        description="the adapter live under this name after the change: the upload, unless another "
-        "replica replaced it in the same moment (compare `sha256`)"
+        description="the adapter registered under this name after the change: the upload, unless "
+        "another replica replaced it in the same moment (compare `sha256`)"
     )
-    adapter_set: AdapterSetInfo
+    registry: RegistryInfo
     replaced: bool
 
 
 class AdapterList(BaseModel):
-    adapter_set: AdapterSetInfo
-    adapters: list[AdapterInfo] = Field(description="one page of live adapters, by name")
-    invalid: dict[str, str] = Field(description="store objects in this page's name range not loaded, and why")
+    registry: RegistryInfo
+    max_tasks_per_request: int = Field(
+        description="adapters one /classify may ask for; with no `tasks`, the most the registry may hold"
+    )
+    adapters: list[AdapterInfo] = Field(description="one page of registered adapters, by name")
+    invalid: dict[str, str] = Field(description="store objects in this page's name range not served, and why")
     next: str | None = Field(None, description="pass as `after` for the next page; null on the last page")
 
 
 class AdapterDeleted(BaseModel):
     deleted: str
-    adapter_set: AdapterSetInfo
+    registry: RegistryInfo
 
 
 class Health(BaseModel):

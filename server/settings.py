@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -36,6 +36,13 @@ class Settings(BaseSettings):
         description="a directory, or an object-store URL (s3://bucket/prefix, gs://..., az://...)",
     )
     store_poll_seconds: float = Field(2.0, gt=0, description="how often to look for other replicas' changes")
+    # Registered is not resident: the store may hold any number of adapters; this many (and at most
+    # this many bytes, if set) are prepared in memory, the least recently used evicted (design §5).
+    resident_adapters: int = Field(1024, ge=1, description="adapters prepared in memory at most")
+    resident_bytes: int | None = Field(None, ge=1, description="bytes of resident adapters at most")
+    max_tasks_per_request: int = Field(
+        64, ge=1, description="adapters one request may ask for; with no ?tasks=, the registry's size cap"
+    )
 
     max_batch: int = Field(32, ge=1, description="images per fused pass")
     max_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits for more requests")
@@ -76,6 +83,16 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _resident_holds_a_request(self) -> Settings:
+        if self.resident_adapters < self.max_tasks_per_request:
+            raise ValueError(
+                f"MEMVIT_RESIDENT_ADAPTERS ({self.resident_adapters}) must be at least "
+                f"MEMVIT_MAX_TASKS_PER_REQUEST ({self.max_tasks_per_request}): a request's adapters "
+                "must fit in memory at once"
+            )
+        return self
 
     @field_validator("model", "weights", "labels_file", "api_keys_file", mode="before")
     @classmethod

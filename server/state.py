@@ -26,7 +26,7 @@ class Service:
     """The loaded model, its live adapter set, its adapter registry and the /classify pipeline."""
 
     engine: MemoryViT
-    live: LiveAdapters  # the adapters served now; ``registry`` keeps it equal to the store
+    live: LiveAdapters  # the resident adapters, served now; ``registry`` decides which they are
     registry: AdapterRegistry
     pipeline: ClassifyPipeline
     batcher: DynamicBatcher
@@ -35,6 +35,7 @@ class Service:
     async def close(self) -> None:
         await self.batcher.stop()
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
+        self.registry.close()
 
 
 @dataclass

@@ -12,12 +12,15 @@ safe decoder as ``/classify``) or ``PIXELS`` (FP32, images already preprocessed 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memory_core import BASE_TASK, AdapterSet, MemoryViT
+from memory_core import BASE_TASK, MemoryViT
 
 from ..edge.principal import Principal
 from ..errors import ServiceError
+
+if TYPE_CHECKING:
+    from ..registry import AdapterRegistry
 
 PLATFORM = "memvit"
 IMAGE, PIXELS, LOGITS = "IMAGE", "PIXELS", "LOGITS"
@@ -28,38 +31,40 @@ class ModelNotFoundError(ServiceError):
     status = 404
 
 
-def known_models(adapter_set: AdapterSet, principal: Principal) -> list[str]:
-    """The models a caller may see: the base (fused) model, then each adapter it may read."""
-    return [BASE_TASK, *principal.visible(adapter_set.names)]
+def known_models(registry: AdapterRegistry, principal: Principal) -> list[str]:
+    """The models a caller may see: the base (fused) model, then each registered adapter it may read."""
+    return [BASE_TASK, *principal.visible(registry.all_names())]
 
 
-def tasks_of(model: str, adapter_set: AdapterSet, principal: Principal) -> list[str] | None:
+def tasks_of(model: str, registry: AdapterRegistry, principal: Principal) -> list[str] | None:
     """The tasks behind ``model`` before any output is asked for (None: every task of the base model).
     A model the caller may not read, or that does not exist, is 404 alike: a tenant is never told
     whether another tenant's adapter exists."""
     if model == BASE_TASK:
         return None
-    if model not in adapter_set or not principal.may_read(model):
+    if not principal.may_read(model) or registry.unknown([model]):
         raise ModelNotFoundError(f"no model named {model!r} (GET /v2/repository/index lists them)")
     return [model]
 
 
-def metadata(model: str, engine: MemoryViT, adapter_set: AdapterSet, principal: Principal) -> dict[str, Any]:
+def metadata(
+    model: str, engine: MemoryViT, registry: AdapterRegistry, principal: Principal
+) -> dict[str, Any]:
     """The model's metadata: name, versions, platform, inputs and outputs with datatypes and shapes."""
-    tasks = tasks_of(model, adapter_set, principal)
+    tasks = tasks_of(model, registry, principal)
     in_chans = engine.base.patch_embed.proj.in_channels
     inputs = [
         {"name": IMAGE, "datatype": "BYTES", "shape": [-1]},
         {"name": PIXELS, "datatype": "FP32", "shape": [-1, in_chans, *engine.spec.img_size]},
     ]
     if tasks is None:
-        names = known_models(adapter_set, principal)
+        names = known_models(registry, principal)
         outputs = [
-            {"name": t, "datatype": "FP32", "shape": [-1, _classes(t, engine, adapter_set)]} for t in names
+            {"name": t, "datatype": "FP32", "shape": [-1, _classes(t, engine, registry)]} for t in names
         ]
     else:
         outputs = [
-            {"name": ADAPTER_OUTPUT, "datatype": "FP32", "shape": [-1, _classes(model, engine, adapter_set)]}
+            {"name": ADAPTER_OUTPUT, "datatype": "FP32", "shape": [-1, _classes(model, engine, registry)]}
         ]
     return {
         "name": model,
@@ -70,11 +75,10 @@ def metadata(model: str, engine: MemoryViT, adapter_set: AdapterSet, principal: 
     }
 
 
-def _classes(task: str, engine: MemoryViT, adapter_set: AdapterSet) -> int:
-    if task == BASE_TASK:
-        return int(engine.base.num_classes)
-    return int(adapter_set[task].head_weight.shape[0])
+def _classes(task: str, engine: MemoryViT, registry: AdapterRegistry) -> int:
+    """From the registry's entry: metadata reads no bundle and makes nothing resident."""
+    return int(engine.base.num_classes) if task == BASE_TASK else int(registry.get(task).num_classes)
 
 
-def labels_of(task: str, engine: MemoryViT, adapter_set: AdapterSet) -> tuple[str, ...] | None:
-    return engine.labels if task == BASE_TASK else adapter_set[task].weights.labels
+def labels_of(task: str, engine: MemoryViT, registry: AdapterRegistry) -> tuple[str, ...] | None:
+    return engine.labels if task == BASE_TASK else tuple(registry.get(task).labels)

@@ -1,4 +1,4 @@
-"""The adapter resource: list (paged), describe, register (validated, persisted, live), delete.
+"""The adapter resource: list (paged), describe, register (validated, journaled, resident), delete.
 
 Registering and deleting are admin routes: the guard (server/edge/) has checked the caller (a key's
 names too, when the path holds one), and capped the body, before these handlers run; a bundle's name
@@ -16,7 +16,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Path, Query, UploadFile
 
 from adapters import AdapterBundle
-from memory_core import NAME_PATTERN, AdapterSet, UnknownAdapterError
+from memory_core import NAME_PATTERN, UnknownAdapterError
 
 from ..deps import AuditDep, PrincipalDep, RegistryDep, SettingsDep, require_multipart
 from ..edge.access import name_refused
@@ -24,27 +24,59 @@ from ..edge.body import read_upload
 from ..edge.principal import Principal
 from ..errors import BundleTooLargeError
 from ..openapi import errors
-from ..registry import StoredAdapter
-from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList, AdapterSetInfo
+from ..registry import RegistryInfo
+from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList
+from ..schemas import RegistryInfo as RegistryModel
+from ..store import Entry
 
 router = APIRouter(prefix="/adapters", tags=["adapters"])
 Name = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="adapter name")]
 
 
-def _info(stored: StoredAdapter) -> AdapterInfo:
-    # extra keys of describe() (layers, width) are ignored
-    return AdapterInfo.model_validate({**stored.bundle.describe(), "sha256": stored.sha256})
+def _info(entry: Entry, training: dict | None = None) -> AdapterInfo:
+    """From the registry's entry alone: listing reads no bundle."""
+    return AdapterInfo(
+        name=entry.name,
+        parent=entry.parent,
+        memory_tokens=entry.memory_tokens,
+        memory_norm=entry.memory_norm,
+        num_classes=entry.num_classes,
+        labels=list(entry.labels),
+        base_model=entry.base_model,
+        base_fingerprint=entry.base_fingerprint,
+        sha256=entry.sha256,
+        training=training,
+    )
 
 
-def _set_info(adapter_set: AdapterSet, principal: Principal) -> AdapterSetInfo:
-    return AdapterSetInfo(version=adapter_set.version, adapters=principal.visible(adapter_set.names))
+def _registry(info: RegistryInfo) -> RegistryModel:
+    return RegistryModel(version=info.version, adapters=info.adapters)
+
+
+def _visible_page(
+    registry: RegistryDep, principal: Principal, after: str | None, limit: int
+) -> tuple[list[Entry], bool]:
+    """One page of the entries ``principal`` may read, after ``after``, and whether more follow. For
+    the admin (and anonymous readers) one catalog page; a key walks pages until its own fill one."""
+    if principal.sees_all:
+        entries = registry.catalog.page(after, limit + 1)
+        return entries[:limit], len(entries) > limit
+    found: list[Entry] = []
+    cursor = after
+    while len(found) <= limit:
+        entries = registry.catalog.page(cursor, 1000)
+        found += [e for e in entries if principal.may_read(e.name)]
+        if len(entries) < 1000:
+            break
+        cursor = entries[-1].name
+    return found[:limit], len(found) > limit
 
 
 @router.get(
     "",
     response_model=AdapterList,
     responses=errors(400, 401, 403, 422, 503),
-    summary="Live adapters (paged by name), and store objects not loaded; a key's own only",
+    summary="Registered adapters (paged by name), and store objects not served; a key's own only",
 )
 def list_adapters(
     registry: RegistryDep,
@@ -54,13 +86,13 @@ def list_adapters(
         str | None, Query(max_length=64, description="the previous page's `next`: list names after it")
     ] = None,
 ) -> AdapterList:
-    live, invalid = registry.live.current, dict(registry.invalid)
-    names = sorted(n for n in principal.visible(live.names) if after is None or n > after)
-    page, more = names[:limit], len(names) > limit
-    last = page[-1] if more else None
+    info, invalid = registry.info(), registry.invalid
+    page, more = _visible_page(registry, principal, after, limit)  # no bundle is read
+    last = page[-1].name if more else None
     return AdapterList(
-        adapter_set=_set_info(live, principal),
-        adapters=[_info(registry.get(name)) for name in page],
+        registry=_registry(info),
+        max_tasks_per_request=registry.max_tasks,
+        adapters=[_info(entry) for entry in page],
         invalid={
             n: why
             for n, why in sorted(invalid.items())
@@ -72,7 +104,7 @@ def list_adapters(
 
 @router.get("/{name}", response_model=AdapterInfo, responses=errors(400, 401, 403, 404, 422, 503))
 def get_adapter(name: Name, registry: RegistryDep) -> AdapterInfo:
-    return _info(registry.get(name))
+    return _info(registry.get(name), registry.training(name))
 
 
 @router.post(
@@ -80,7 +112,7 @@ def get_adapter(name: Name, registry: RegistryDep) -> AdapterInfo:
     response_model=AdapterCreated,
     status_code=201,
     responses=errors(400, 401, 403, 408, 409, 413, 415, 422, 503),
-    summary="Register an adapter bundle (validated completely, persisted atomically, live at once)",
+    summary="Register an adapter bundle (validated completely, persisted atomically, served at once)",
     dependencies=[Depends(require_multipart)],
 )
 async def register_adapter(
@@ -94,7 +126,6 @@ async def register_adapter(
     limit = settings.max_bundle_bytes
     too_large = BundleTooLargeError(f"bundle over the {limit}-byte upload limit", field="bundle")
     data = await read_upload(bundle, limit, too_large)
-    existed = registry.live.current
 
     def authorize(parsed: AdapterBundle) -> None:
         """The bundle's name (and the parent it extends) against the caller's key, before anything else."""
@@ -105,16 +136,12 @@ async def register_adapter(
         if parent is not None and not principal.may_read(parent):
             raise name_refused(principal, parent, "read")
 
-    def register() -> tuple[StoredAdapter, AdapterSet]:
+    def register() -> tuple[Entry, RegistryInfo, bool]:
         audit.sha256 = hashlib.sha256(data).hexdigest()
         return registry.register(data, replace=replace, authorize=authorize)
 
-    current, live = await asyncio.to_thread(register)
-    return AdapterCreated(
-        adapter=_info(current),
-        adapter_set=_set_info(live, principal),
-        replaced=current.bundle.name in existed,
-    )
+    current, info, replaced = await asyncio.to_thread(register)
+    return AdapterCreated(adapter=_info(current), registry=_registry(info), replaced=replaced)
 
 
 @router.delete(
@@ -125,7 +152,7 @@ async def register_adapter(
 async def delete_adapter(
     name: Name, registry: RegistryDep, principal: PrincipalDep, audit: AuditDep
 ) -> AdapterDeleted:
-    with contextlib.suppress(UnknownAdapterError):  # not live (or invalid): the registry says which below
+    with contextlib.suppress(UnknownAdapterError):  # not registered (or invalid): the registry says so below
         audit.sha256 = registry.get(name).sha256
-    live = await asyncio.to_thread(registry.delete, name)
-    return AdapterDeleted(deleted=name, adapter_set=_set_info(live, principal))
+    info = await asyncio.to_thread(registry.delete, name)
+    return AdapterDeleted(deleted=name, registry=_registry(info))

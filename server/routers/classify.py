@@ -1,14 +1,14 @@
 """POST /classify: one or several images, every task (or a chosen few) from one fused pass.
 
-A key's request names its tasks (``deps.classify_input``); its answer names only the adapters the key
-may read, in the adapter set as in a late "unknown task" refusal.
+A key's request names its tasks (``deps.classify_input``), so its answer holds only those; a late
+"unknown task" refusal (an adapter deleted while the request waited) names only the key's adapters.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from ..deps import ClassifyInputDep, LiveDep, PipelineDep, PrincipalDep, require_multipart
+from ..deps import ClassifyInputDep, PipelineDep, PrincipalDep, RegistryDep, require_multipart
 from ..errors import UnknownTaskError
 from ..openapi import errors
 from ..schemas import ClassifyResponse
@@ -25,14 +25,13 @@ router = APIRouter(tags=["classify"])
     dependencies=[Depends(require_multipart)],
 )
 async def classify(
-    pipeline: PipelineDep, inputs: ClassifyInputDep, principal: PrincipalDep, live: LiveDep
+    pipeline: PipelineDep, inputs: ClassifyInputDep, principal: PrincipalDep, registry: RegistryDep
 ) -> ClassifyResponse:
     try:
         answer = await pipeline(inputs.images, tasks=inputs.tasks, top_k=inputs.top_k, logits=inputs.logits)
     except UnknownTaskError as exc:  # removed while the request waited: named by the batch's whole set
         if principal.sees_all:
             raise
-        raise unknown_tasks_error(list(exc.unknown), live.current, exc.why, principal.may_read) from None
-    if not principal.sees_all:
-        answer.adapter_set.adapters = principal.visible(answer.adapter_set.adapters)
+        known = registry.all_names()
+        raise unknown_tasks_error(list(exc.unknown), known, len(known), exc.why, principal.may_read) from None
     return answer

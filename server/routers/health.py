@@ -27,10 +27,11 @@ def readyz(state: StateDep) -> Response:
     if state.service is None:
         body = Health(status="loading", detail="the model and the adapter store are still loading")
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "1"})
-    live = state.service.live.current
-    return JSONResponse(
-        Health(status="ready", detail=f"{len(live)} adapters, set v{live.version}").model_dump()
-    )
+    registry, resident = state.service.registry, len(state.service.live.current)
+    detail = f"{len(registry)} adapters registered, {resident} resident, v{registry.version}"
+    if registry.catalog.damaged:  # still serving; changes refused until an operator repairs it
+        detail += f"; {registry.catalog.damaged}"
+    return JSONResponse(Health(status="ready", detail=detail).model_dump())
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

@@ -9,8 +9,6 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Request, Response
 
-from memory_core import BASE_TASK
-
 from ..deps import PrincipalDep, SettingsDep, StateDep, get_service, resolve_tasks
 from ..edge.principal import Principal
 from ..errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError
@@ -60,7 +58,7 @@ def ready(state: StateDep) -> Response:
 )
 def repository_index(state: StateDep, principal: PrincipalDep) -> list[dict]:
     service = get_service(state)
-    names = models.known_models(service.live.current, principal)
+    names = models.known_models(service.registry, principal)
     return [{"name": name, "version": "1", "state": "READY"} for name in names]
 
 
@@ -71,7 +69,7 @@ def repository_index(state: StateDep, principal: PrincipalDep) -> list[dict]:
 )
 def model_metadata(model: str, state: StateDep, principal: PrincipalDep) -> dict:
     service = get_service(state)
-    return models.metadata(model, service.engine, service.live.current, principal)
+    return models.metadata(model, service.engine, service.registry, principal)
 
 
 @router.get(
@@ -82,7 +80,7 @@ def model_metadata(model: str, state: StateDep, principal: PrincipalDep) -> dict
 )
 def model_ready(model: str, state: StateDep, principal: PrincipalDep) -> Response:
     service = get_service(state)
-    models.tasks_of(model, service.live.current, principal)  # 404 for a model this caller cannot see
+    models.tasks_of(model, service.registry, principal)  # 404 for a model this caller cannot see
     return Response(status_code=200)
 
 
@@ -101,11 +99,12 @@ async def infer(
     except ValueError:
         raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header!r}") from None
     parsed = parse_infer_request(await request.body(), header_length)
-    tasks, names = _outputs(model, parsed, service, principal)
+    tasks, names = await _outputs(model, parsed, service, principal)
     images, count = await _images(parsed, service, settings)
     out = await service.pipeline.run(images, count, tasks)
     logits = out.logits()
-    engine, adapter_set = service.engine, out.adapter_set
+    names = names if names is not None else {task: task for task in logits}
+    engine, registry = service.engine, service.registry
     outputs, binary = [], set()
     for task, name in names.items():
         values = logits[task].float()
@@ -114,7 +113,7 @@ async def infer(
         asked = next((o for o in parsed.outputs if o.name == name), None)
         array = values.numpy()
         if asked is not None and asked.class_count > 0:
-            labels = models.labels_of(task, engine, adapter_set)
+            labels = models.labels_of(task, engine, registry)
             outputs.append(OutputTensor(name, "BYTES", classification(array, labels, asked.class_count)))
         else:
             outputs.append(OutputTensor(name, "FP32", array))
@@ -124,23 +123,23 @@ async def infer(
     return Response(body, headers=headers)
 
 
-def _outputs(
+async def _outputs(
     model: str, parsed: InferRequest, service: Service, principal: Principal
-) -> tuple[list[str] | None, dict[str, str]]:
+) -> tuple[list[str] | None, dict[str, str] | None]:
     """The tasks to compute (None: every task) and, per task, the output name it answers under."""
-    adapter_set = service.live.current
-    fixed = models.tasks_of(model, adapter_set, principal)
+    registry = service.registry
+    fixed = models.tasks_of(model, registry, principal)
     asked = [o.name for o in parsed.outputs]
     if fixed is not None:  # an adapter's own model: one output, "logits"
         if any(name != models.ADAPTER_OUTPUT for name in asked):
             raise ProtocolError(f"model {model!r} has one output, {models.ADAPTER_OUTPUT!r}")
-        tasks = resolve_tasks(fixed, principal, service.live)
+        tasks = await resolve_tasks(fixed, principal, registry)
         return tasks, {fixed[0]: models.ADAPTER_OUTPUT}
     if len(set(asked)) != len(asked):
         raise ProtocolError("an output is asked for twice")
-    tasks = resolve_tasks(asked or None, principal, service.live)  # outputs route the pass
-    computed = tasks if tasks is not None else [BASE_TASK, *adapter_set.names]
-    return tasks, {task: task for task in computed}
+    tasks = await resolve_tasks(asked or None, principal, registry)  # outputs route the pass
+    # None: every task the pass computes (the registry's adapters, less any deleted meanwhile).
+    return tasks, None if tasks is None else {task: task for task in tasks}
 
 
 async def _images(parsed: InferRequest, service: Service, settings: SettingsDep):

@@ -4,11 +4,16 @@
 
 const $ = (id) => document.getElementById(id);
 
+const SHOWN = 1000; // adapters listed (and offered as tasks): a registry may hold 100,000
+
 const state = {
   files: [], // the images last chosen: re-sent when the tasks or top-k change
-  tasks: [], // "base" and the live adapters, in order
-  unchecked: new Set(), // tasks the user turned off (new adapters start on)
-  version: null, // the live set's version as last listed
+  tasks: [], // "base" and the listed adapters, by name
+  unchecked: new Set(), // tasks the user turned off (new adapters start on while the registry is small)
+  checked: new Set(), // tasks the user turned on (in a large registry, adapters start off)
+  small: true, // the whole registry is listed and one request may ask for all of it (no filter)
+  maxTasks: 64, // adapters one request may ask for (the server says, with every list)
+  version: null, // the registry's version as last listed
   previews: [], // object URLs of the shown images, revoked when replaced
   asked: 0, // classify requests sent: only the latest one's answer is shown
 };
@@ -62,22 +67,22 @@ function authHeaders() {
   return token ? { Authorization: `Bearer ${token}` } : {};
 }
 
-// Every page of GET /adapters (the list is paged by name).
+// The first SHOWN adapters of GET /adapters (paged by name), and the registry they belong to.
 async function listAdapters() {
   const adapters = [];
   const invalid = {};
   let after = null;
-  let set = null;
+  let first = null;
   do {
-    const query = new URLSearchParams({ limit: "1000" });
+    const query = new URLSearchParams({ limit: String(Math.min(1000, SHOWN - adapters.length)) });
     if (after !== null) query.set("after", after);
     const page = await api(`adapters?${query}`);
-    set = set || page.adapter_set;
+    first = first || page;
     adapters.push(...page.adapters);
     Object.assign(invalid, page.invalid);
     after = page.next;
-  } while (after);
-  return { set, adapters, invalid };
+  } while (after && adapters.length < SHOWN);
+  return { registry: first.registry, maxTasks: first.max_tasks_per_request, adapters, invalid };
 }
 
 // ---- messages -----------------------------------------------------------------------------------
@@ -97,7 +102,7 @@ function showError(where, err) {
   box.hidden = false;
 }
 
-// ---- the live adapter set -----------------------------------------------------------------------
+// ---- the registry --------------------------------------------------------------------------------
 
 // A new element: props are its properties (dataset entries included), then its children.
 function el(tag, { dataset = {}, ...props } = {}, ...children) {
@@ -109,10 +114,15 @@ function el(tag, { dataset = {}, ...props } = {}, ...children) {
 
 async function refreshAdapters() {
   try {
-    const { set, adapters, invalid } = await listAdapters();
-    state.version = set.version;
-    $("set-version").textContent =
-      `v${set.version}: ${set.adapters.length} adapter${set.adapters.length === 1 ? "" : "s"}`;
+    const { registry, maxTasks, adapters, invalid } = await listAdapters();
+    state.version = registry.version;
+    state.maxTasks = maxTasks;
+    // Past maxTasks adapters a request must name its tasks: adapters start unchecked, and the page
+    // sends the checked ones. Below it, all checked means no filter (new adapters included).
+    state.small = registry.adapters <= maxTasks && adapters.length === registry.adapters;
+    const count = registry.adapters.toLocaleString("en");
+    const shown = adapters.length < registry.adapters ? ` (the first ${adapters.length} listed)` : "";
+    $("set-version").textContent = `v${registry.version}: ${count} adapter${registry.adapters === 1 ? "" : "s"}${shown}`;
     renderAdapters(adapters, invalid);
     renderTasks(["base", ...adapters.map((a) => a.name)]);
   } catch (err) {
@@ -156,18 +166,24 @@ function renderAdapters(adapters, invalid) {
   );
 }
 
+// In a small registry every task starts on; in a large one only base and what the user turned on.
+function isOn(task) {
+  if (state.small || task === "base") return !state.unchecked.has(task);
+  return state.checked.has(task);
+}
+
 function renderTasks(tasks) {
   state.tasks = tasks;
   const boxes = tasks.map((task) => {
-    const box = el("input", {
-      type: "checkbox",
-      name: "task",
-      value: task,
-      checked: !state.unchecked.has(task),
-    });
+    const box = el("input", { type: "checkbox", name: "task", value: task, checked: isOn(task) });
     box.addEventListener("change", () => {
-      if (box.checked) state.unchecked.delete(task);
-      else state.unchecked.add(task);
+      if (box.checked) {
+        state.unchecked.delete(task);
+        state.checked.add(task);
+      } else {
+        state.unchecked.add(task);
+        state.checked.delete(task);
+      }
       classify();
     });
     return el("label", { className: "task" }, box, ` ${task}`);
@@ -193,7 +209,7 @@ async function registerAdapter(event) {
       body: form,
     });
     const verb = created.replaced ? "Replaced" : "Registered";
-    say("admin", `${verb} ${created.adapter.name}: live set v${created.adapter_set.version}.`);
+    say("admin", `${verb} ${created.adapter.name}: registry v${created.registry.version}.`);
     $("bundle").value = "";
   } catch (err) {
     say("admin", "");
@@ -210,7 +226,7 @@ async function deleteAdapter(name) {
     const deleted = await api(`adapters/${encodeURIComponent(name)}`, {
       method: "DELETE",
     });
-    say("admin", `Deleted ${deleted.deleted}: live set v${deleted.adapter_set.version}.`);
+    say("admin", `Deleted ${deleted.deleted}: registry v${deleted.registry.version}.`);
   } catch (err) {
     say("admin", "");
     showError("admin", err);
@@ -221,9 +237,9 @@ async function deleteAdapter(name) {
 // ---- classifying ---------------------------------------------------------------------------------
 
 function chosenTasks() {
-  const on = state.tasks.filter((t) => !state.unchecked.has(t));
-  // All of them: send no filter, so the answer is every task the server has (new adapters included).
-  return on.length === state.tasks.length ? null : on;
+  const on = state.tasks.filter(isOn);
+  // All of a small registry: send no filter, so the answer is every task (new adapters included).
+  return state.small && on.length === state.tasks.length ? null : on;
 }
 
 async function classify() {
@@ -239,6 +255,8 @@ async function classify() {
   };
   const tasks = chosenTasks();
   if (tasks !== null && tasks.length === 0) return refuse("choose at least one task");
+  const adapters = tasks === null ? 0 : tasks.filter((t) => t !== "base").length;
+  if (adapters > state.maxTasks) return refuse(`choose at most ${state.maxTasks} adapters per request`);
   const topK = $("top-k").valueAsNumber;
   if (!Number.isInteger(topK) || topK < 1) return refuse("top-k must be a whole number of at least 1");
   const query = new URLSearchParams({ top_k: String(topK) });
@@ -255,8 +273,8 @@ async function classify() {
     if (ticket !== state.asked) return;
     const ms = Math.round(performance.now() - started);
     renderResults(answer, files);
-    say("classify", `Answered by adapter set v${answer.adapter_set.version} in ${ms} ms.`);
-    if (answer.adapter_set.version !== state.version) await refreshAdapters();
+    say("classify", `Answered by registry v${answer.registry.version} in ${ms} ms.`);
+    if (answer.registry.version !== state.version) await refreshAdapters();
   } catch (err) {
     if (ticket !== state.asked) return;
     say("classify", "");

@@ -1,33 +1,28 @@
-"""The adapter store's one interface: bundles by name, a generation counter, seeding once.
+"""The adapter store's one interface: four primitives on keys, and what every backend shares.
 
-A backend implements four primitives on keys (``_list``, ``_get``, ``_put``, ``_delete``), with
-create-if-absent and replace-if-unchanged writes; everything the service relies on is built from
-them here, once, so the local directory and an object store behave the same:
-
-* ``write(name, data, replace=False)`` is create-if-absent: of two replicas creating one name, exactly
-  one wins, the other gets ``DuplicateAdapterError``.
-* ``generation()`` is a counter bumped (compare-and-swap) after every change. The service reports it
-  as the adapter-set version, so it only grows, and two replicas serving one state report one number.
-* ``seed_once`` gives a brand-new store its first bundles once in its life: the replica that creates
-  the marker seeds, nobody ever again, so an acknowledged deletion is never undone.
+A backend implements ``_list``, ``_get``, ``_put`` and ``_delete``, with create-if-absent and
+replace-if-unchanged writes. Everything the service relies on is built from them once, on top of
+this class, so the local directory and an object store behave the same: the change journal and the
+index (``journal.py``), the migration of a store written before the journal (``migrate.py``), and
+seeding a brand-new store once in its life (``mark_seeded``).
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
-from memory_core import DuplicateAdapterError, MemvitError, UnknownAdapterError, check_name
+from memory_core import MemvitError, check_name
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
-GENERATION_KEY = ".generation"  # keys starting with "." are never adapter names (NAME_PATTERN)
+# Keys starting with "." are never adapter names (NAME_PATTERN), so hidden keys cannot collide with
+# bundles written before the journal (``<name>.safetensors`` at the root).
+GENERATION_KEY = ".generation"  # the change counter of a store written before the journal
 SEEDED_KEY = ".seeded"
-_CAS_ATTEMPTS = 100
+SCHEMES = ("s3://", "s3a://", "gs://", "az://", "azure://", "abfs://", "abfss://")  # object stores
 
 
 @dataclass(frozen=True)
@@ -60,12 +55,20 @@ class ObjectChangedError(Exception):
 
 
 def key_of(name: str) -> str:
+    """Where a store written before the journal kept bundle ``name`` (at the root)."""
     check_name(name)  # raises for anything that is not a plain adapter name
     return f"{name}{SUFFIX}"
 
 
+def legacy_name(key: str) -> str | None:
+    """The adapter name of a root-level ``<name>.safetensors`` key; None for any other key."""
+    if "/" in key or key.startswith(".") or not key.endswith(SUFFIX):
+        return None
+    return key[: -len(SUFFIX)]
+
+
 class AdapterStore(ABC):
-    """Adapter bundles by name, in a local directory or an object store."""
+    """Objects by key, in a local directory or an object store."""
 
     location: str  # for logs and messages
     # How many reads to run at once: a local disk is CPU-bound (parsing), an object store latency-bound.
@@ -74,7 +77,7 @@ class AdapterStore(ABC):
     # -- primitives (one implementation per backend) ---------------------------------------------
     @abstractmethod
     def _list(self) -> dict[str, ObjectVersion]:
-        """Every key with its version (temp files excluded)."""
+        """Every key with its version (temp files excluded). Only migration and tests list."""
 
     @abstractmethod
     def _get(self, key: str, max_bytes: int | None = None) -> tuple[bytes, ObjectVersion]:
@@ -90,93 +93,36 @@ class AdapterStore(ABC):
     def _delete(self, key: str) -> None:
         """Remove ``key`` (FileNotFoundError when absent)."""
 
-    # -- bundles -----------------------------------------------------------------------------------
-    def scan(self) -> dict[str, ObjectVersion]:
-        """Bundles by adapter name (from the key), with their versions. Reads no bundle."""
-        return {
-            key[: -len(SUFFIX)]: version
-            for key, version in self._list().items()
-            if key.endswith(SUFFIX) and not key.startswith(".")
-        }
+    # -- a store written before the journal --------------------------------------------------------
+    def legacy_bundles(self) -> dict[str, str]:
+        """Root-level bundles by adapter name -> key (one LIST; migration only)."""
+        return {name: key for key in self._list() if (name := legacy_name(key)) is not None}
 
-    def read(self, name: str, *, max_bytes: int | None = None) -> tuple[bytes, ObjectVersion]:
-        """The bytes of bundle ``name`` and their version (UnknownAdapterError when absent)."""
+    def legacy_generation(self) -> int:
+        """The change counter a store kept before the journal (0 when it never had one)."""
         try:
-            return self._get(key_of(name), max_bytes)
+            data, _ = self._get(GENERATION_KEY, 64)
         except FileNotFoundError:
-            raise UnknownAdapterError(f"no adapter named {name!r} in the store", field="name") from None
-
-    def write(self, name: str, data: bytes, *, replace: bool) -> ObjectVersion:
-        """Persist a bundle. Without ``replace`` an existing name is a conflict (exactly one winner)."""
+            return 0
         try:
-            version = self._put(key_of(name), data, mode="overwrite" if replace else "create")
-        except ObjectExistsError:
-            raise DuplicateAdapterError(
-                f"an adapter named {name!r} is already in the store; ask to replace it", field="name"
-            ) from None
-        self.bump_generation()
-        return version
-
-    def delete(self, name: str) -> None:
-        try:
-            self._delete(key_of(name))
-        except FileNotFoundError:
-            raise UnknownAdapterError(f"no adapter named {name!r} in the store", field="name") from None
-        self.bump_generation()
-
-    # -- the generation ----------------------------------------------------------------------------
-    def generation(self) -> int:
-        """How many changes the store has seen (0 for a new store)."""
-        return self._read_generation()[0]
-
-    def bump_generation(self) -> int:
-        """Count one more change (compare-and-swap, so concurrent bumps all count). Returns the new value."""
-        for _ in range(_CAS_ATTEMPTS):
-            current, version = self._read_generation()
-            try:
-                self._put(GENERATION_KEY, b"%d\n" % (current + 1), mode=version or "create")
-                return current + 1
-            except (ObjectExistsError, ObjectChangedError):
-                continue  # another replica bumped in between: count on top of theirs
-        raise StoreUnavailableError(f"{self.location}: could not update the generation (too much contention)")
-
-    def _read_generation(self) -> tuple[int, ObjectVersion | None]:
-        try:
-            data, version = self._get(GENERATION_KEY, 64)
-        except FileNotFoundError:
-            return 0, None
-        try:
-            return int(data.strip()), version
+            return int(data.strip())
         except ValueError:
-            # A damaged counter must not stop the store, nor may it count backwards: go on from a
+            # A damaged counter must not stop the store, nor may versions go back: go on from a
             # value no real count reaches.
             log.warning("%s: unreadable generation %r; counting on from 2**40", self.location, data[:20])
-            return 1 << 40, version
+            return 1 << 40
 
     # -- seeding -----------------------------------------------------------------------------------
-    def seed_once(self, bundles: Mapping[str, Path]) -> bool:
-        """Give a brand-new store its first bundles, once in its life. Returns True if this call seeded.
-
-        The replica that creates the marker (create-if-absent) seeds, and only if the store holds no
-        bundle; nobody seeds after that, so an acknowledged deletion is never undone by a restart or
-        by another replica starting on the same, now empty, store. A crash half-way leaves some seed
-        bundles missing, never deleted ones back.
-        """
-        empty = not self.scan()
-        note = b"seeded\n" if empty else b"had bundles before seeding was tracked\n"
+    def mark_seeded(self, empty: bool) -> bool:
+        """Claim the one seeding of this store's life. True only for the caller that creates the
+        marker (create-if-absent) while the registry is ``empty``: that caller seeds, nobody ever
+        again, so an acknowledged deletion is never undone by a restart or by another replica."""
+        note = b"seeded\n" if empty else b"had adapters before seeding was tracked\n"
         try:
             self._put(SEEDED_KEY, note, mode="create")
         except ObjectExistsError:
             return False
-        if not empty:
-            return False
-        for name, source in bundles.items():
-            try:
-                self._put(key_of(name), source.read_bytes(), mode="create")
-            except ObjectExistsError:
-                continue
-        self.bump_generation()
-        return True
+        return empty
 
     def clean_temp_files(self, older_than: float = 3600.0) -> int:
         """Remove temp files left by writers that died (backends without temp files: nothing to do)."""

@@ -1,10 +1,10 @@
-"""The adapter store in a local (or shared, POSIX) directory: ``<name>.safetensors`` files.
+"""The adapter store in a local (or shared, POSIX) directory: one file per key, ``/`` a subdirectory.
 
-Writes are crash-safe: bytes go to a temp file, are fsynced, then linked (create) or renamed
-(overwrite) into place and the directory fsynced, so after a crash at any point a key holds nothing,
-the old bytes or the whole new ones. Linking fails if the name exists, which makes create-if-absent
-atomic across replicas sharing the directory; replace-if-unchanged holds an ``flock`` on the store's
-lock file around its check and rename.
+Writes are crash-safe: bytes go to a temp file beside the target, are fsynced, then linked (create)
+or renamed (overwrite) into place and the directory fsynced, so after a crash at any point a key
+holds nothing, the old bytes or the whole new ones. Linking fails if the name exists, which makes
+create-if-absent atomic across replicas sharing the directory; replace-if-unchanged holds an
+``flock`` on the store's lock file around its check and rename.
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ class LocalStore(AdapterStore):
     # -- primitives --------------------------------------------------------------------------------
     def _list(self) -> dict[str, ObjectVersion]:
         found = {}
-        with os.scandir(self.root) as entries:
-            for entry in entries:
-                if entry.name.endswith(".tmp") or entry.name == LOCK_FILE:
+        for directory, _, files in os.walk(self.root):
+            prefix = os.path.relpath(directory, self.root)
+            for name in files:
+                if name.endswith(".tmp") or (name == LOCK_FILE and prefix == "."):
                     continue
+                key = name if prefix == "." else f"{prefix}/{name}".replace(os.sep, "/")
                 try:
-                    if entry.is_file():
-                        found[entry.name] = _version(entry.stat())
+                    found[key] = _version(os.stat(os.path.join(directory, name)))
                 except FileNotFoundError:  # deleted while we looked
                     continue
         return found
@@ -67,7 +68,9 @@ class LocalStore(AdapterStore):
 
     def _put(self, key: str, data: bytes, *, mode: str | ObjectVersion) -> ObjectVersion:
         target = self.path(key)
-        with durable_temp(self.root, key, data) as (tmp, stat):
+        self._make_parents(target.parent)
+        # The temp file beside its target: a link or rename never crosses directories.
+        with durable_temp(target.parent, target.name, data) as (tmp, stat):
             # The state of the file *we* wrote (a rename or link keeps inode, size and mtime).
             # Reading the target after the rename instead could record another replica's
             # replace that landed in between as already seen.
@@ -88,19 +91,33 @@ class LocalStore(AdapterStore):
                     if current != mode:
                         raise ObjectChangedError(key)
                     os.replace(tmp, target)
-        fsync_dir(self.root)
+        fsync_dir(target.parent)
         return written
 
     def _delete(self, key: str) -> None:
-        self.path(key).unlink()
-        fsync_dir(self.root)
+        path = self.path(key)
+        path.unlink()
+        fsync_dir(path.parent)
+
+    def _make_parents(self, directory: Path) -> None:
+        """Create ``directory`` (under the root) durably: each new level's parent is fsynced, so a
+        file linked into it after a crash is not lost with a directory entry that never reached disk."""
+        if directory.is_dir():
+            return
+        missing = []
+        while not directory.is_dir():
+            missing.append(directory)
+            directory = directory.parent
+        for level in reversed(missing):
+            level.mkdir(exist_ok=True)  # another writer may create it at the same moment
+            fsync_dir(level.parent)
 
     # -- housekeeping ------------------------------------------------------------------------------
     def clean_temp_files(self, older_than: float = 3600.0) -> int:
         """Remove temp files left by writers that died; young ones may belong to a live replica."""
         removed = 0
         now = time.time()
-        for path in self.root.glob(".*.tmp"):
+        for path in self.root.rglob(".*.tmp"):  # beside their targets, in subdirectories too
             try:
                 if now - path.stat().st_mtime > older_than:
                     path.unlink()

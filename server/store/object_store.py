@@ -20,6 +20,7 @@ from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionEr
 from obstore.store import from_url
 
 from .base import (
+    SCHEMES,
     AdapterStore,
     ObjectChangedError,
     ObjectExistsError,
@@ -29,7 +30,6 @@ from .base import (
 )
 
 log = logging.getLogger(__name__)
-SCHEMES = ("s3://", "s3a://", "gs://", "az://", "azure://", "abfs://", "abfss://")
 T = TypeVar("T")
 
 

@@ -1,18 +1,26 @@
-"""Counts what a registry reads from its store (shared by the registry tests and benchmarks.store_scale)."""
+"""Counts what a registry asks of its store (shared by the registry tests and the benchmarks)."""
 
 from __future__ import annotations
 
 from server.store import AdapterStore
 
+PRIMITIVES = ("_list", "_get", "_put", "_delete")
 
-def counting_reads(store: AdapterStore) -> list[str]:
-    """Records the name of every bundle ``store`` reads from now on, in order."""
-    reads: list[str] = []
-    read = store.read
 
-    def counted(name: str, **kwargs):
-        reads.append(name)
-        return read(name, **kwargs)
+def counting_requests(store: AdapterStore) -> list[tuple[str, str]]:
+    """Records every request ``store`` makes from now on, in order: (primitive, key)."""
+    requests: list[tuple[str, str]] = []
+    for primitive in PRIMITIVES:
+        original = getattr(store, primitive)
 
-    store.read = counted  # type: ignore[method-assign]
-    return reads
+        def counted(*args, _original=original, _primitive=primitive, **kwargs):
+            requests.append((_primitive, args[0] if args else ""))
+            return _original(*args, **kwargs)
+
+        setattr(store, primitive, counted)
+    return requests
+
+
+def bundle_reads(requests: list[tuple[str, str]]) -> list[str]:
+    """The bundle objects among ``requests`` that were read (GETs of anything but the journal's own)."""
+    return [key for op, key in requests if op == "_get" and key.endswith(".safetensors")]

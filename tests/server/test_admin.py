@@ -49,7 +49,7 @@ def test_without_a_token_management_is_refused_unless_opted_out(tiny_weights, st
         assert "MEMVIT_ADMIN_TOKEN" in r.json()["error"]["message"]
         assert client.delete("/adapters/open").status_code == 403
         assert client.get("/adapters").status_code == 200  # reading needs no token
-    assert list(store.glob("*.safetensors")) == []
+    assert list(store.rglob("*.safetensors")) == []
 
     opted_out = settings.model_copy(update={"allow_anonymous_admin": True, "port": free_port()})
     with running_server(opted_out) as url, httpx.Client(base_url=url) as client:

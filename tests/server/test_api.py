@@ -32,10 +32,15 @@ def register(client, bundle_bytes: bytes, **params) -> httpx.Response:
 
 
 def snapshot(client, store) -> tuple:
-    """What must not change after a refused request: the live set and the store's files and bytes."""
-    live = client.get("/adapters").json()["adapter_set"]
-    files = {p.name: p.read_bytes() for p in sorted(store.glob("*"))}
-    return live, files
+    """What must not change after a refused request: the registry and the store's files and bytes."""
+    registry = client.get("/adapters").json()["registry"]
+    files = {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file()}
+    return registry, files
+
+
+def bundle_files(store, name: str) -> list:
+    """The bundle objects stored for adapter ``name`` (one per registration still referenced)."""
+    return sorted((store / "bundles" / name).glob("*.safetensors"))
 
 
 def test_health_ready_metrics_docs(client) -> None:
@@ -62,7 +67,7 @@ def test_classify_one_and_many_with_filters(client, make_bundle) -> None:
     r = post_image(client, jpeg())
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["adapter_set"]["adapters"] == ["colours"]
+    assert body["tasks"] == ["base", "colours"] and body["registry"]["adapters"] == 1
     (result,) = body["results"]
     assert set(result["tasks"]) == {"base", "colours"}
     assert len(result["tasks"]["base"]["predictions"]) == 5
@@ -131,20 +136,21 @@ def test_bad_classify_requests(client, store, make_request, status, message) -> 
 def test_register_describe_replace_delete(client, store, make_bundle) -> None:
     r = register(client, make_bundle("pets", m=1, classes=4).to_bytes())
     assert r.status_code == 201 and r.json()["replaced"] is False
-    assert r.json()["adapter"]["memory_tokens"] == 1 and (store / "pets.safetensors").is_file()
+    assert r.json()["adapter"]["memory_tokens"] == 1 and len(bundle_files(store, "pets")) == 1
     assert client.get("/adapters/pets").json()["num_classes"] == 4
     r = register(client, make_bundle("pets", m=3, classes=4, seed=1).to_bytes())
-    assert r.status_code == 409 and "already loaded" in r.json()["error"]["message"]
+    assert r.status_code == 409 and "already registered" in r.json()["error"]["message"]
     r = register(client, make_bundle("pets", m=3, classes=4, seed=1).to_bytes(), replace=True)
     assert r.status_code == 201 and r.json()["replaced"] is True
     assert client.get("/adapters/pets").json()["memory_tokens"] == 3
+    assert len(bundle_files(store, "pets")) == 1  # the replaced bundle's object is collected
     assert register(client, make_bundle("kid", m=1, parent="pets").to_bytes()).status_code == 201
     r = client.delete("/adapters/pets")
     assert r.status_code == 409 and "extend it" in r.json()["error"]["message"]
     assert client.delete("/adapters/kid").status_code == 200
     r = client.delete("/adapters/pets")
-    assert r.status_code == 200 and r.json()["adapter_set"]["adapters"] == []
-    assert not (store / "pets.safetensors").exists()
+    assert r.status_code == 200 and r.json()["registry"]["adapters"] == 0
+    assert bundle_files(store, "pets") == []
     assert client.get("/adapters/pets").status_code == 404
     assert client.delete("/adapters/pets").status_code == 404
     assert client.get("/adapters/..%2Fetc").status_code in (404, 422)
@@ -163,13 +169,21 @@ def test_admin_token_is_required(server, make_bundle, store) -> None:
         r = anonymous.delete("/adapters/locked", headers={"Authorization": "Basic " + TOKEN})
         assert r.status_code == 401
         assert anonymous.get("/adapters").status_code == 200  # reading needs no token
-    assert list(store.glob("*.safetensors")) == []
+    assert list(store.rglob("*.safetensors")) == []
+
+
+# The registry checks names and parents against every registered adapter, resident or not, and says so.
+REGISTRY_MESSAGES = {
+    "duplicate name": "'first' is already registered",
+    "missing parent": "extends 'ghost', which is not registered",
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_every_bad_bundle_is_refused_and_nothing_changes(client, store, make_bundle, case) -> None:
     assert register(client, make_bundle("first", m=2).to_bytes()).status_code == 201
     make, _, message = BAD[case]
+    message = REGISTRY_MESSAGES.get(case, message)
     data = make(make_bundle("new", m=3, classes=5))
     before = snapshot(client, store)
     r = register(client, data)
@@ -178,7 +192,7 @@ def test_every_bad_bundle_is_refused_and_nothing_changes(client, store, make_bun
     assert message in r.json()["error"]["message"]
     assert snapshot(client, store) == before
     assert client.get("/readyz").status_code == 200
-    assert list(store.glob("*.tmp")) == []  # no temp file left behind
+    assert list(store.rglob("*.tmp")) == []  # no temp file left behind
 
 
 def test_bundle_upload_limits(tiny_weights, store, make_bundle) -> None:
@@ -231,27 +245,48 @@ def test_image_byte_and_pixel_caps_over_http(tiny_weights, store) -> None:
         assert client.get("/readyz").status_code == 200
 
 
-def test_the_adapter_list_pages_by_name(client, store, make_bundle) -> None:
+def test_the_adapter_list_pages_by_name(settings, store, make_bundle) -> None:
+    """Pages of the registry by name, each with the invalid objects in its name range. The invalid
+    ones come from a store written before the journal (a file dropped into a live store is not a
+    registration: only the journal registers), migrated on start."""
+    from tests.server.conftest import running_server
+
+    store.mkdir(parents=True)
     for name in ("e", "a", "d", "b", "c"):
-        assert register(client, make_bundle(name).to_bytes()).status_code == 201
+        (store / f"{name}.safetensors").write_bytes(make_bundle(name).to_bytes())
     (store / "bb.safetensors").write_bytes(b"not a bundle")  # invalid: listed in its page's range
     (store / "zz.safetensors").write_bytes(b"not a bundle")
-    for _ in range(50):  # the next poll picks them up
-        if len(client.get("/adapters").json()["invalid"]) == 2:
+    with running_server(settings) as url, httpx.Client(base_url=url) as client:
+        pages, after = [], None
+        while True:
+            params = {"limit": 2, **({"after": after} if after else {})}
+            body = client.get("/adapters", params=params).json()
+            pages.append(([a["name"] for a in body["adapters"]], sorted(body["invalid"])))
+            assert body["registry"]["adapters"] == 5  # the whole registry's count, every page
+            if body["next"] is None:
+                break
+            after = body["next"]
+        assert pages == [(["a", "b"], []), (["c", "d"], ["bb"]), (["e"], ["zz"])]
+        assert client.get("/adapters", params={"limit": 0}).status_code == 422
+        assert client.get("/adapters", params={"limit": 1001}).status_code == 422
+        everything = client.get("/adapters").json()
+        assert [a["name"] for a in everything["adapters"]] == ["a", "b", "c", "d", "e"]
+        assert everything["next"] is None and everything["max_tasks_per_request"] == 64
+        assert all(a["training"] is None for a in everything["adapters"])  # lists read no bundle
+
+
+def test_a_damaged_journal_entry_refuses_changes_and_keeps_serving(client, store, make_bundle) -> None:
+    """Never skipped (the replicas would disagree on what a version holds): the replica says so in
+    /readyz, answers changes 503, and serves what it knows until an operator repairs the entry."""
+    assert register(client, make_bundle("kept").to_bytes()).status_code == 201
+    version = client.get("/adapters").json()["registry"]["version"]
+    (store / ".journal" / f"{version + 1:016d}.json").write_bytes(b"{not json")
+    for _ in range(50):  # the next poll finds it
+        detail = client.get("/readyz").json()["detail"]
+        if "damaged" in detail:
             break
         time.sleep(0.1)
-    pages, after = [], None
-    while True:
-        body = client.get("/adapters", params={"limit": 2, **({"after": after} if after else {})}).json()
-        pages.append(([a["name"] for a in body["adapters"]], sorted(body["invalid"])))
-        assert body["adapter_set"]["adapters"] == ["e", "a", "d", "b", "c"]  # the whole set, every page
-        if body["next"] is None:
-            break
-        after = body["next"]
-    assert pages == [(["a", "b"], []), (["c", "d"], ["bb"]), (["e"], ["zz"])]
-    assert client.get("/adapters", params={"limit": 0}).status_code == 422
-    assert client.get("/adapters", params={"limit": 1001}).status_code == 422
-    everything = client.get("/adapters").json()
-    assert [a["name"] for a in everything["adapters"]] == ["a", "b", "c", "d", "e"] and everything[
-        "next"
-    ] is None
+    assert "is damaged" in detail and client.get("/readyz").status_code == 200
+    r = register(client, make_bundle("new").to_bytes())
+    assert r.status_code == 503 and "changes are refused until it is repaired" in r.json()["error"]["message"]
+    assert post_image(client, jpeg(), tasks="kept").status_code == 200

@@ -1,7 +1,8 @@
 """Mutated bundles over HTTP and in the store: never a 5xx, never a crash, the live set unchanged.
 
-The same mutations as tests/adapters/test_bundle_fuzz.py, posted to a real server and dropped into
-its live store directory (where another replica or an operator might put them).
+The same mutations as tests/adapters/test_bundle_fuzz.py, posted to a real server, journaled in its
+live store (as a damaged disk or a replica of another base would leave them), and found in a store
+written before the journal when a replica first starts on it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import time
 
 from PIL import Image
 
+from server.registry import Catalog
+from server.store import LocalStore
 from tests.adapters.test_bundle_fuzz import mutate
+from tests.server.filling import entries_for
 
 POSTED = 300
 DROPPED = 60
@@ -39,23 +43,37 @@ def test_mutated_bundles_posted_answer_4xx_and_change_nothing(client, make_bundl
     assert sum(n for code, n in statuses.items() if 400 <= code < 500) > POSTED // 2, statuses
 
 
-def test_mutated_bundles_dropped_into_a_live_store_are_listed_invalid(client, store, make_bundle) -> None:
+def test_mutated_bundles_journaled_in_a_live_store_are_refused_and_listed(client, store, make_bundle) -> None:
+    """Journal entries naming bundles that do not validate here (damaged on disk after they were
+    journaled, or written by a replica of another base): asking for one is a 422 naming the reason,
+    never a 5xx; each is listed under ``invalid``; everything else keeps working. A file dropped into
+    the live store is not a registration at all (only the journal registers): never read."""
     assert (
         client.post(
             "/adapters", files={"bundle": ("k.safetensors", make_bundle("keep").to_bytes())}
         ).status_code
         == 201
     )
-    good = make_bundle("new", m=2, classes=4).to_bytes()
+    good = make_bundle("new", m=2, classes=4)
     rng = random.Random(11)
-    for i in range(DROPPED):
-        (store / f"fuzz{i}.safetensors").write_bytes(mutate(good, rng))
+    mutated = [(good, mutate(good.to_bytes(), rng)) for _ in range(DROPPED)]
+    entries = entries_for(LocalStore(store), mutated)
+    catalog = Catalog(LocalStore(store))
+    catalog.open(lambda *_: None, max_bytes=1)  # type: ignore[arg-type, return-value]
+    for i, entry in enumerate(entries):  # each under its own name, with the hash of its bytes
+        catalog.commit(lambda _state, e=entry, i=i: e._replace(name=f"fuzz{i}"))
+    (store / "dropped.safetensors").write_bytes(good.to_bytes())
     time.sleep(1.0)  # five poll intervals of 0.2 s
-    listing = client.get("/adapters")
-    assert listing.status_code == 200
-    body = listing.json()
-    assert [a["name"] for a in body["adapters"]] == ["keep"]  # names differ from files: never loaded
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(png, format="PNG")
+    png = png.getvalue()
+    for i in range(DROPPED):
+        answer = client.post("/classify", files={"image": ("p.png", png)}, params={"tasks": f"fuzz{i}"})
+        assert answer.status_code == 422, answer.text
+        assert f"adapter 'fuzz{i}' cannot be served here" in answer.json()["error"]["message"]
+    body = client.get("/adapters").json()
     assert len([n for n in body["invalid"] if n.startswith("fuzz")]) == DROPPED
+    assert "dropped" not in body["invalid"] and "dropped" not in [a["name"] for a in body["adapters"]]
     # Changes and classification still work with all of that in the store.
     assert (
         client.post(
@@ -64,9 +82,6 @@ def test_mutated_bundles_dropped_into_a_live_store_are_listed_invalid(client, st
         == 201
     )
     assert client.delete("/adapters/keep").status_code == 200
-    png = io.BytesIO()
-    Image.new("RGB", (32, 32), "red").save(png, format="PNG")
-    png = png.getvalue()
     answer = client.post("/classify", files={"image": ("p.png", png)})
     assert answer.status_code == 200 and set(answer.json()["results"][0]["tasks"]) == {"base", "later"}
 

@@ -95,10 +95,10 @@ def test_serve_with_nothing_configured_serves_the_demo(tmp_path) -> None:
         assert httpx.get(f"{server.url}/readyz").status_code == 200
         listed = httpx.get(f"{server.url}/adapters").json()
         assert [a["name"] for a in listed["adapters"]] == ["digits", "orientation"]
-        # The empty store was seeded with the demo's bundles.
-        assert sorted(p.name for p in (tmp_path / "store").glob("*.safetensors")) == [
-            p.name for p in demo_adapters()
-        ]
+        # The empty store was seeded with the demo's bundles (through the journal, as registrations).
+        seeded = (tmp_path / "store" / "bundles").glob("*/*.safetensors")
+        assert sorted(p.parent.name for p in seeded) == [p.stem for p in demo_adapters()]
+        assert listed["registry"] == {"version": 2, "adapters": 2}
         png = io.BytesIO()
         Image.fromarray(np.tri(28, dtype=np.uint8) * 255).save(png, format="PNG")
         r = httpx.post(f"{server.url}/classify", files={"image": ("x.png", png.getvalue())})
@@ -119,11 +119,11 @@ def test_deleted_demo_adapters_stay_deleted_across_restarts(tmp_path) -> None:
             assert httpx.delete(f"{server.url}/adapters/{name}").status_code == 200
     finally:
         server.stop()
-    assert list(store.glob("*.safetensors")) == []
+    assert list(store.rglob("*.safetensors")) == []  # deleted, and their objects collected
     for _ in range(2):  # a restart, and another replica starting on the same empty store
         server = ServerProcess(None, store).start()
         try:
             assert httpx.get(f"{server.url}/adapters").json()["adapters"] == []
         finally:
             server.stop()
-    assert list(store.glob("*.safetensors")) == []
+    assert list(store.rglob("*.safetensors")) == []  # deleted, and their objects collected

@@ -48,9 +48,9 @@ def loopback(open_settings, make_bundle) -> Iterator[tuple[httpx.Client, str]]:
 
 
 def served(client: httpx.Client) -> tuple[list[str], str]:
-    """The live set's names and the sha256 of "cats": what a refused change must leave as it was."""
+    """The registered names and the sha256 of "cats": what a refused change must leave as it was."""
     listing = client.get("/adapters").json()
-    return listing["adapter_set"]["adapters"], next(a["sha256"] for a in listing["adapters"])
+    return [a["name"] for a in listing["adapters"]], next(a["sha256"] for a in listing["adapters"])
 
 
 def counted(client: httpx.Client, action: str, result: str) -> float:

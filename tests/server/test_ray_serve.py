@@ -42,6 +42,7 @@ from adapters.preprocess import eval_transform, to_rgb  # noqa: E402
 from memory_core import MemoryViT  # noqa: E402
 from server.ray_proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
 from server.ray_serve import REPLICA_HEADER  # noqa: E402
+from server.registry import Catalog  # noqa: E402
 from server.store import open_store  # noqa: E402
 from tests.factories import random_adapter  # noqa: E402
 from tests.server.conftest import TOKEN  # noqa: E402
@@ -53,9 +54,10 @@ CONFIG = REPO / "docker" / "ray" / "serve-config.yaml"
 APP = DEPLOYMENT = "memvit"
 ADAPTER = "flowers"
 POLL_SECONDS = 0.5
-# Objects in the bucket that are not bundles: every replica reads each at start (they are listed as
-# invalid, never served), so loading takes a few seconds, long enough that a replica Serve routed
-# to before it was loaded would be caught answering "still loading".
+# Objects in the bucket that are not bundles, as a store written before the journal may hold: the
+# first replicas to start read each once, migrating the store (they are listed as invalid, never
+# served), so their loading takes a few seconds, long enough that a replica Serve routed to before it
+# was loaded would be caught answering "still loading".
 JUNK = 100
 CLIENTS = 6  # concurrent clients of the load: at most this many requests are in flight on a dying replica
 LOSS_WINDOW = 5.0  # a 503 for a lost replica must come within this many seconds of the loss
@@ -76,7 +78,7 @@ class Expected:
         got = {name: torch.tensor(task["logits"]) for name, task in tasks.items()}
         if not torch.allclose(got["base"], self.base[index], atol=1e-4):
             return f"base logits of image {index} differ"
-        if ADAPTER in body["adapter_set"]["adapters"]:
+        if ADAPTER in body["tasks"]:
             if ADAPTER not in got or not torch.allclose(got[ADAPTER], self.adapter[index], atol=1e-4):
                 return f"{ADAPTER} logits of image {index} differ"
         elif set(got) != {"base"}:
@@ -320,7 +322,7 @@ class Load:
                 try:
                     body = r.json()
                     if r.status_code == 200:
-                        outcome.adapters = tuple(body["adapter_set"]["adapters"])
+                        outcome.adapters = tuple(body["tasks"])
                         outcome.problem = expected.problem(body, index)
                     elif "error" not in body:
                         outcome.problem = f"{r.status_code} without the service's error body"
@@ -408,7 +410,7 @@ class HeldRequest:
         try:
             body = json.loads(data)
             if response.status == 200:
-                outcome.adapters = tuple(body["adapter_set"]["adapters"])
+                outcome.adapters = tuple(body["tasks"])
                 outcome.problem = self.expected.problem(body, self.index % len(self.expected.images))
             else:
                 outcome.error = body["error"]["type"]
@@ -454,6 +456,10 @@ def _release(held: list[HeldRequest], on_lost: int, lost_at: float) -> float:
     kept = [o for i, o in enumerate(outcomes) if i not in early]
     assert all(o.status == 200 and o.problem is None for o in kept), kept
     return max(early.values()) - lost_at
+
+
+def _nothing_to_migrate(name: str, key: str, data: bytes):
+    raise AssertionError("the replicas migrated the bucket when they started")
 
 
 # -- the config files (no cluster) -----------------------------------------------------------------
@@ -515,7 +521,7 @@ def test_a_registration_reaches_every_replica_within_the_poll_bound(cluster: Clu
         while len(serving) < 2 and time.monotonic() < deadline:
             r = _classify(client, cluster.url, cluster.expected, i % 2)
             assert r.status_code == 200 and cluster.expected.problem(r.json(), i % 2) is None, r.text
-            if ADAPTER in r.json()["adapter_set"]["adapters"]:
+            if ADAPTER in r.json()["tasks"]:
                 serving.setdefault(r.headers[REPLICA_HEADER], time.monotonic() - registered_at)
             i += 1
     assert len(serving) == 2, f"not every replica serves {ADAPTER} after 30s: {serving}"
@@ -585,9 +591,11 @@ def test_losing_a_node_under_load(cluster: Cluster) -> None:
 def test_nothing_registered_is_lost(cluster: Cluster) -> None:
     cluster.both_replicas()
     sha = hashlib.sha256(cluster.bundle).hexdigest()
-    stored = open_store(cluster.store)
-    assert set(stored.scan()) == {ADAPTER, *cluster.junk}
-    assert hashlib.sha256(stored.read(ADAPTER)[0]).hexdigest() == sha
+    stored = Catalog(open_store(cluster.store))  # the bucket's registry, read afresh
+    stored.open(_nothing_to_migrate, max_bytes=1 << 26)
+    assert set(stored.state.adapters) == {ADAPTER}
+    assert set(stored.invalid) == {f"{name}.safetensors" for name in cluster.junk}
+    assert hashlib.sha256(stored.journal.get_bundle(stored.get(ADAPTER))).hexdigest() == sha
     seen: dict[str, dict] = {}
     with httpx.Client() as client:
         for _ in range(40):

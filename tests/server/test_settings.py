@@ -80,3 +80,17 @@ def test_security_settings_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("MEMVIT_API_KEYS_FILE", "")
     settings = Settings(_env_file=None)
     assert settings.allowed_hosts == [] and settings.api_keys_file is None
+
+
+def test_the_resident_set_must_hold_one_request(monkeypatch) -> None:
+    settings = Settings(_env_file=None)
+    assert (settings.resident_adapters, settings.resident_bytes, settings.max_tasks_per_request) == (
+        1024,
+        None,
+        64,
+    )
+    monkeypatch.setenv("MEMVIT_RESIDENT_ADAPTERS", "10")
+    with pytest.raises(ValidationError, match=r"MEMVIT_RESIDENT_ADAPTERS \(10\) must be at least"):
+        Settings(_env_file=None)
+    monkeypatch.setenv("MEMVIT_MAX_TASKS_PER_REQUEST", "10")
+    assert Settings(_env_file=None).resident_adapters == 10

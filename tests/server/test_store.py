@@ -1,4 +1,4 @@
-"""The adapter store on its own, on both backends: atomic create, generation, seeding once."""
+"""The adapter store's primitives on both backends: nested keys, atomic create, compare-and-swap."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from memory_core import DuplicateAdapterError, UnknownAdapterError
-from server.store import SEEDED_KEY, LocalStore, ObjectStore, ObjectTooLargeError, open_store
+from server.store import GENERATION_KEY, LocalStore, ObjectStore, ObjectTooLargeError, open_store
+from server.store.base import ObjectChangedError, ObjectExistsError
 
 
 def test_open_store_picks_the_backend(tmp_path, s3_env) -> None:
@@ -20,36 +20,38 @@ def test_open_store_picks_the_backend(tmp_path, s3_env) -> None:
         open_store("ftp://somewhere/x")
 
 
-def test_write_read_delete(store_location) -> None:
+def test_the_primitives_on_nested_keys(store_location) -> None:
+    """What the journal is built on, the same on both backends: keys with ``/``, create-if-absent,
+    replace-if-unchanged, a clear absent key (the journal, its index and the bundles: test_journal.py)."""
     store = open_store(store_location)
-    first = store.write("a", b"one", replace=False)
-    data, version = store.read("a")
-    assert (data, version) == (b"one", first) and store.scan() == {"a": first}
-    with pytest.raises(DuplicateAdapterError):
-        store.write("a", b"two", replace=False)
-    second = store.write("a", b"two", replace=True)
-    assert second != first and store.read("a") == (b"two", second)
+    key = "bundles/a/0123-abcd.safetensors"
+    first = store._put(key, b"one", mode="create")
+    assert store._get(key) == (b"one", first) and key in store._list()
+    with pytest.raises(ObjectExistsError):
+        store._put(key, b"two", mode="create")
+    second = store._put(key, b"two", mode=first)  # replace-if-unchanged, on the version read
+    assert second != first and store._get(key)[0] == b"two"
+    with pytest.raises(ObjectChangedError):
+        store._put(key, b"three", mode=first)  # that version is gone
     with pytest.raises(ObjectTooLargeError):
-        store.read("a", max_bytes=2)
-    store.delete("a")
-    assert store.scan() == {}
-    with pytest.raises(UnknownAdapterError):
-        store.delete("a")
-    with pytest.raises(UnknownAdapterError):
-        store.read("a")
-    assert store.generation() == 3  # create, replace, delete: refused changes do not count
+        store._get(key, 2)
+    store._delete(key)
+    with pytest.raises(FileNotFoundError):
+        store._get(key)
+    with pytest.raises(FileNotFoundError):
+        store._delete(key)
 
 
-def test_create_has_exactly_one_winner_and_every_bump_counts(store_location) -> None:
+def test_create_if_absent_has_exactly_one_winner(store_location) -> None:
     store = open_store(store_location)
     winners, barrier = [], threading.Barrier(6)
 
     def create(i: int) -> None:
         barrier.wait()
         try:
-            store.write("x", b"from %d" % i, replace=False)
+            store._put(".journal/0000000000000001.json", b"from %d" % i, mode="create")
             winners.append(i)
-        except DuplicateAdapterError:
+        except ObjectExistsError:
             pass
 
     threads = [threading.Thread(target=create, args=(i,)) for i in range(6)]
@@ -58,53 +60,17 @@ def test_create_has_exactly_one_winner_and_every_bump_counts(store_location) -> 
     for t in threads:
         t.join()
     assert len(winners) == 1
-    assert store.read("x")[0] == b"from %d" % winners[0]
-    # Concurrent generation bumps (compare-and-swap) all count.
-    bumps = [threading.Thread(target=lambda: [store.bump_generation() for _ in range(5)]) for _ in range(4)]
-    for t in bumps:
-        t.start()
-    for t in bumps:
-        t.join()
-    assert store.generation() == 1 + 20
+    assert store._get(".journal/0000000000000001.json")[0] == b"from %d" % winners[0]
 
 
-def test_a_damaged_generation_counts_on_upwards(store_location) -> None:
+def test_legacy_bundles_are_the_root_level_safetensors(store_location) -> None:
     store = open_store(store_location)
-    store.bump_generation()
-    store._put(".generation", b"not a number", mode="overwrite")
-    assert store.generation() >= 1 << 40
-    assert store.bump_generation() == (1 << 40) + 1
-
-
-def test_a_new_store_is_seeded_once(store_location, tmp_path) -> None:
-    store = open_store(store_location)
-    (tmp_path / "one").write_bytes(b"one")
-    (tmp_path / "two").write_bytes(b"two")
-    assert store.seed_once({"a": tmp_path / "one", "b": tmp_path / "two"})
-    assert sorted(store.scan()) == ["a", "b"] and SEEDED_KEY in store._list()
-    assert not open_store(store_location).seed_once({"a": tmp_path / "one"})  # a second replica
-    store.delete("a")
-    store.delete("b")
-    assert not store.seed_once({"a": tmp_path / "one"})  # empty again, but seeded before: stays empty
-    assert store.scan() == {}
-
-
-def test_a_store_that_already_has_bundles_is_never_seeded(store_location, tmp_path) -> None:
-    store = open_store(store_location)
-    store.write("mine", b"x", replace=False)
-    assert not store.seed_once({"demo": tmp_path / "missing"})  # not even read
-    store.delete("mine")
-    # Marked on first sight: never seeded later either.
-    assert not store.seed_once({"demo": tmp_path / "missing"})
-    assert store.scan() == {}
-
-
-def test_local_writes_leave_no_temp_files(tmp_path) -> None:
-    store = LocalStore(tmp_path / "s")
-    store.write("a", b"1", replace=False)
-    store.write("a", b"2", replace=True)
-    store.bump_generation()
-    assert sorted(p.name for p in store.root.iterdir()) == [".generation", ".lock", "a.safetensors"]
+    for key in ("a.safetensors", "bundles/b/x.safetensors", ".hidden.safetensors", "notes.txt"):
+        store._put(key, b"x", mode="create")
+    assert store.legacy_bundles() == {"a": "a.safetensors"}
+    assert store.legacy_generation() == 0
+    store._put(GENERATION_KEY, b"7\n", mode="create")
+    assert store.legacy_generation() == 7
 
 
 def test_an_unreachable_object_store_is_a_clear_error(monkeypatch) -> None:

@@ -1,0 +1,54 @@
+"""What a request holds while its adapters load and its batch runs: a ``Pin`` on them, and one
+``Load`` per adapter in flight, shared by every request that asks for it (single flight)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .resident import ResidentSet
+
+
+class Pin:
+    """Adapters one request holds resident until its batch has run. ``release`` once, when done."""
+
+    def __init__(self, owner: ResidentSet, names: tuple[str, ...]) -> None:
+        self._owner, self.names, self._held = owner, names, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._owner._unpin(self.names)
+
+    def drop(self, name: str) -> None:
+        """Stop holding ``name`` (it could not be loaded and the request goes on without it)."""
+        if self._held and name in self.names:
+            self._owner._unpin((name,))
+            self.names = tuple(n for n in self.names if n != name)
+
+    def __enter__(self) -> Pin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Load:
+    """One adapter's load in flight: the first to claim it runs it, everyone else waits on ``future``."""
+
+    __slots__ = ("_claimed", "_lock", "future")
+
+    def __init__(self) -> None:
+        self.future: Future[None] = Future()
+        # Running from the start: a waiter that is cancelled (a client gone) cannot cancel the load
+        # for the others (asyncio.wrap_future cancels the future it wraps; a running one ignores it).
+        self.future.set_running_or_notify_cancel()
+        self._claimed = False
+        self._lock = threading.Lock()
+
+    def claim(self) -> bool:
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+            return not claimed
