@@ -103,12 +103,13 @@ def _model(arch: str, plan: Plan, tmp: Path) -> tuple[MemoryViT, Path]:
 
 
 def _store(e: MemoryViT, path: Path) -> None:
-    """8 adapters (m=1, 100 classes) in the server's store, as benchmarks/serve.py serves."""
-    from server.store import LocalStore
+    """8 adapters (m=1, 100 classes) in the server's store, as benchmarks/serve.py serves: bundle files,
+    which the server registers (its store's one-time migration) when it starts."""
+    from adapters import save_bundle
 
-    store = LocalStore(path)
+    path.mkdir(parents=True, exist_ok=True)
     for w in adapters(e, 8, 1, 100, prefix="task-"):
-        store.write(w.name, bundle_for(w, e).to_bytes(), replace=False)
+        save_bundle(bundle_for(w, e), path / f"{w.name}.safetensors")
 
 
 def _pixels(e: MemoryViT, photos: list[bytes], batch: int) -> torch.Tensor:

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .resident import ResidentSet
+
+class PinOwner(Protocol):
+    """What a pin needs of the resident set that gave it (server/registry/resident.py)."""
+
+    def _unpin(self, names: tuple[str, ...]) -> None: ...
 
 
 class Pin:
     """Adapters one request holds resident until its batch has run. ``release`` once, when done."""
 
-    def __init__(self, owner: ResidentSet, names: tuple[str, ...]) -> None:
+    def __init__(self, owner: PinOwner, names: tuple[str, ...]) -> None:
         self._owner, self.names, self._held = owner, names, True
 
     def release(self) -> None:
