@@ -159,7 +159,7 @@ class ResidentSet:
                 loads.append((name, load))
         for name, load in started:
             self._pool.submit(self._run, name, load)
-        return Pin(self, names), loads
+        return Pin(self._unpin, names), loads
 
     def _unpin(self, names: tuple[str, ...]) -> None:
         with self._lock:
