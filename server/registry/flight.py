@@ -4,31 +4,25 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol
-
-
-class PinOwner(Protocol):
-    """What a pin needs of the resident set that gave it (server/registry/resident.py)."""
-
-    def _unpin(self, names: tuple[str, ...]) -> None: ...
 
 
 class Pin:
     """Adapters one request holds resident until its batch has run. ``release`` once, when done."""
 
-    def __init__(self, owner: PinOwner, names: tuple[str, ...]) -> None:
-        self._owner, self.names, self._held = owner, names, True
+    def __init__(self, unpin: Callable[[tuple[str, ...]], None], names: tuple[str, ...]) -> None:
+        self._unpin, self.names, self._held = unpin, names, True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._owner._unpin(self.names)
+            self._unpin(self.names)
 
     def drop(self, name: str) -> None:
         """Stop holding ``name`` (it could not be loaded and the request goes on without it)."""
         if self._held and name in self.names:
-            self._owner._unpin((name,))
+            self._unpin((name,))
             self.names = tuple(n for n in self.names if n != name)
 
     def __enter__(self) -> Pin:

@@ -2,12 +2,7 @@
 
 The live set (``LiveAdapters``, what passes read) holds the resident adapters and nothing else. It is
 bounded by a count and optionally by bytes; past either, installing an adapter evicts others that no
-request holds, in segmented-LRU order: an adapter loaded for one request waits on *probation*; asked
-for again while resident, it is *protected* (80% of the set at most; the protected set's least recently
-used fall back to probation). Probation is evicted first, least recently used first, then protected.
-Under skewed traffic this keeps the popular adapters through bursts of one-off requests, which plain
-LRU does not: on a Zipf(1.1) trace over 100,000 adapters with 5% resident, LRU hits 0.93 of the ideal
-static top-5% set's rate, segmented LRU 0.97 (benchmarks/registry_scale.py measures it here).
+request holds, in segmented-LRU order (eviction.py).
 
 A request *pins* its adapters from the moment it asks for them until its batch has run, so a cold
 load for another request never evicts what a queued one needs; if nothing can be evicted the load is
@@ -22,10 +17,10 @@ the others wait for that one. Nothing is evicted before the load has succeeded, 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,11 +31,11 @@ from memory_core import LiveAdapters, PreparedAdapter
 from ..errors import ResidentSetFullError, TooManyTasksError, UnknownTaskError
 from ..metrics import Metrics
 from ..store import Entry, StoreUnavailableError
+from .eviction import SegmentedLRU
 from .flight import Load, Pin
 
 log = logging.getLogger(__name__)
 _STALE_RETRIES = 3
-PROTECTED_SHARE = 0.8  # of the resident set, for adapters asked for again while resident
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,10 +69,7 @@ class ResidentSet:
         self.metrics = metrics
         self.loads = 0  # cold loads started (each reads one bundle): what single flight keeps low
         self._resident: dict[str, Resident] = {}
-        # Segmented LRU, least recently used first in each: loaded once, and asked for again.
-        self._probation: OrderedDict[str, None] = OrderedDict()
-        self._protected: OrderedDict[str, None] = OrderedDict()
-        self._protected_cap = int(PROTECTED_SHARE * max_adapters)
+        self._order = SegmentedLRU(max_adapters)  # which to evict first
         self._pins: Counter[str] = Counter()
         self._stale: set[str] = set()  # replaced in the registry while pinned: reloaded when next asked
         self._loading: dict[str, Load] = {}
@@ -111,12 +103,8 @@ class ResidentSet:
         pin, loads = self._begin(tuple(names))
         try:
             for name, load in loads:
-                try:
-                    load.future.result()
-                except UnknownTaskError:
-                    if not optional:
-                        raise
-                    pin.drop(name)
+                load.future.exception()  # waits for it
+                _settle(pin, name, load, optional)
         except BaseException:
             pin.release()
             raise
@@ -127,12 +115,9 @@ class ResidentSet:
         pin, loads = self._begin(tuple(names))
         try:
             for name, load in loads:
-                try:
+                with contextlib.suppress(Exception):  # _settle raises it, once the load is done
                     await asyncio.wrap_future(load.future)
-                except UnknownTaskError:
-                    if not optional:
-                        raise
-                    pin.drop(name)
+                _settle(pin, name, load, optional)
         except BaseException:
             pin.release()
             raise
@@ -150,7 +135,7 @@ class ResidentSet:
             for name in names:
                 self._pins[name] += 1
                 if name in self._resident and name not in self._stale:
-                    self._touch(name)
+                    self._order.touch(name)
                     continue
                 load = self._loading.get(name)
                 if load is None:
@@ -159,7 +144,7 @@ class ResidentSet:
                 loads.append((name, load))
         for name, load in started:
             self._pool.submit(self._run, name, load)
-        return Pin(self, names), loads
+        return Pin(self._unpin, names), loads
 
     def _unpin(self, names: tuple[str, ...]) -> None:
         with self._lock:
@@ -226,6 +211,14 @@ class ResidentSet:
                 if required:  # its requester pinned it: only a deletion can have taken it
                     raise ResidentSetFullError(f"cannot load adapter {name!r}: its parent {parent!r} left")
                 return False
+            if self.max_bytes is not None and resident.nbytes > self.max_bytes:
+                if required:  # no eviction can make room: a limit of this server's, not a busy moment
+                    raise TooManyTasksError(
+                        f"adapter {name!r} needs {resident.nbytes:,} bytes resident; this server holds "
+                        f"at most {self.max_bytes:,} (MEMVIT_RESIDENT_BYTES)",
+                        field="tasks",
+                    )
+                return False
             with self._lock:
                 replacing = self._resident.get(name)
                 victims = self._victims(resident, replacing)
@@ -244,26 +237,15 @@ class ResidentSet:
             with self._lock:
                 for victim in victims:
                     self._forget(victim)
-                segment = self._protected if name in self._protected else self._probation
-                self._forget(name)
+                held = self._resident.pop(name, None)
+                self._bytes += resident.nbytes - (held.nbytes if held is not None else 0)
                 self._resident[name] = resident
-                segment[name] = None  # a replaced copy keeps its standing; a new one is on probation
-                self._bytes += resident.nbytes
+                self._stale.discard(name)
+                self._order.add(name)
         if victims:
             log.debug("evicted %s to load %s", victims, name)
         self._gauges()
         return True
-
-    def _touch(self, name: str) -> None:
-        """``name`` asked for while resident (lock held): protected, the most recently used there."""
-        if name in self._protected:
-            self._protected.move_to_end(name)
-            return
-        self._probation.pop(name, None)
-        self._protected[name] = None
-        while len(self._protected) > self._protected_cap:
-            demoted, _ = self._protected.popitem(last=False)
-            self._probation[demoted] = None
 
     def _victims(self, resident: Resident, replacing: Resident | None) -> list[str] | None:
         """Probation then protected, least recently used first: unpinned adapters no resident
@@ -273,7 +255,7 @@ class ResidentSet:
         # Parents of resident adapters stay (an extension needs its parent), the new one's included.
         parents = {r.entry.parent for r in (*self._resident.values(), resident) if r.entry.parent is not None}
         victims = []
-        for name in itertools.chain(self._probation, self._protected):
+        for name in self._order:
             held = self._resident[name]
             if count <= self.max_adapters and (self.max_bytes is None or nbytes <= self.max_bytes):
                 return victims
@@ -308,8 +290,7 @@ class ResidentSet:
         self.remove(name)
 
     def _forget(self, name: str) -> None:
-        self._probation.pop(name, None)
-        self._protected.pop(name, None)
+        self._order.forget(name)
         held = self._resident.pop(name, None)
         if held is not None:
             self._bytes -= held.nbytes
@@ -326,6 +307,17 @@ class ResidentSet:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(pin: Pin, name: str, load: Load, optional: bool) -> None:
+    """After ``load`` is done: raise what it raised, or leave out an adapter that cannot be served."""
+    error = load.future.exception()
+    if error is None:
+        return
+    if optional and isinstance(error, UnknownTaskError):
+        pin.drop(name)
+        return
+    raise error
 
 
 def _result_of(exc: BaseException) -> str:

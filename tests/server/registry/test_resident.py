@@ -97,6 +97,21 @@ def test_a_request_needing_more_than_the_cap_is_refused(replica, make_bundle) ->
         assert r.live.current.names.index("p") < r.live.current.names.index("k2")
 
 
+def test_the_byte_budget_bounds_the_set_and_names_itself(replica, make_bundle) -> None:
+    writer = replica()
+    for name in "abc":
+        writer.register(make_bundle(name, m=1).to_bytes())
+    writer.register(make_bundle("big", m=40).to_bytes())
+    one = writer.resident.get("a").nbytes
+    r = replica(resident_bytes=2 * one + one // 2)  # room for two small adapters
+    for name in "abc":
+        r.acquire([name]).release()
+    assert sorted(r.live.current.names) == ["b", "c"] and r.resident.nbytes <= 2 * one + one // 2
+    with pytest.raises(TooManyTasksError, match="MEMVIT_RESIDENT_BYTES"):
+        r.acquire(["big"])  # alone over the budget: a 413, not a 503 to retry
+    assert sorted(r.live.current.names) == ["b", "c"]
+
+
 def test_a_store_outage_during_a_cold_load_is_a_503_and_changes_nothing(replica, make_bundle) -> None:
     writer = replica()
     for name in ("warm", "cold"):
