@@ -47,13 +47,17 @@ class InvariantBlocks:
     thin: int = 8  # class-token queries per image per product, and rows per head call
     keys: int = 8  # own keys (lineage, memory) per chunk of the class-token attention
     images: int | None = None  # images per patch-embedding and attention call; None: the whole batch
+    # Class-token rows per call of their own-key products, and (in chunks of ``thin``) heads per call
+    # of a head group's batched product. None: any count (on CPU a batched product's per-matrix
+    # result was measured not to depend on the number of matrices).
+    batches: int | None = None
 
     @classmethod
     def for_device(cls, device: torch.device) -> InvariantBlocks:
         if device.type == "cuda":
             # cuBLAS and the flash kernels pick tiles and split-K/split-KV from the whole shape,
             # batch count included: bound every call's shape (sizes to be tuned on the device).
-            return cls(rows=4096, thin=64, keys=8, images=16)
+            return cls(rows=4096, thin=64, keys=8, images=16, batches=4096)
         # MKL's product kernel depends on the row count only below 4 rows (measured: 1, 2-3 and 4+
         # rows take three kernels, at any thread count), and a pass has more token rows than that:
         # blocking them would only cost. Other CPU BLAS libraries get blocks.
@@ -77,9 +81,12 @@ def in_blocks(fn: Callable[..., Tensor | tuple[Tensor, ...]], size: int | None, 
 
 
 def _bmm(a: Tensor, b: Tensor) -> Tensor:
-    """(..., m, k) @ (..., k, n) as one bmm on contiguous operands of equal batch shape."""
+    """(..., m, k) @ (..., k, n) as one bmm, each matrix's rows contiguous: the layout BLAS sees, and
+    with it the kernel, never depends on how many matrices there are."""
     batch = a.shape[:-2]
-    out = torch.bmm(a.contiguous().reshape(-1, *a.shape[-2:]), b.contiguous().reshape(-1, *b.shape[-2:]))
+    a3, b3 = (t.reshape(-1, *t.shape[-2:]) for t in (a, b))
+    a3, b3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (a3, b3))
+    out = torch.bmm(a3, b3)
     return out.reshape(*batch, *out.shape[-2:])
 
 
@@ -193,51 +200,59 @@ def adapter_attention(
     s_x = torch.cat(
         [in_blocks(_bmm, blocks.images, q_p[:, :, j : j + blocks.thin], k_xt) for j in chunks], dim=2
     )[:, :, :K]  # (B, H, K, T)
-    own = [_pad_keys(*segment, blocks.keys) for segment in _own_keys(k_c, v_c, memory, B)]
-    own_scores = []  # per chunk: (B, H, K, c) scores plus bias, and (B, H, K, c, d+1) values
-    for keys, values, bias in own:
-        for j in range(0, keys.shape[3], blocks.keys):
-            kj = keys[:, :, :, j : j + blocks.keys].to(wide)
-            s = _bmm(q.unsqueeze(3), kj.transpose(-2, -1)).squeeze(3) + bias[..., j : j + blocks.keys]
-            own_scores.append((s, values[:, :, :, j : j + blocks.keys].to(wide)))
-    # Softmax from its pieces: the max is exact in any order; sums come from fixed-shape products.
-    top = s_x.amax(dim=-1)
-    for s, _ in own_scores:
-        top = torch.maximum(top, s.amax(dim=-1))
-    e_x = _pad((s_x - top[..., None]).exp(), 2, blocks.thin)
+    # Own keys (lineage, memory), one entry per class-token row (B*K), in fixed chunks of keys.
+    top = _rows_first(s_x.amax(dim=-1, keepdim=True)).squeeze(-1)  # (B*K, H)
+    q_rows = _rows_first(q).unsqueeze(-1)  # (B*K, H, d, 1)
+    own = []  # per chunk: scores plus bias (B*K, H, c), values and a column of ones (B*K, H, c, d+1)
+    for keys, values, bias in _own_keys(k_c, v_c, memory, B):
+        c = blocks.keys
+        keys, values, bias = _pad(keys, 2, c), _pad(values, 2, c), _pad(bias, 2, c, float("-inf"))
+        values = torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1).to(wide)
+        for j in range(0, keys.shape[2], c):
+            s = in_blocks(_bmm, blocks.batches, keys[:, :, j : j + c].to(wide), q_rows).squeeze(-1)
+            s = s + bias[..., j : j + c]
+            top = torch.maximum(top, s.amax(dim=-1))  # the max is exact in any order
+            own.append((s, values[:, :, j : j + c]))
+    # Softmax from its pieces: exponentials, and sums taken by the products of the weighted values.
+    e_x = _pad((s_x - _heads_first(top, B)[..., None]).exp(), 2, blocks.thin)
     o = torch.cat(
         [in_blocks(_bmm, blocks.images, e_x[:, :, j : j + blocks.thin], v_x1) for j in chunks], dim=2
     )[:, :, :K]  # (B, H, K, d+1)
-    for s, values in own_scores:
-        e = (s - top[..., None]).exp()  # padding: exp(-inf) = 0, and 0 x 0-values adds exactly 0
-        v1 = torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1)
-        o = o + _bmm(e.unsqueeze(3), v1).squeeze(3)
-    return (o[..., :d] / o[..., d:]).to(q_c.dtype)
+    o = _rows_first(o)  # (B*K, H, d+1)
+    for s, values in own:
+        e = (s - top[..., None]).exp().unsqueeze(2)  # (B*K, H, 1, c); padding: exp(-inf) = 0 adds 0
+        o = o + in_blocks(_bmm, blocks.batches, e, values).squeeze(2)
+    return _heads_first((o[..., :d] / o[..., d:]).to(q_c.dtype), B)
+
+
+def _rows_first(t: Tensor) -> Tensor:
+    """(B, H, K, ...) -> (B*K, H, ...): one entry per class-token row, so rows can be blocked."""
+    B, H, K = t.shape[:3]
+    return t.transpose(1, 2).reshape(B * K, H, *t.shape[3:])
+
+
+def _heads_first(t: Tensor, B: int) -> Tensor:
+    """(B*K, H, ...) -> (B, H, K, ...), undoing ``_rows_first``."""
+    return t.reshape(B, -1, *t.shape[1:]).transpose(1, 2)
 
 
 def _own_keys(k_c: Tensor, v_c: Tensor, memory: LayerMemory, B: int) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """Each row's lineage and memory keys, values and bias: (B, H, K, n, d) twice and (B, 1, K, n)."""
+    """Per class-token row, its lineage's and its memory's keys and values (B*K, H, n, d) and the
+    bias on them (B*K, 1, n): -inf on padding."""
+    _, H, K, d = k_c.shape
     if memory.lineage.ndim == 2:  # shared by every image
-        k_l, v_l = k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]  # (B, H, K, A, d)
-        l_bias = memory.lineage_bias.expand(B, 1, *memory.lineage_bias.shape)
-        k_m = memory.keys.transpose(0, 1).expand(B, -1, -1, -1, -1)  # (K, H, P, d) -> (B, H, K, P, d)
-        v_m = memory.values.transpose(0, 1).expand(B, -1, -1, -1, -1)
-        m_bias = memory.bias.expand(B, 1, *memory.bias.shape)
+        k_l, v_l = k_c[:, :, memory.lineage].transpose(1, 2), v_c[:, :, memory.lineage].transpose(1, 2)
+        l_bias = memory.lineage_bias.expand(B, -1, -1)  # (B, K, A)
+        k_m = memory.keys.expand(B, -1, -1, -1, -1)  # (K, H, P, d) -> (B, K, H, P, d)
+        v_m = memory.values.expand(B, -1, -1, -1, -1)
+        m_bias = memory.bias.expand(B, -1, -1)
     else:  # routed: row k of image b is adapter idx[b, k]
         images = torch.arange(B, device=k_c.device)[:, None, None]
-        k_l = k_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)
-        v_l = v_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)
-        l_bias = memory.lineage_bias[:, None]
-        k_m, v_m = memory.keys.transpose(1, 2), memory.values.transpose(1, 2)  # (B, H, K, P, d)
-        m_bias = memory.bias[:, None]
-    return [(k_l, v_l, l_bias), (k_m, v_m, m_bias)]
-
-
-def _pad_keys(keys: Tensor, values: Tensor, bias: Tensor, multiple: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Keys and values (B, H, K, n, d), bias (B, 1, K, n): n padded to a multiple (zeros; -inf bias)."""
-    if keys.shape[3] == 0:
-        return keys, values, bias
-    return _pad(keys, 3, multiple), _pad(values, 3, multiple), _pad(bias, 3, multiple, float("-inf"))
+        k_l = k_c.transpose(1, 2)[images, memory.lineage].transpose(2, 3)  # (B, K, H, A, d)
+        v_l = v_c.transpose(1, 2)[images, memory.lineage].transpose(2, 3)
+        l_bias, k_m, v_m, m_bias = memory.lineage_bias, memory.keys, memory.values, memory.bias
+    k_l, v_l, k_m, v_m = (t.reshape(B * K, H, -1, d) for t in (k_l, v_l, k_m, v_m))
+    return [(k_l, v_l, l_bias.reshape(B * K, 1, -1)), (k_m, v_m, m_bias.reshape(B * K, 1, -1))]
 
 
 def head(base: VisionTransformer, x: Tensor, blocks: InvariantBlocks) -> Tensor:
@@ -247,19 +262,24 @@ def head(base: VisionTransformer, x: Tensor, blocks: InvariantBlocks) -> Tensor:
 
 def adapter_heads(stack: AdapterStack, c: Tensor, blocks: InvariantBlocks) -> list[Tensor]:
     """``AdapterStack.apply_heads`` on fixed blocks of images, with contiguous rows."""
-    return list(in_blocks(lambda rows: tuple(_heads(stack, rows)), blocks.thin, c))
+    return list(in_blocks(lambda rows: tuple(_heads(stack, rows, blocks)), blocks.thin, c))
 
 
-def _heads(stack: AdapterStack, c: Tensor) -> list[Tensor]:
+def _heads(stack: AdapterStack, c: Tensor, blocks: InvariantBlocks) -> list[Tensor]:
     if not stack.head_groups:
         return [F.linear(c[:, k].contiguous(), w, b) for k, (w, b) in enumerate(stack.heads)]
     logits: list[Tensor] = [c] * len(stack.heads)  # every slot is overwritten below
+    per_call = None if blocks.batches is None else blocks.thin  # heads per batched product
     for group in stack.head_groups:
         rows = c.index_select(1, group.members).transpose(0, 1).contiguous()  # (G, n, D)
-        z = torch.baddbmm(group.bias[:, None], rows, group.weight.transpose(1, 2))
+        z = in_blocks(_grouped_head, per_call, rows, group.weight, group.bias)  # (G, n, C)
         for i, k in enumerate(group.members.tolist()):
             logits[k] = z[i]
     return logits
+
+
+def _grouped_head(rows: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    return torch.baddbmm(bias[:, None], rows, weight.transpose(1, 2))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor, blocks: InvariantBlocks) -> Tensor:

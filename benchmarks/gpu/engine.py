@@ -1,10 +1,10 @@
 """Step ``engine``: the fused pass against timm's own model and against the FLOP floor.
 
 Per base shape, dtype and batch: base-only memvit vs timm img/s (goal >= 0.98); fused K adapters
-(m memory tokens) vs the FLOP floor R(K) (goal <= 1.10 R); the dense-mask reference at K = 64; and
-the tries (``Plan.tries``), each reported against the eager pass: SDPA backends for the base path
-(and whether memvit stays bitwise timm's under each), ``torch.compile`` of the adapter attention and
-of the whole pass, a CUDA graph of the features.
+(m memory tokens) vs the FLOP floor R(K) (goal <= 1.10 R); the dense-mask reference at K = 64. On
+one shape (``Plan.tries_on``) the tries (``Plan.tries``), each against the eager pass: SDPA backends
+for the base path (and whether memvit stays bitwise timm's under each), ``torch.compile`` of the
+adapter attention and of the whole pass, a CUDA graph of the features.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _grid(plan: Plan, report: StepReport, budget: Budget, arch: str, what: dict,
                 report.note(f"budget spent: stopped before {what} {label}")
                 return False
             report.attempt(table, {**what, **extra}, measure, e, x, weights, plan)
-        # The tries once per shape (first dtype, largest batch): a compile takes a minute.
-        if what["dtype"] == plan.dtypes[0] and what["batch"] == plan.batches[-1]:
+        # The tries once (one shape, first dtype, largest batch): a compile takes a minute.
+        if arch == plan.tries_on and what["dtype"] == plan.dtypes[0] and what["batch"] == plan.batches[-1]:
             for name in plan.tries:
                 if budget.allows(120):
                     _try(name, e, x, pool[plan.ms[0]], plan, report, what)

@@ -47,6 +47,7 @@ class Plan:
     server_seconds: float = 20.0
     server_clients: tuple[int, ...] = (64,)
     tries: tuple[str, ...] = ("sdpa", "compile", "cudagraph")  # engine variants tried, each reported
+    tries_on: str = "vit_base_patch16_224"  # the one shape they are tried on (a compile takes a minute)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -71,6 +72,7 @@ class Plan:
             server_seconds=1.5,
             server_clients=(4,),
             tries=("sdpa",),
+            tries_on="tiny",
         )
 
     def narrowed(self, **fields: Any) -> Plan:

@@ -122,7 +122,7 @@ def test_memory_keys_do_not_depend_on_what_was_prepared_alongside() -> None:
 def test_small_blocks_exercise_every_blocked_call() -> None:
     # CPU defaults leave token rows and images unblocked (measured invariant here); CUDA's do not.
     # Tiny blocks run those code paths, with a last block to pad, and must hold just as well.
-    engine = invariant_engine(rows=24, thin=3, keys=2, images=3)
+    engine = invariant_engine(rows=24, thin=3, keys=2, images=3, batches=5)
     loaded = engine.prepare_set(mixed_adapters(engine))
     x = pool(engine)
     alone, routed = engine(x[:1], loaded), engine(x[:1], loaded, tasks=[["m9", "child"]])
@@ -145,7 +145,7 @@ def test_half_precision_on_cpu(dtype: torch.dtype) -> None:
         assert_same(alone, engine(batch, live.current), at)
 
 
-@pytest.mark.parametrize("blocks", [{}, {"rows": 24, "thin": 3, "keys": 2, "images": 3}])
+@pytest.mark.parametrize("blocks", [{}, {"rows": 24, "thin": 3, "keys": 2, "images": 3, "batches": 5}])
 def test_invariant_mode_is_exact(blocks: dict) -> None:
     # Same contract as the default pass: base = timm, adapters = the dense oracle, within float32 rounding.
     engine = invariant_engine("qknorm_layerscale_prenorm", **blocks)
