@@ -183,18 +183,23 @@ def main(argv: list[str] | None = None) -> None:
 
 def _print_epochs(times: dict, residency: dict, n: int, many: int, specs: dict) -> None:
     print(
-        "\n| adapters | epoch from | s / epoch | images/s | speed-up vs images | resident before the epoch |"
+        "\n| adapters | epoch from | s / epoch | images/s | speed-up vs images | per round (min-max) "
+        "| resident before the epoch |"
     )
-    print("|--:|---|--:|--:|--:|--:|")
+    print("|--:|---|--:|--:|--:|--:|--:|")
     for k in (1, many):
         base = f"images K={k}"
         for name in [base, *(f"{s} {where} K={k}" for s in specs for where in ("RAM", "disk"))]:
-            ratio = statistics.median(tb / t for tb, t in zip(times[base], times[name], strict=True))
+            ratios = [tb / t for tb, t in zip(times[base], times[name], strict=True)]
             res = residency[name][1:]
             seen = "-" if not res else f"{min(res):.0%}-{max(res):.0%}"
+            spread = f"{min(ratios):.1f}-{max(ratios):.1f}" if name != base else "-"
             source = name.rsplit(" K=", 1)[0]
             seconds = statistics.median(times[name])
-            print(f"| {k} | {source} | {seconds:.2f} | {n / seconds:.0f} | {ratio:.1f}x | {seen} |")
+            print(
+                f"| {k} | {source} | {seconds:.2f} | {n / seconds:.0f} | {statistics.median(ratios):.1f}x "
+                f"| {spread} | {seen} |"
+            )
     for store, spec in specs.items():
         cache = ActivationCache.open(spec.part("train").directory)
         per_view, logits = cache.activations[0, 0].nbytes, cache.base_logits[0, 0].nbytes
