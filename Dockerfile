@@ -50,7 +50,7 @@ COPY memory_core memory_core
 COPY adapters adapters
 COPY server server
 RUN /opt/venv/bin/pip install --no-deps --target /opt/memvit . \
-    && PYTHONPATH=/opt/memvit /opt/venv/bin/python -c "from server.demo import BASE_WEIGHTS; assert BASE_WEIGHTS.is_file(), BASE_WEIGHTS"
+    && PYTHONPATH=/opt/memvit /opt/venv/bin/python -c "from memvit.server.demo import BASE_WEIGHTS; assert BASE_WEIGHTS.is_file(), BASE_WEIGHTS"
 
 # ---------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE}

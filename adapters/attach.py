@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memory_core import AdapterSet, AdapterShapeError, LiveAdapters, MemoryViT
+from memvit.memory_core import AdapterSet, AdapterShapeError, LiveAdapters, MemoryViT
 
 from .bundle import AdapterBundle
 from .errors import BaseMismatchError

@@ -17,7 +17,7 @@ from typing import Any
 
 from safetensors.torch import save
 
-from memory_core import AdapterWeights, MemoryViT
+from memvit.memory_core import AdapterWeights, MemoryViT
 
 from .files import write_atomic
 

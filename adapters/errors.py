@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from memory_core.errors import AdapterError
+from memvit.memory_core.errors import AdapterError
 
 
 class BundleError(AdapterError):

@@ -15,7 +15,7 @@ from timm.data import create_transform
 from timm.data.transforms_factory import transforms_imagenet_train
 from torch import Tensor
 
-from memory_core import MemoryViT
+from memvit.memory_core import MemoryViT
 
 Transform = Callable[[Image.Image], Tensor]
 # How uploads and evaluation images are decoded: "exact" decodes every pixel (what training saw);

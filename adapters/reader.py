@@ -20,8 +20,8 @@ from typing import Any
 from safetensors import SafetensorError
 from safetensors.torch import load
 
-from memory_core import AdapterWeights
-from memory_core.errors import InvalidAdapterError
+from memvit.memory_core import AdapterWeights
+from memvit.memory_core.errors import InvalidAdapterError
 
 from .bundle import FORMAT, OPTIONAL_METADATA, REQUIRED_METADATA, TENSOR_FIELDS, TENSOR_LAYOUT, AdapterBundle
 from .errors import BundleFormatError, BundleMetadataError, BundleTensorError

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from memory_core import LiveAdapters, MemoryViT
+from memvit.memory_core import LiveAdapters, MemoryViT
 from tests.factories import random_adapter
 
 from .common import argument_parser, environment, pin_malloc

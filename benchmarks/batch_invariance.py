@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import argument_parser, environment, interleaved, pin_malloc
-from memory_core import FusedOutput, MemoryViT
+from memvit.memory_core import FusedOutput, MemoryViT
 from tests.factories import random_adapter
 
 

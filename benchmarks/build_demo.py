@@ -33,13 +33,13 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from adapters import save_bundle
-from adapters.training import TrainConfig, train_adapter
-from adapters.training.variant import warmup_cosine
 from benchmarks.common import argument_parser, pin_malloc
 from benchmarks.datasets import DIGITS, FASHION_MNIST_CLASSES, arrays_to_folder, fashion_mnist_split
-from memory_core import MemoryViT, read_weights_metadata, save_base
-from server.demo import DEMO_DIR
+from memvit.adapters import save_bundle
+from memvit.adapters.training import TrainConfig, train_adapter
+from memvit.adapters.training.variant import warmup_cosine
+from memvit.memory_core import MemoryViT, read_weights_metadata, save_base
+from memvit.server.demo import DEMO_DIR
 
 SOURCE = "benchmarks/build_demo.py"
 ARCH = "vit_tiny_patch16_224"

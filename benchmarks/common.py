@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from memory_core import MemoryViT
-from memory_core.runtime import tune_malloc
+from memvit.memory_core import MemoryViT
+from memvit.memory_core.runtime import tune_malloc
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MEMVIT_SHARED_DATA", REPO.parent / "shared" / "data"))

@@ -35,8 +35,8 @@ from benchmarks.common import (
     natural_photos,
     pin_malloc,
 )
-from memory_core import MemoryViT
-from server.images import ImageDecoder
+from memvit.memory_core import MemoryViT
+from memvit.server.images import ImageDecoder
 
 PHONE = (4032, 3024)  # a 12-megapixel phone photo
 

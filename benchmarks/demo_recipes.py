@@ -17,11 +17,11 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from adapters.training import TrainConfig, train_adapters
 from benchmarks.build_demo import adapter_folders
 from benchmarks.common import argument_parser, pin_malloc
-from memory_core import MemoryViT
-from server.demo import BASE_WEIGHTS
+from memvit.adapters.training import TrainConfig, train_adapters
+from memvit.memory_core import MemoryViT
+from memvit.server.demo import BASE_WEIGHTS
 
 RECIPES = {
     "shipped": {"lr": 0.3, "token_lr_scale": 1.0, "memory_lr_scale": 1.0, "memory_init": "normal"},

@@ -27,8 +27,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import argument_parser, environment, interleaved, median_ratio, pin_malloc, timed
-from memory_core import MemoryViT, flop_ratio, uniform_adapters
-from memory_core.reference import DenseMemoryViT
+from memvit.memory_core import MemoryViT, flop_ratio, uniform_adapters
+from memvit.memory_core.reference import DenseMemoryViT
 from tests.factories import random_adapter
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from adapters.preprocess import eval_transform
-from adapters.training.data import ImageDataset, scan_folder
-from adapters.training.memory_init import token_memory
 from benchmarks.common import CIFAR10, argument_parser, deit_tiny_engine, environment, pin_malloc
 from benchmarks.datasets import cifar_tar_to_folder
-from memory_core import AdapterSet, AdapterWeights, MemoryViT
-from memory_core.attention import project_qkv, split_block
+from memvit.adapters.preprocess import eval_transform
+from memvit.adapters.training.data import ImageDataset, scan_folder
+from memvit.adapters.training.memory_init import token_memory
+from memvit.memory_core import AdapterSet, AdapterWeights, MemoryViT
+from memvit.memory_core.attention import project_qkv, split_block
 
 
 @torch.no_grad()

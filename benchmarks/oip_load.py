@@ -21,7 +21,6 @@ import struct
 import tempfile
 from pathlib import Path
 
-from adapters import bundle_for, save_bundle
 from benchmarks.common import (
     DEIT_TINY,
     argument_parser,
@@ -32,7 +31,8 @@ from benchmarks.common import (
 )
 from benchmarks.loadgen import LoadResult, classify_requests, load
 from benchmarks.serve import adapter
-from memory_core import MemoryViT, save_base
+from memvit.adapters import bundle_for, save_bundle
+from memvit.memory_core import MemoryViT, save_base
 from tests.server.launcher import ServerProcess
 
 

@@ -32,10 +32,6 @@ from pathlib import Path
 import timm
 import torch
 
-from adapters import attach_bundle
-from adapters.preprocess import eval_transform, to_rgb
-from adapters.training import TrainConfig, evaluate_tasks, scan_folder, train_adapters
-from adapters.training.data import ImageDataset
 from benchmarks.common import (
     CIFAR10,
     DEIT_TINY,
@@ -50,7 +46,11 @@ from benchmarks.datasets import (
     cifar_tar_to_folder,
     fashion_mnist_split,
 )
-from memory_core import AdapterSet, LiveAdapters, MemoryViT
+from memvit.adapters import attach_bundle
+from memvit.adapters.preprocess import eval_transform, to_rgb
+from memvit.adapters.training import TrainConfig, evaluate_tasks, scan_folder, train_adapters
+from memvit.adapters.training.data import ImageDataset
+from memvit.memory_core import AdapterSet, LiveAdapters, MemoryViT
 
 # Each regime's grid: (lr, class-token lr scale, memory lr scale). The class token needs ~30x the
 # head's step (its gradient is ~0.25% of its norm, RESULTS §2.5); memory regimes also try each
@@ -149,7 +149,7 @@ def plot_curves(path: Path, dataset: str, chosen: dict[str, dict[int, object]]) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from adapters.training.report import _smooth
+    from memvit.adapters.training.report import _smooth
 
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
     for i, (regime, by_seed) in enumerate(chosen.items()):

@@ -37,12 +37,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adapters import AdapterBundle, bundle_for, read_bundle
-from memory_core import LiveAdapters, MemoryViT
-from server.registry import AdapterRegistry
-from server.registry.bundles import entry_for
-from server.store import LocalStore, Snapshot, open_store
-from server.store.journal import BASE_KEY, INDEX_KEY, bundle_key
+from memvit.adapters import AdapterBundle, bundle_for, read_bundle
+from memvit.memory_core import LiveAdapters, MemoryViT
+from memvit.server.registry import AdapterRegistry
+from memvit.server.registry.bundles import entry_for
+from memvit.server.store import LocalStore, Snapshot, open_store
+from memvit.server.store.journal import BASE_KEY, INDEX_KEY, bundle_key
 from tests.factories import random_adapter
 from tests.server.counting import counting_requests
 from tests.server.filling import register_in_bulk

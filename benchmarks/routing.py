@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from memory_core import MemoryViT, flop_ratio, uniform_adapters
+from memvit.memory_core import MemoryViT, flop_ratio, uniform_adapters
 from tests.factories import random_adapter
 
 from .common import (
@@ -72,8 +72,8 @@ def server_throughput(store: Path, names: list[str], seconds: float, clients: in
 
 
 def server_share(rounds: int, seconds: float, clients: int, many: int) -> None:
-    from adapters import bundle_for
-    from server.store import LocalStore
+    from memvit.adapters import bundle_for
+    from memvit.server.store import LocalStore
 
     engine = deit_tiny_engine()
     with tempfile.TemporaryDirectory(prefix="memvit-routing-") as tmp:

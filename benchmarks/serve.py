@@ -50,8 +50,6 @@ import httpx
 import torch
 from PIL import Image
 
-from adapters import bundle_for, save_bundle
-from adapters.preprocess import eval_transform, to_rgb
 from benchmarks.common import (
     DEIT_TINY,
     argument_parser,
@@ -61,9 +59,11 @@ from benchmarks.common import (
     pin_malloc,
 )
 from benchmarks.loadgen import LoadResult, classify_requests, load
-from memory_core import AdapterSet, AdapterWeights, MemoryViT, save_base
-from server.images import ImageDecoder
-from server.settings import Settings
+from memvit.adapters import bundle_for, save_bundle
+from memvit.adapters.preprocess import eval_transform, to_rgb
+from memvit.memory_core import AdapterSet, AdapterWeights, MemoryViT, save_base
+from memvit.server.images import ImageDecoder
+from memvit.server.settings import Settings
 from tests.factories import random_adapter
 from tests.server.launcher import ServerProcess
 

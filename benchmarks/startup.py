@@ -1,4 +1,4 @@
-"""Start-up: how long ``import server.cli`` takes, and ``memvit serve`` from launch to ``/readyz`` 200.
+"""Start-up: how long ``import memvit.server.cli`` takes, and ``memvit serve`` from launch to ``/readyz`` 200.
 
 Runs a checkout (this one by default, or ``--repo DIR``: another checkout, to compare before and
 after) in child processes: the import alone (wall time, and the top-level packages by self time
@@ -30,11 +30,11 @@ _LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
 
 
 def import_seconds(repo: Path) -> tuple[float, dict[str, float]]:
-    """Wall seconds of ``import server.cli`` in a fresh interpreter, and self seconds per package."""
+    """Wall seconds of ``import memvit.server.cli`` in a fresh interpreter, and self seconds per package."""
     env = {**os.environ, "PYTHONPATH": str(repo)}
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import server.cli"],
+        [sys.executable, "-X", "importtime", "-c", "import memvit.server.cli"],
         cwd=repo, env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     wall = time.perf_counter() - started
@@ -60,7 +60,7 @@ def ready_seconds(repo: Path, store: Path) -> float:
     }
     started = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve"],
+        [sys.executable, "-m", "memvit.server.cli", "serve"],
         cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     for repo in args.repo:
         print(f"checkout: {repo}")
         rounds = ", ".join(f"{x:.2f}" for x in imports[repo])
-        print(f"  import server.cli: median {statistics.median(imports[repo]):.2f} s ({rounds})")
+        print(f"  import memvit.server.cli: median {statistics.median(imports[repo]):.2f} s ({rounds})")
         top = ", ".join(f"{k} {v:.2f} s" for k, v in packages[repo].items())
         print(f"  self time by package (last round): {top}")
         rounds = ", ".join(f"{x:.2f}" for x in ready[repo])

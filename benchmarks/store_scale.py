@@ -28,10 +28,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from adapters import bundle_for
-from memory_core import LiveAdapters, MemoryViT
-from server.registry import AdapterRegistry
-from server.store import AdapterStore, open_store
+from memvit.adapters import bundle_for
+from memvit.memory_core import LiveAdapters, MemoryViT
+from memvit.server.registry import AdapterRegistry
+from memvit.server.store import AdapterStore, open_store
 from tests.factories import random_adapter
 from tests.server.counting import bundle_reads, counting_requests
 from tests.server.filling import register_in_bulk

@@ -34,15 +34,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adapters.preprocess import eval_transform
-from adapters.training import TrainConfig, TrainingRun, evaluate_many, scan_folder
-from adapters.training.cache import ActivationCache
-from adapters.training.cache_key import CacheSpec
-from adapters.training.data import ImageDataset
 from benchmarks.common import CIFAR10, argument_parser, deit_tiny_engine, environment, pin_malloc
 from benchmarks.datasets import cifar_tar_to_folder
-from memory_core import MemoryViT
-from memory_core.cached import capture
+from memvit.adapters.preprocess import eval_transform
+from memvit.adapters.training import TrainConfig, TrainingRun, evaluate_many, scan_folder
+from memvit.adapters.training.cache import ActivationCache
+from memvit.adapters.training.cache_key import CacheSpec
+from memvit.adapters.training.data import ImageDataset
+from memvit.memory_core import MemoryViT
+from memvit.memory_core.cached import capture
 
 TRAIN_TAR = CIFAR10 / "cifar10_jpg_train_50k.tar.gz"
 TEST_TAR = CIFAR10 / "cifar10_jpg_test_10k.tar.gz"

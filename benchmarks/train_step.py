@@ -21,11 +21,11 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from adapters.training import TrainableAdapter, TrainConfig
-from adapters.training.variant import Variant, fused_step
 from benchmarks.common import argument_parser, environment, interleaved, median_ratio, pin_malloc
-from memory_core import AdapterWeights, MemoryViT
-from memory_core.reference import DenseMemoryViT
+from memvit.adapters.training import TrainableAdapter, TrainConfig
+from memvit.adapters.training.variant import Variant, fused_step
+from memvit.memory_core import AdapterWeights, MemoryViT
+from memvit.memory_core.reference import DenseMemoryViT
 
 
 def main(argv: list[str] | None = None) -> None:

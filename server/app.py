@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastapi import FastAPI
 
-from memory_core import LiveAdapters, MemoryViT
+from memvit.memory_core import LiveAdapters, MemoryViT
 
 from .batching import DynamicBatcher
 from .edge.guard import GuardMiddleware

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from memory_core import AdapterSet, FusedOutput, LiveAdapters
+from memvit.memory_core import AdapterSet, FusedOutput, LiveAdapters
 
 from .errors import OverloadedError
 from .metrics import Metrics

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, File, Query, Request, UploadFile
 
-from memory_core import BASE_TASK, LiveAdapters
+from memvit.memory_core import BASE_TASK, LiveAdapters
 
 from .audit import AuditEntry
 from .edge.access import name_refused

@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
-from adapters import BaseMismatchError, BundleError
-from memory_core import (
+from memvit.adapters import BaseMismatchError, BundleError
+from memvit.memory_core import (
     AdapterInUseError,
     DuplicateAdapterError,
     InputError,

@@ -16,8 +16,8 @@ import warnings
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
-from adapters.preprocess import decode_target, eval_transform, load_rgb
-from memory_core import MemoryViT
+from memvit.adapters.preprocess import decode_target, eval_transform, load_rgb
+from memvit.memory_core import MemoryViT
 
 from .errors import BrokenImageError, EmptyImageError, ImageTooLargeError, NotAnImageError
 

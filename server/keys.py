@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from adapters.files import write_atomic
+from memvit.adapters.files import write_atomic
 
 log = logging.getLogger("memvit.server.keys")
 FORMAT = "memvit.keys/1"

@@ -23,7 +23,7 @@ import torch
 from fastapi import UploadFile
 from torch import Tensor
 
-from memory_core import BASE_TASK, FusedOutput
+from memvit.memory_core import BASE_TASK, FusedOutput
 
 from .batching import DynamicBatcher
 from .edge.body import read_upload

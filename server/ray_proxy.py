@@ -11,7 +11,7 @@ it receives itself (its errors included), so a missing response always means the
 
 Ray loads it in every proxy from the environment of ``ray start`` (or of a local ``serve run``)::
 
-    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=server.ray_proxy:proxy_middlewares
+    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=memvit.server.ray_proxy:proxy_middlewares
 
 This module runs in the proxy process: it must stay light (no torch, no model, no ray import); its
 error body comes from server/edge/send.py, which is as light.
@@ -28,7 +28,7 @@ from .edge.send import send_error
 
 log = logging.getLogger("memvit.ray.proxy")
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-CALLBACK = "server.ray_proxy:proxy_middlewares"
+CALLBACK = "memvit.server.ray_proxy:proxy_middlewares"
 RETRY_AFTER_SECONDS = "1"
 
 

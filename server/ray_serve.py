@@ -1,7 +1,7 @@
 """memvit on Ray Serve: N replicas, each the same FastAPI app (``create_app``: same routes, schemas,
 errors and metrics) with its own engine and batcher, behind Ray's HTTP proxy.
 
-    serve run server.ray_serve:app                 # a local Ray instance, http://127.0.0.1:8000
+    serve run memvit.server.ray_serve:app                 # a local Ray instance, http://127.0.0.1:8000
     serve deploy docker/ray/serve-config.yaml      # a running cluster (docker/ray/README.md)
 
 Settings are the ``MEMVIT_*`` variables of ``memvit serve``, read in each replica: the node's
@@ -19,7 +19,7 @@ loopback default of a local ``serve run`` keeps the Host check on; the cluster c
 (docker/ray/), where the proxies listen on every interface, so the check is off unless
 ``MEMVIT_ALLOWED_HOSTS`` names the load balancer.
 
-This is the only module that imports ray (the ``ray`` extra); ``server.app`` and torch are imported
+This is the only module that imports ray (the ``ray`` extra); ``memvit.server.app`` and torch are imported
 in the replica, not where the application is built (the driver, Serve's controller).
 """
 
@@ -88,7 +88,7 @@ def replica_settings() -> Settings:
         raise ValueError(f"invalid settings: {problems}") from None
 
 
-# Defaults for `serve run server.ray_serve:app`; a Serve config's `deployments:` entry overrides each.
+# Defaults for `serve run memvit.server.ray_serve:app`; a Serve config's `deployments:` entry overrides each.
 @serve.deployment(
     name="memvit",
     # Requests one replica holds at once: enough for its batcher to fill fused passes

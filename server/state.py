@@ -12,7 +12,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from memory_core import LiveAdapters, MemoryViT
+from memvit.memory_core import LiveAdapters, MemoryViT
 
 from .batching import DynamicBatcher
 from .metrics import Metrics

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from memory_core import BASE_TASK, AdapterSet
+from memvit.memory_core import BASE_TASK, AdapterSet
 
 from .errors import TasksRequiredError, TooManyTasksError, UnknownTaskError
 

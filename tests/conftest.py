@@ -13,7 +13,7 @@ from PIL import Image
 # Re-exported: the shared-data paths (one definition, benchmarks/common.py) and the factories
 # (tests/factories.py), which tests import from here.
 from benchmarks.common import DEIT_TINY, IMAGENET_LABELS, REPO, SHARED_DATA  # noqa: F401
-from memory_core import MemoryViT, save_base
+from memvit.memory_core import MemoryViT, save_base
 from tests.factories import TINY, VARIANTS, random_adapter, randomize, tiny_base, tiny_engine  # noqa: F401
 
 TOL = 1e-5  # float32 on CPU: the exactness contract (docs/design.md §2.6)

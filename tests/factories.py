@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from memory_core import AdapterWeights, BaseModel, MemoryViT, create_base
+from memvit.memory_core import AdapterWeights, BaseModel, MemoryViT, create_base
 
 # Tiny ViT variants covering what the engine must get right. All 32x32 inputs, 8x8 patches.
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=3, num_heads=4, num_classes=7)

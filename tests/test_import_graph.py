@@ -1,6 +1,6 @@
 """The project's import graph: no cycles, and the layers import downwards only.
 
-    memory_core  <-  adapters  <-  server
+    memvit.memory_core  <-  memvit.adapters  <-  memvit.server
 
 Every import counts: at module level, inside functions, and under ``if TYPE_CHECKING`` (a cycle
 through a type-only import is still two modules that need each other). Run as a script
@@ -13,14 +13,23 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("memory_core", "adapters", "server")
-# What each package must never import (its own layer and the ones below it are fine).
-FORBIDDEN = {"memory_core": ("adapters", "server", "fastapi"), "adapters": ("server",)}
+PACKAGES = ("memory_core", "adapters", "server")  # the folders; installed as memvit.<folder>
+# What each layer must never import (its own layer and the ones below it are fine).
+FORBIDDEN = {
+    "memvit.memory_core": ("memvit.adapters", "memvit.server", "fastapi"),
+    "memvit.adapters": ("memvit.server",),
+}
 
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(REPO).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return ".".join(["memvit", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def _layer(module: str) -> str:
+    """``memvit.server.cli`` -> ``memvit.server``; ``fastapi.routing`` -> ``fastapi``."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "memvit" else parts[0]
 
 
 def _modules() -> dict[str, Path]:
@@ -94,17 +103,32 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         f"{name} -> {target}"
         for name, targets in graph.items()
         for target in targets
-        if target.split(".")[0] in FORBIDDEN.get(name.split(".")[0], ())
+        if _layer(target) in FORBIDDEN.get(_layer(name), ())
     )
+
+
+def old_names(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> import`` for every import of a folder by its bare name (``server``, not ``memvit.server``).
+
+    The wheel installs only ``memvit``: a bare ``import server`` works in a checkout (the folder is on
+    the path) and fails once installed, or loads a second copy of the module beside memvit's.
+    """
+    return sorted(f"{n} -> {t}" for n, ts in graph.items() for t in ts if t.split(".")[0] in PACKAGES)
 
 
 def test_the_graph_is_read() -> None:
     graph = import_graph()
-    assert len(graph) > 40 and {"memory_core", "adapters.training.run", "server.cli.train"} <= set(graph)
+    assert len(graph) > 40 and {
+        "memvit.memory_core",
+        "memvit.adapters.training.run",
+        "memvit.server.cli.train",
+    } <= set(graph)
     # Relative, function-level and type-only imports are all edges.
-    assert "adapters.training.checkpoint" in graph["adapters.training.run"]
-    assert "adapters.training.sweep" in graph["server.cli.train"]  # imported inside train()
-    assert "server.settings" in graph["server.cli.serve"]  # under TYPE_CHECKING and inside serve()
+    assert "memvit.adapters.training.checkpoint" in graph["memvit.adapters.training.run"]
+    assert "memvit.adapters.training.sweep" in graph["memvit.server.cli.train"]  # imported inside train()
+    assert (
+        "memvit.server.settings" in graph["memvit.server.cli.serve"]
+    )  # under TYPE_CHECKING and inside serve()
 
 
 def test_no_import_cycles() -> None:
@@ -122,11 +146,21 @@ def test_layers_import_downwards_only() -> None:
 
 def test_violations_are_found() -> None:
     graph = {
-        "memory_core.x": {"fastapi.routing", "torch"},
-        "adapters.y": {"server.cli"},
-        "server.z": {"adapters"},
+        "memvit.memory_core.x": {"fastapi.routing", "torch"},
+        "memvit.adapters.y": {"memvit.server.cli"},
+        "memvit.server.z": {"memvit.adapters"},
     }
-    assert violations(graph) == ["adapters.y -> server.cli", "memory_core.x -> fastapi.routing"]
+    assert violations(graph) == [
+        "memvit.adapters.y -> memvit.server.cli",
+        "memvit.memory_core.x -> fastapi.routing",
+    ]
+
+
+def test_every_import_names_memvit() -> None:
+    assert old_names(import_graph()) == []
+    assert old_names({"memvit.server.x": {"server.app", "memvit.adapters", "adapters_hub"}}) == [
+        "memvit.server.x -> server.app"
+    ]
 
 
 if __name__ == "__main__":
@@ -136,3 +170,5 @@ if __name__ == "__main__":
         print("cycle:", " <-> ".join(component))
     for line in violations(graph):
         print("layer violation:", line)
+    for line in old_names(graph):
+        print("bare folder name:", line)

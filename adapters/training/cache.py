@@ -31,8 +31,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from memory_core import MemoryViT
-from memory_core.cached import CachedBatch, capture, stored_shape
+from memvit.memory_core import MemoryViT
+from memvit.memory_core.cached import CachedBatch, capture, stored_shape
 
 from ..files import fsync_dir
 from ..preprocess import decode_target, eval_transform

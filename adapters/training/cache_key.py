@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from memory_core import MemoryViT
-from memory_core.cached import STORES
+from memvit.memory_core import MemoryViT
+from memvit.memory_core.cached import STORES
 
 from .data import DataError, Samples
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from memory_core.cached import CachedBatch
+from memvit.memory_core.cached import CachedBatch
 
 from .cache import ActivationCache
 from .data import Samples, StreamSampler

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from memory_core import MemoryViT
+from memvit.memory_core import MemoryViT
 
 from ..files import write_atomic
 from .config import CACHE_FIELDS, TrainConfig, TrainingError

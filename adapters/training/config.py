@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memory_core import AdapterError, MemvitError, check_memory_norm, check_name
+from memvit.memory_core import AdapterError, MemvitError, check_memory_norm, check_name
 
 from .cache_key import CacheError, CacheSpec
 from .memory_init import MEMORY_INITS

@@ -19,7 +19,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
-from memory_core import MemvitError
+from memvit.memory_core import MemvitError
 
 from ..preprocess import load_rgb
 
@@ -152,7 +152,7 @@ class ImageDataset(Dataset):
         self.samples = samples
         self.transform = transform
         self.seed = seed
-        self.shrink_to = shrink_to  # the fast decode (adapters.preprocess.decode_target)
+        self.shrink_to = shrink_to  # the fast decode (memvit.adapters.preprocess.decode_target)
 
     def __len__(self) -> int:
         return len(self.samples)

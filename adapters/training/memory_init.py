@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from memory_core import MemoryViT
-from memory_core.adapter import MEMORY_INIT_STD
+from memvit.memory_core import MemoryViT
+from memvit.memory_core.adapter import MEMORY_INIT_STD
 
 MEMORY_INITS = ("normal", "tokens")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from memory_core import BASE_TASK, AdapterSet, AdapterWeights, LiveAdapters, MemoryViT, PreparedAdapter
-from memory_core.cached import CachedBatch
+from memvit.memory_core import BASE_TASK, AdapterSet, AdapterWeights, LiveAdapters, MemoryViT, PreparedAdapter
+from memvit.memory_core.cached import CachedBatch
 
 from ..preprocess import Transform, decode_target, eval_transform
 from .cache import ActivationCache

@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from memory_core import MemoryViT, PreparedAdapter
-from memory_core.cached import CachedBatch
+from memvit.memory_core import MemoryViT, PreparedAdapter
+from memvit.memory_core.cached import CachedBatch
 
 from ..attach import check_compatible
 from ..bundle import AdapterBundle, bundle_for, save_bundle

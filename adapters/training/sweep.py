@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memory_core import AdapterError, MemoryViT, check_name
+from memvit.memory_core import AdapterError, MemoryViT, check_name
 
 from ..bundle import bundle_for, save_bundle
 from .config import VARIANT_FIELDS, TrainConfig, TrainingError

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from memory_core import AdapterSet, AdapterWeights, MemoryViT, PreparedAdapter
+from memvit.memory_core import AdapterSet, AdapterWeights, MemoryViT, PreparedAdapter
 
 Regime = Literal["head-only", "class-token", "memory"]
 

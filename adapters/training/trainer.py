@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from memory_core import MemoryViT
+from memvit.memory_core import MemoryViT
 
 from .config import TrainConfig
 from .results import TrainResult

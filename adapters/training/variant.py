@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memory_core import AdapterSet, MemoryViT, PreparedAdapter
-from memory_core.cached import CachedBatch
+from memvit.memory_core import AdapterSet, MemoryViT, PreparedAdapter
+from memvit.memory_core.cached import CachedBatch
 
 from .config import TrainConfig
 from .memory_init import token_memory

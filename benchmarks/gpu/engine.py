@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-import memory_core.attention as attention
-from memory_core import MemoryViT, flop_ratio, uniform_adapters
-from memory_core.reference import DenseMemoryViT
+import memvit.memory_core.attention as attention
+from memvit.memory_core import MemoryViT, flop_ratio, uniform_adapters
+from memvit.memory_core.reference import DenseMemoryViT
 
 from .plan import Plan, adapters, engine, images, rate, ratio, sync, timed_rounds
 from .report import Budget, StepReport, goal

@@ -15,8 +15,8 @@ import sys
 import torch
 
 from benchmarks.common import DEIT_TINY, REPO
-from memory_core import LiveAdapters, MemoryViT
-from memory_core.reference import DenseMemoryViT
+from memvit.memory_core import LiveAdapters, MemoryViT
+from memvit.memory_core.reference import DenseMemoryViT
 from tests.factories import random_adapter
 
 from .plan import DTYPES, Plan, engine, images

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from benchmarks.batch_invariance import bench, op_probe
-from memory_core.invariant import InvariantBlocks
+from memvit.memory_core.invariant import InvariantBlocks
 
 from .plan import ARCHS, DTYPES, Plan, engine, images, timed_rounds
 from .report import Budget, StepReport, goal

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import interleaved
-from memory_core import AdapterWeights, MemoryViT
+from memvit.memory_core import AdapterWeights, MemoryViT
 from tests.factories import TINY, random_adapter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from memory_core import flop_ratio, uniform_adapters
+from memvit.memory_core import flop_ratio, uniform_adapters
 
 from .plan import Plan, adapters, engine, images, peak_mib, rate, ratio, sync, timed_rounds
 from .report import Budget, StepReport, goal

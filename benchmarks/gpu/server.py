@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from adapters import bundle_for
 from benchmarks.common import DEIT_TINY, NATURAL_PHOTOS
 from benchmarks.loadgen import classify_requests, load
-from memory_core import MemoryViT, save_base
+from memvit.adapters import bundle_for
+from memvit.memory_core import MemoryViT, save_base
 
 from .plan import ARCHS, Plan, adapters, engine, sync
 from .report import Budget, StepReport, goal
@@ -37,7 +37,7 @@ MAX_BATCH = {"cuda": 64, "cpu": 8}
 
 def run(plan: Plan, report: StepReport, budget: Budget) -> str:
     try:  # the server's own dependencies (FastAPI, pydantic, ...): carried as wheels to a lent GPU
-        import server.app  # noqa: F401
+        import memvit.server.app  # noqa: F401
     except ImportError as exc:
         report.note(f"skipped: the server's dependencies are missing ({exc}); docs/gpu.md says what to carry")
         return "skipped"
@@ -105,7 +105,7 @@ def _model(arch: str, plan: Plan, tmp: Path) -> tuple[MemoryViT, Path]:
 def _store(e: MemoryViT, path: Path) -> None:
     """8 adapters (m=1, 100 classes) in the server's store, as benchmarks/serve.py serves: bundle files,
     which the server registers (its store's one-time migration) when it starts."""
-    from adapters import save_bundle
+    from memvit.adapters import save_bundle
 
     path.mkdir(parents=True, exist_ok=True)
     for w in adapters(e, 8, 1, 100, prefix="task-"):
@@ -113,7 +113,7 @@ def _store(e: MemoryViT, path: Path) -> None:
 
 
 def _pixels(e: MemoryViT, photos: list[bytes], batch: int) -> torch.Tensor:
-    from server.images import ImageDecoder
+    from memvit.server.images import ImageDecoder
 
     decoder = ImageDecoder(e, max_bytes=1 << 30, max_pixels=1 << 40)
     one = torch.stack([decoder(p) for p in photos])
@@ -168,7 +168,7 @@ def _overlapped(e: MemoryViT, s, pinned: torch.Tensor, seconds: float) -> float:
 
 
 def _decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
-    from server.images import ImageDecoder
+    from memvit.server.images import ImageDecoder
 
     decoder = ImageDecoder(e, max_bytes=1 << 30, max_pixels=1 << 40)
     workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

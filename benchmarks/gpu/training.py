@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from adapters.training import TrainConfig
-from adapters.training.variant import Variant, fused_step
+from memvit.adapters.training import TrainConfig
+from memvit.adapters.training.variant import Variant, fused_step
 
 from .plan import Plan, engine, images, rate, ratio, timed_rounds
 from .report import Budget, StepReport, goal

@@ -32,7 +32,7 @@ def _main(
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    from memory_core.runtime import tune_malloc
+    from memvit.memory_core.runtime import tune_malloc
 
     # Every command runs passes over and over (serve, train, eval): keep activations in the heap.
     tune_malloc()

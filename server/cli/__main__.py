@@ -1,4 +1,4 @@
-"""``python -m server.cli``: the ``memvit`` command."""
+"""``python -m memvit.server.cli``: the ``memvit`` command."""
 
 from . import app
 

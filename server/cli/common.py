@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from memory_core import MemoryViT
+    from memvit.memory_core import MemoryViT
 
 
 def load_engine(arch: str | None, weights: Path | None, labels: tuple[str, ...] | None = None) -> MemoryViT:
     """The base from ``--arch`` and/or ``--weights`` (``memory_core`` is imported only when needed)."""
-    from memory_core import MemoryViT
+    from memvit.memory_core import MemoryViT
 
     return MemoryViT.from_timm(arch, weights=str(weights) if weights else None, labels=labels)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from adapters.training.config import TrainConfig
+from memvit.adapters.training.config import TrainConfig
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # TrainConfig's fields that are options of `memvit train` (all but those marked `cli: False`).
@@ -39,7 +39,7 @@ class ConfigFile:
 
 def read_config_file(path: Path) -> ConfigFile:
     """A JSON or TOML table of TrainConfig fields, and its ``sweep`` table of FIELD = [values]."""
-    from adapters.training.sweep import check_sweep
+    from memvit.adapters.training.sweep import check_sweep
 
     hints = typing.get_type_hints(TrainConfig)
     fields: dict[str, Any] = {}

@@ -14,7 +14,7 @@ import typer
 from .common import fail, load_engine
 
 if TYPE_CHECKING:
-    from adapters.training import TaskReport
+    from memvit.adapters.training import TaskReport
 
 
 def evaluate(
@@ -49,11 +49,11 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Top-1/top-5 of the base and of each adapter through ONE fused model, checked against each alone."""
-    from adapters import attach_bundle
-    from adapters.training import evaluate_tasks
-    from adapters.training.cache_key import CacheSpec
-    from adapters.training.metrics import LabelMatchError
-    from memory_core import BASE_TASK, LiveAdapters, MemvitError
+    from memvit.adapters import attach_bundle
+    from memvit.adapters.training import evaluate_tasks
+    from memvit.adapters.training.cache_key import CacheSpec
+    from memvit.adapters.training.metrics import LabelMatchError
+    from memvit.memory_core import BASE_TASK, LiveAdapters, MemvitError
 
     engine = None
     try:

@@ -23,7 +23,7 @@ def info(
     classes: Annotated[int, typer.Option(help="classes per adapter head")] = 1000,
 ) -> None:
     """Check that a model can host adapters, and print its shape, fingerprint and FLOP ratios."""
-    from memory_core import MemvitError, base_flops, flop_ratio, uniform_adapters
+    from memvit.memory_core import MemvitError, base_flops, flop_ratio, uniform_adapters
 
     try:
         engine = load_engine(arch, weights)

@@ -16,7 +16,7 @@ from .common import fail
 
 def inspect(bundle: Annotated[Path, typer.Argument(help="adapter bundle (.safetensors)")]) -> None:
     """Validate an adapter bundle on its own and print its metadata."""
-    from adapters import BundleError, read_bundle
+    from memvit.adapters import BundleError, read_bundle
 
     try:
         description = read_bundle(bundle).describe()

@@ -20,7 +20,7 @@ from .common import fail, load_engine
 from .config_file import FIELDS, ConfigFile, is_required, read_config_file, train_config
 
 if TYPE_CHECKING:
-    from adapters.training.results import SweepResult
+    from memvit.adapters.training.results import SweepResult
 
 CONFIG_PANEL = "Training config (TrainConfig; also from --config)"
 
@@ -99,9 +99,9 @@ def train(
     """Fine-tune one adapter on an image folder against a frozen base and write its bundle."""
     # The config fields above reach TrainConfig through ctx.params (train_config), which also knows
     # which of them were given on the command line and so override --config.
-    from adapters.training import train_adapter
-    from adapters.training.sweep import parse_sweep, run_sweep
-    from memory_core import MemvitError
+    from memvit.adapters.training import train_adapter
+    from memvit.adapters.training.sweep import parse_sweep, run_sweep
+    from memvit.memory_core import MemvitError
 
     try:
         file = read_config_file(config) if config else ConfigFile()

@@ -12,5 +12,5 @@
 - ``send.py``: the one error shape and ``send_error`` for every ASGI-level refusal (no torch: the
   Ray proxy imports it).
 
-Nothing is imported here, so that ``server.edge.send`` stays light for the Ray proxy.
+Nothing is imported here, so that ``memvit.server.edge.send`` stays light for the Ray proxy.
 """

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from starlette.types import Scope
 
-from memory_core import BASE_TASK
+from memvit.memory_core import BASE_TASK
 
 from ..keys import ApiKey, KeyFile
 from ..settings import Settings

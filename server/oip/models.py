@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from memory_core import BASE_TASK, MemoryViT
+from memvit.memory_core import BASE_TASK, MemoryViT
 
 from ..edge.principal import Principal
 from ..errors import ServiceError

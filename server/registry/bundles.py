@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from adapters import AdapterBundle
-from memory_core import AdapterInUseError, DuplicateAdapterError, MissingParentError
+from memvit.adapters import AdapterBundle
+from memvit.memory_core import AdapterInUseError, DuplicateAdapterError, MissingParentError
 
 from ..store import Entry, Snapshot
 from ..store.entries import dependents

@@ -10,8 +10,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from adapters import check_compatible, read_bundle
-from memory_core import MemoryViT, MemvitError, UnknownAdapterError
+from memvit.adapters import check_compatible, read_bundle
+from memvit.memory_core import MemoryViT, MemvitError, UnknownAdapterError
 
 from ..errors import UnknownTaskError
 from ..store import Entry, ObjectTooLargeError, StoreUnavailableError

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapters import AdapterBundle, check_compatible, read_bundle
-from memory_core import (
+from memvit.adapters import AdapterBundle, check_compatible, read_bundle
+from memvit.memory_core import (
     AdapterInUseError,
     DuplicateAdapterError,
     LiveAdapters,

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from adapters import AdapterBundle
-from memory_core import LiveAdapters, PreparedAdapter
+from memvit.adapters import AdapterBundle
+from memvit.memory_core import LiveAdapters, PreparedAdapter
 
 from ..errors import ResidentSetFullError, TooManyTasksError, UnknownTaskError
 from ..metrics import Metrics

@@ -15,8 +15,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, File, Path, Query, UploadFile
 
-from adapters import AdapterBundle
-from memory_core import NAME_PATTERN, UnknownAdapterError
+from memvit.adapters import AdapterBundle
+from memvit.memory_core import NAME_PATTERN, UnknownAdapterError
 
 from ..deps import AuditDep, PrincipalDep, RegistryDep, SettingsDep, require_multipart
 from ..edge.access import name_refused

@@ -13,7 +13,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from memory_core import MemvitError, check_name
+from memvit.memory_core import MemvitError, check_name
 
 log = logging.getLogger(__name__)
 

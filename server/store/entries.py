@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from memory_core import NAME_PATTERN
+from memvit.memory_core import NAME_PATTERN
 
 from .base import StoreUnavailableError
 

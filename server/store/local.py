@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from adapters.files import durable_temp, fsync_dir
+from memvit.adapters.files import durable_temp, fsync_dir
 
 from .base import AdapterStore, ObjectChangedError, ObjectExistsError, ObjectTooLargeError, ObjectVersion
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from memory_core import MemvitError
+from memvit.memory_core import MemvitError
 
 from .base import AdapterStore, StoreUnavailableError
 from .entries import Entry, Snapshot

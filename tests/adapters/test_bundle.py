@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from adapters import (
+from memvit.adapters import (
     FORMAT,
     BaseMismatchError,
     BundleFormatError,
@@ -23,7 +23,7 @@ from adapters import (
     read_bundle,
     save_bundle,
 )
-from memory_core import AdapterError, DuplicateAdapterError, LiveAdapters, MissingParentError
+from memvit.memory_core import AdapterError, DuplicateAdapterError, LiveAdapters, MissingParentError
 from tests.conftest import SHARED_DATA, images, max_diff, random_adapter
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from adapters import BundleError, attach_bundle, bundle_for, read_bundle
-from memory_core import AdapterError, LiveAdapters
+from memvit.adapters import BundleError, attach_bundle, bundle_for, read_bundle
+from memvit.memory_core import AdapterError, LiveAdapters
 from tests.conftest import random_adapter, tiny_engine
 
 CASES = 2400

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from adapters.training import scan_folder
 from benchmarks.datasets import arrays_to_folder, cifar_tar_to_folder, fashion_mnist_split, read_idx
+from memvit.adapters.training import scan_folder
 
 
 def _idx(array: np.ndarray) -> bytes:

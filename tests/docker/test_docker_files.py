@@ -169,8 +169,8 @@ def test_the_image_never_opens_management_without_a_token() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "MEMVIT_HOST=0.0.0.0" in _final_stage(dockerfile)
     assert "ALLOW_ANONYMOUS_ADMIN" not in dockerfile
-    from server.cli import loopback_admin_default
-    from server.settings import Settings
+    from memvit.server.cli import loopback_admin_default
+    from memvit.server.settings import Settings
 
     assert loopback_admin_default(Settings(_env_file=None, host="0.0.0.0")).allow_anonymous_admin is False
 

@@ -21,8 +21,8 @@ import yaml
 
 pytest.importorskip("kubernetes", reason="the kubernetes client is not installed (pip install -e '.[dev]')")
 
-from server.routers import health
-from server.settings import Settings
+from memvit.server.routers import health
+from memvit.server.settings import Settings
 
 from .k8s_schema import validate
 

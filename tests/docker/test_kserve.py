@@ -15,9 +15,9 @@ pytest.importorskip("kubernetes", reason="the kubernetes client is not installed
 
 import kubernetes.client
 
-from server.app import create_app
-from server.edge.routes import app_routes
-from server.settings import Settings
+from memvit.server.app import create_app
+from memvit.server.edge.routes import app_routes
+from memvit.server.settings import Settings
 
 from .k8s_schema import _check_model
 from .test_k8s import _kubectl

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memory_core import (
+from memvit.memory_core import (
     AdapterShapeError,
     AdapterWeights,
     InvalidAdapterError,

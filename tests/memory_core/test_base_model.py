@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from timm.models.vision_transformer import ResPostBlock, VisionTransformer
 
-from memory_core import (
+from memvit.memory_core import (
     BaseModel,
     MemoryViT,
     UnsupportedModelError,

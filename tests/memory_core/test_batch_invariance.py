@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from memory_core import AdapterSet, FusedOutput, LiveAdapters, MemoryViT
-from memory_core.invariant import InvariantBlocks
-from memory_core.reference import DenseMemoryViT
+from memvit.memory_core import AdapterSet, FusedOutput, LiveAdapters, MemoryViT
+from memvit.memory_core.invariant import InvariantBlocks
+from memvit.memory_core.reference import DenseMemoryViT
 from tests.conftest import TOL, VARIANTS, max_diff, random_adapter, tiny_base
 
 SIZES = (2, 3, 5, 8, 13)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memory_core import AdapterCost, MemoryViT, adapter_flops, base_flops, flop_ratio, uniform_adapters
+from memvit.memory_core import AdapterCost, MemoryViT, adapter_flops, base_flops, flop_ratio, uniform_adapters
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from memory_core import (
+from memvit.memory_core import (
     AdapterInUseError,
     AdapterSet,
     AdapterShapeError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memory_core import FusedOutput
+from memvit.memory_core import FusedOutput
 from tests.conftest import images, random_adapter
 
 

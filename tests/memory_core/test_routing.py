@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from memory_core import InputError, LiveAdapters, UnknownAdapterError
-from memory_core.reference import DenseMemoryViT
+from memvit.memory_core import InputError, LiveAdapters, UnknownAdapterError
+from memvit.memory_core.reference import DenseMemoryViT
 from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
 
 
@@ -143,7 +143,7 @@ def test_routed_output_slices_per_request() -> None:
 def test_changing_the_set_stacks_nothing_and_routed_passes_stack_only_what_they_use() -> None:
     """Add/remove build a new set without stacking every adapter; a routed pass stacks only the
     adapters its batch needs; the all-tasks stack is built once, on first use, and then kept."""
-    from memory_core import stack as adapter_set_module
+    from memvit.memory_core import stack as adapter_set_module
 
     engine = tiny_engine()
     live = LiveAdapters(engine)

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapters import AdapterBundle, bundle_for
-from memory_core import MemoryViT
-from server.settings import Settings
+from memvit.adapters import AdapterBundle, bundle_for
+from memvit.memory_core import MemoryViT
+from memvit.server.settings import Settings
 from tests.conftest import SHARED_DATA, random_adapter
 
 # Re-exported: the tests import the launcher from here.

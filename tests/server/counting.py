@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.store import AdapterStore
+from memvit.server.store import AdapterStore
 
 PRIMITIVES = ("_list", "_get", "_put", "_delete")
 

@@ -11,11 +11,11 @@ import hashlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from adapters import AdapterBundle
-from server.registry import Catalog
-from server.registry.bundles import entry_for
-from server.store import AdapterStore, Entry, Snapshot
-from server.store.journal import BASE_KEY, INDEX_KEY, bundle_key
+from memvit.adapters import AdapterBundle
+from memvit.server.registry import Catalog
+from memvit.server.registry.bundles import entry_for
+from memvit.server.store import AdapterStore, Entry, Snapshot
+from memvit.server.store.journal import BASE_KEY, INDEX_KEY, bundle_key
 
 
 def entries_for(

@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from server.app import create_app
-from server.settings import Settings
-from server.timeouts import header_timeout_protocol
+from memvit.server.app import create_app
+from memvit.server.settings import Settings
+from memvit.server.timeouts import header_timeout_protocol
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,9 +76,20 @@ class ServerProcess:
     """
 
     def __init__(
-        self, weights: Path | None, store: Path, *, stderr: int | None = subprocess.PIPE, **env: str
+        self,
+        weights: Path | None,
+        store: Path,
+        *,
+        stderr: int | None = subprocess.PIPE,
+        python: str = sys.executable,
+        cwd: Path = REPO,
+        **env: str,
     ) -> None:
-        """``weights=None``: no model configured, so the server serves the embedded demo."""
+        """``weights=None``: no model configured, so the server serves the embedded demo.
+
+        ``python`` and ``cwd``: another interpreter (an installed wheel's venv) run from elsewhere.
+        """
+        self.python, self.cwd = python, cwd
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.stderr = stderr
@@ -99,8 +110,8 @@ class ServerProcess:
 
     def start(self, timeout: float = 60.0) -> ServerProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve"],
-            cwd=REPO,
+            [self.python, "-m", "memvit.server.cli", "serve"],
+            cwd=self.cwd,
             env=self.env,
             stdout=subprocess.DEVNULL,
             stderr=self.stderr,

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.demo import SAMPLES_DIR
+from memvit.server.demo import SAMPLES_DIR
 
 README = SAMPLES_DIR / "README.md"
 _ANSWER = re.compile(r"^(?P<label>\S+) \((?P<probability>[01]\.\d\d)\)$")

@@ -7,10 +7,10 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from server.cli import loopback_admin_default
-from server.edge.access import check_admin
-from server.errors import AdminDisabledError, ForbiddenError, NotAuthenticatedError
-from server.settings import Settings
+from memvit.server.cli import loopback_admin_default
+from memvit.server.edge.access import check_admin
+from memvit.server.errors import AdminDisabledError, ForbiddenError, NotAuthenticatedError
+from memvit.server.settings import Settings
 from tests.server.conftest import TOKEN, ServerProcess, free_port, running_server
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from adapters.preprocess import eval_transform, to_rgb
-from memory_core import MemoryViT
+from memvit.adapters.preprocess import eval_transform, to_rgb
+from memvit.memory_core import MemoryViT
 from tests.adapters.test_bundle import BAD
 from tests.server.conftest import TOKEN, photo
 
@@ -196,7 +196,7 @@ def test_every_bad_bundle_is_refused_and_nothing_changes(client, store, make_bun
 
 
 def test_bundle_upload_limits(tiny_weights, store, make_bundle) -> None:
-    from server.settings import Settings
+    from memvit.server.settings import Settings
     from tests.server.conftest import free_port, running_server
 
     settings = Settings(
@@ -222,7 +222,7 @@ def test_every_real_format_classifies_over_http(client) -> None:
 
 
 def test_image_byte_and_pixel_caps_over_http(tiny_weights, store) -> None:
-    from server.settings import Settings
+    from memvit.server.settings import Settings
     from tests.server.conftest import free_port, running_server
 
     settings = Settings(

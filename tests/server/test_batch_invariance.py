@@ -10,9 +10,9 @@ import httpx
 import torch
 from PIL import Image
 
-from adapters.preprocess import eval_transform, to_rgb
-from memory_core import MemoryViT
-from server.settings import Settings
+from memvit.adapters.preprocess import eval_transform, to_rgb
+from memvit.memory_core import MemoryViT
+from memvit.server.settings import Settings
 from tests.server.conftest import TOKEN, free_port, running_server
 
 SAME, OTHERS = 24, 8  # clients sending the image under test, and clients sending other images

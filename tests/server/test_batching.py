@@ -11,11 +11,11 @@ import httpx
 import torch
 from PIL import Image
 
-from memory_core import LiveAdapters
-from server.app import create_app
-from server.batching import DynamicBatcher
-from server.metrics import Metrics
-from server.settings import Settings
+from memvit.memory_core import LiveAdapters
+from memvit.server.app import create_app
+from memvit.server.batching import DynamicBatcher
+from memvit.server.metrics import Metrics
+from memvit.server.settings import Settings
 from tests.conftest import images
 from tests.server.conftest import free_port, running_server
 
@@ -114,8 +114,8 @@ def test_over_http_a_request_still_decoding_joins_the_batch(tiny_weights, tmp_pa
 
 
 def test_requests_with_different_tasks_share_one_routed_pass(engine) -> None:
-    from memory_core import UnknownAdapterError
-    from server.errors import UnknownTaskError
+    from memvit.memory_core import UnknownAdapterError
+    from memvit.server.errors import UnknownTaskError
     from tests.conftest import random_adapter
 
     live = LiveAdapters(engine)

@@ -13,8 +13,8 @@ import time
 
 from PIL import Image
 
-from server.registry import Catalog
-from server.store import LocalStore
+from memvit.server.registry import Catalog
+from memvit.server.store import LocalStore
 from tests.adapters.test_bundle_fuzz import mutate
 from tests.server.filling import entries_for
 

@@ -10,9 +10,9 @@ import httpx
 import torch
 from PIL import Image
 
-from adapters.preprocess import eval_transform, to_rgb
-from memory_core import MemoryViT
-from server.settings import Settings
+from memvit.adapters.preprocess import eval_transform, to_rgb
+from memvit.memory_core import MemoryViT
+from memvit.server.settings import Settings
 from tests.server.conftest import TOKEN, free_port, running_server
 
 CLIENTS, REQUESTS_EACH = 8, 30  # 240 requests of 2 images

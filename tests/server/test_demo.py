@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from adapters import attach_bundle, read_bundle
-from adapters.preprocess import eval_transform
-from memory_core import LiveAdapters, MemoryViT
-from server.demo import BASE_WEIGHTS, DEMO_DIR, demo_adapters
+from memvit.adapters import attach_bundle, read_bundle
+from memvit.adapters.preprocess import eval_transform
+from memvit.memory_core import LiveAdapters, MemoryViT
+from memvit.server.demo import BASE_WEIGHTS, DEMO_DIR, demo_adapters
 from tests.server.conftest import ServerProcess
 
 pytestmark = pytest.mark.skipif(

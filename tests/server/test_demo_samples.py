@@ -12,8 +12,8 @@ from PIL import Image
 
 from benchmarks.build_demo import ORIENTATIONS
 from benchmarks.demo_samples import DIGITS_TRAIN_PER_CLASS, FIRST_UNSEEN_TEST_IMAGE
-from server.demo import BASE_WEIGHTS, SAMPLES_DIR
-from server.settings import Settings
+from memvit.server.demo import BASE_WEIGHTS, SAMPLES_DIR
+from memvit.server.settings import Settings
 from tests.server.conftest import free_port, running_server
 from tests.server.samples import sample_rows
 

@@ -9,8 +9,8 @@ import logging
 import httpx
 from PIL import Image
 
-from server.app import create_app
-from server.settings import Settings
+from memvit.server.app import create_app
+from memvit.server.settings import Settings
 from tests.server.conftest import free_port, running_server
 
 

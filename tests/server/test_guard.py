@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.edge.body import MULTIPART_ALLOWANCE
+from memvit.server.edge.body import MULTIPART_ALLOWANCE
 from tests.server.conftest import TOKEN, ServerProcess
 from tests.server.test_api import jpeg
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from adapters.preprocess import decode_target, eval_transform, load_rgb, to_rgb
-from adapters.training.data import ImageDataset, scan_folder
-from memory_core import MemoryViT
-from server.errors import BrokenImageError, EmptyImageError, ImageTooLargeError, NotAnImageError
-from server.images import ImageDecoder
+from memvit.adapters.preprocess import decode_target, eval_transform, load_rgb, to_rgb
+from memvit.adapters.training.data import ImageDataset, scan_folder
+from memvit.memory_core import MemoryViT
+from memvit.server.errors import BrokenImageError, EmptyImageError, ImageTooLargeError, NotAnImageError
+from memvit.server.images import ImageDecoder
 from tests.server.conftest import photo
 
 GOOD = [

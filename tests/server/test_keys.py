@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from server.keys import (
+from memvit.server.keys import (
     FORMAT,
     KeyFile,
     KeyRing,

@@ -8,7 +8,7 @@ import random
 
 import httpx
 
-from server.store import LocalStore
+from memvit.server.store import LocalStore
 from tests.server.conftest import TOKEN, running_server
 from tests.server.filling import register_in_bulk
 from tests.server.test_api import jpeg, post_image, register

@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-from adapters.preprocess import eval_transform, to_rgb
-from memory_core import MemoryViT
+from memvit.adapters.preprocess import eval_transform, to_rgb
+from memvit.memory_core import MemoryViT
 from tests.server.conftest import TOKEN
 from tests.server.test_api import jpeg, post_image, register
 

@@ -18,9 +18,9 @@ import httpx
 import pytest
 from starlette.datastructures import Headers
 
-from server.edge.origin import OriginPolicy, split_host
-from server.errors import CrossSiteRequestError, HostNotAllowedError
-from server.settings import Settings
+from memvit.server.edge.origin import OriginPolicy, split_host
+from memvit.server.errors import CrossSiteRequestError, HostNotAllowedError
+from memvit.server.settings import Settings
 from tests.server.conftest import TOKEN, free_port, running_server
 
 EVIL = "https://evil.example"

@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from adapters import bundle_for
-from memory_core import MemoryViT
-from server.demo import BASE_WEIGHTS
+from memvit.adapters import bundle_for
+from memvit.memory_core import MemoryViT
+from memvit.server.demo import BASE_WEIGHTS
 from tests.factories import random_adapter
 from tests.server.conftest import TOKEN, ServerProcess
 from tests.server.samples import SampleRow, sample_rows

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memory_core import FusedOutput, LiveAdapters
-from server.errors import NonFiniteOutputError
-from server.pipeline import ClassifyPipeline
-from server.registry import AdapterRegistry
-from server.store import LocalStore
+from memvit.memory_core import FusedOutput, LiveAdapters
+from memvit.server.errors import NonFiniteOutputError
+from memvit.server.pipeline import ClassifyPipeline
+from memvit.server.registry import AdapterRegistry
+from memvit.server.store import LocalStore
 from tests.conftest import random_adapter, tiny_engine
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from server.ray_proxy import ReplicaLossMiddleware, proxy_middlewares
+from memvit.server.ray_proxy import ReplicaLossMiddleware, proxy_middlewares
 
 
 async def _silent(scope: Scope, receive: Receive, send: Send) -> None:

@@ -37,13 +37,13 @@ from PIL import Image
 ray = pytest.importorskip("ray", reason="the Ray Serve tests need the ray extra: pip install -e '.[ray]'")
 serve = pytest.importorskip("ray.serve", reason="the Ray Serve tests need the ray extra (ray[serve])")
 
-from adapters import bundle_for  # noqa: E402
-from adapters.preprocess import eval_transform, to_rgb  # noqa: E402
-from memory_core import MemoryViT  # noqa: E402
-from server.ray_proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
-from server.ray_serve import REPLICA_HEADER  # noqa: E402
-from server.registry import Catalog  # noqa: E402
-from server.store import open_store  # noqa: E402
+from memvit.adapters import bundle_for  # noqa: E402
+from memvit.adapters.preprocess import eval_transform, to_rgb  # noqa: E402
+from memvit.memory_core import MemoryViT  # noqa: E402
+from memvit.server.ray_proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
+from memvit.server.ray_serve import REPLICA_HEADER  # noqa: E402
+from memvit.server.registry import Catalog  # noqa: E402
+from memvit.server.store import open_store  # noqa: E402
 from tests.factories import random_adapter  # noqa: E402
 from tests.server.conftest import TOKEN  # noqa: E402
 from tests.server.launcher import REPO, free_port  # noqa: E402
@@ -469,7 +469,7 @@ def test_the_serve_config_is_valid_and_the_rayservice_embeds_it() -> None:
     config = yaml.safe_load(CONFIG.read_text())
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
-    assert app.import_path == "server.ray_serve:app"
+    assert app.import_path == "memvit.server.ray_serve:app"
     assert app.runtime_env["env_vars"]["MEMVIT_ADAPTER_STORE"].startswith("s3://")
     # The proxies listen on every interface: the replicas' Host check follows (server/edge/origin.py).
     assert app.runtime_env["env_vars"]["MEMVIT_HOST"] == config["http_options"]["host"] == "0.0.0.0"

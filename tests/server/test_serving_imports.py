@@ -10,15 +10,21 @@ import sys
 
 from tests.server.launcher import REPO
 
-NOT_FOR_SERVING = ("adapters.training", "matplotlib", "ray", "obstore", "server.store.object_store")
+NOT_FOR_SERVING = (
+    "memvit.adapters.training",
+    "matplotlib",
+    "ray",
+    "obstore",
+    "memvit.server.store.object_store",
+)
 
 
 def test_the_app_on_a_local_store_imports_nothing_it_does_not_use(tmp_path) -> None:
     code = (
         "import json, sys\n"
-        "from server.app import create_app\n"
-        "from server.settings import Settings\n"
-        "from server.store import open_store\n"
+        "from memvit.server.app import create_app\n"
+        "from memvit.server.settings import Settings\n"
+        "from memvit.server.store import open_store\n"
         f"open_store({str(tmp_path / 'store')!r})\n"
         "create_app(Settings(_env_file=None))\n"
         f"print(json.dumps([m for m in {NOT_FOR_SERVING!r} if m in sys.modules]))\n"

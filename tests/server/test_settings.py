@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from server.settings import Settings
+from memvit.server.settings import Settings
 
 
 def test_nothing_set_means_the_demo(monkeypatch) -> None:

@@ -23,9 +23,9 @@ import httpx
 import pytest
 import uvicorn
 
-from server.edge.guard import GuardMiddleware
-from server.settings import Settings
-from server.timeouts import header_timeout_protocol
+from memvit.server.edge.guard import GuardMiddleware
+from memvit.server.settings import Settings
+from memvit.server.timeouts import header_timeout_protocol
 from tests.server.conftest import ServerProcess, free_port
 from tests.server.test_api import jpeg
 

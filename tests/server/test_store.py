@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from server.store import GENERATION_KEY, LocalStore, ObjectStore, ObjectTooLargeError, open_store
-from server.store.base import ObjectChangedError, ObjectExistsError
+from memvit.server.store import GENERATION_KEY, LocalStore, ObjectStore, ObjectTooLargeError, open_store
+from memvit.server.store.base import ObjectChangedError, ObjectExistsError
 
 
 def test_open_store_picks_the_backend(tmp_path, s3_env) -> None:
@@ -74,7 +74,7 @@ def test_legacy_bundles_are_the_root_level_safetensors(store_location) -> None:
 
 
 def test_an_unreachable_object_store_is_a_clear_error(monkeypatch) -> None:
-    from server.store import StoreUnavailableError
+    from memvit.server.store import StoreUnavailableError
     from tests.server.launcher import free_port
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens

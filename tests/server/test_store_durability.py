@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from adapters import read_bundle
-from server.registry import Catalog
-from server.store import open_store
+from memvit.adapters import read_bundle
+from memvit.server.registry import Catalog
+from memvit.server.store import open_store
 from tests.server.conftest import ServerProcess
 
 

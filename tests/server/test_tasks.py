@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from adapters import bundle_for
-from memory_core import AdapterSet, LiveAdapters
-from server.errors import UnknownTaskError
-from server.registry import AdapterRegistry
-from server.store import LocalStore
-from server.tasks import check_tasks, parse_tasks, unknown_tasks_error
+from memvit.adapters import bundle_for
+from memvit.memory_core import AdapterSet, LiveAdapters
+from memvit.server.errors import UnknownTaskError
+from memvit.server.registry import AdapterRegistry
+from memvit.server.store import LocalStore
+from memvit.server.tasks import check_tasks, parse_tasks, unknown_tasks_error
 from tests.conftest import random_adapter, tiny_engine
 
 

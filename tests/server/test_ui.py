@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from server.routers.ui import ASSETS, STATIC_DIR
+from memvit.server.routers.ui import ASSETS, STATIC_DIR
 
 
 def test_the_page_is_html_that_loads_only_from_this_server(client) -> None:

@@ -13,15 +13,15 @@ from collections import namedtuple
 import pytest
 import torch
 
-import adapters.training.cache as cache_module
-import adapters.training.run as run_module
-from adapters.preprocess import eval_transform
-from adapters.training import TrainConfig, TrainingRun, scan_folder, train_adapters
-from adapters.training.cache import ActivationCache
-from adapters.training.cache_key import CacheError, CacheSpec
-from adapters.training.cache_stream import CachedStream, view_choices
-from memory_core import AdapterSet, MemoryViT
-from memory_core.cached import STORES, CachedBatch, capture
+import memvit.adapters.training.cache as cache_module
+import memvit.adapters.training.run as run_module
+from memvit.adapters.preprocess import eval_transform
+from memvit.adapters.training import TrainConfig, TrainingRun, scan_folder, train_adapters
+from memvit.adapters.training.cache import ActivationCache
+from memvit.adapters.training.cache_key import CacheError, CacheSpec
+from memvit.adapters.training.cache_stream import CachedStream, view_choices
+from memvit.memory_core import AdapterSet, MemoryViT
+from memvit.memory_core.cached import STORES, CachedBatch, capture
 from tests.conftest import TOL, VARIANTS, images, make_folder, max_diff, random_adapter, tiny_engine
 
 
@@ -89,7 +89,7 @@ def test_a_cache_holds_what_the_base_computes_per_view(tmp_path, folder) -> None
     assert len(cache) == 12 and cache.views == ("original", "hflip")
     samples = scan_folder(folder)
     transform = eval_transform(engine)
-    from adapters.training.data import load_image
+    from memvit.adapters.training.data import load_image
 
     x = torch.stack([transform(load_image(samples.paths[i])) for i in (0, 5)])
     for view, flipped in ((0, x), (1, x.flip(-1))):
@@ -232,8 +232,8 @@ def test_a_cached_run_resumes_exactly(tmp_path, image_folder, tiny_weights) -> N
 def test_the_folded_attention_is_the_attention_over_keys_and_values_in_float64() -> None:
     # The "inputs" store never forms the base keys: its scores, softmax and weighted sum, and their
     # hand-written backward pass, against autograd through the keys and values projected from h.
-    from memory_core.attention import KeysValues, project_qkv
-    from memory_core.cached import NormedInputs
+    from memvit.memory_core.attention import KeysValues, project_qkv
+    from memvit.memory_core.cached import NormedInputs
 
     engine = tiny_engine().double()
     attn = engine.base.blocks[0].attn

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from adapters.training import TrainConfig, TrainingError, train_adapter
-from adapters.training.memory_init import block_inputs, token_memory
-from memory_core import MemoryViT
+from memvit.adapters.training import TrainConfig, TrainingError, train_adapter
+from memvit.adapters.training.memory_init import block_inputs, token_memory
+from memvit.memory_core import MemoryViT
 from tests.conftest import images, tiny_engine
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.training import DataError, evaluate_tasks, train_adapter
-from adapters.training.config import TrainConfig
-from memory_core import LiveAdapters, MemoryViT
+from memvit.adapters.training import DataError, evaluate_tasks, train_adapter
+from memvit.adapters.training.config import TrainConfig
+from memvit.memory_core import LiveAdapters, MemoryViT
 from tests.conftest import COLOURS, make_folder, random_adapter
 
 

@@ -11,12 +11,12 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from adapters import read_bundle
-from adapters.training import TrainConfig, TrainingError, TrainingRun, train_adapter, train_adapters
-from adapters.training.sweep import expand, parse_sweep
-from adapters.training.variant import Variant
-from memory_core import MemoryViT
-from server.cli import app
+from memvit.adapters import read_bundle
+from memvit.adapters.training import TrainConfig, TrainingError, TrainingRun, train_adapter, train_adapters
+from memvit.adapters.training.sweep import expand, parse_sweep
+from memvit.adapters.training.variant import Variant
+from memvit.memory_core import MemoryViT
+from memvit.server.cli import app
 from tests.conftest import max_diff, tiny_engine
 
 TOL = 2e-5  # float32: one pass with 8 rows against one with 1 rounds a little differently

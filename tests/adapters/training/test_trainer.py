@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from adapters import attach_bundle, read_bundle
-from adapters.training import DataError, TrainConfig, TrainingError, TrainingRun, train_adapter
-from memory_core import LiveAdapters, MemoryViT
+from memvit.adapters import attach_bundle, read_bundle
+from memvit.adapters.training import DataError, TrainConfig, TrainingError, TrainingRun, train_adapter
+from memvit.memory_core import LiveAdapters, MemoryViT
 from tests.conftest import make_folder, max_diff
 
 

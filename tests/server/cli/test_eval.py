@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from server.cli import app
+from memvit.server.cli import app
 from tests.conftest import IMAGENET_LABELS, make_folder
 
 runner = CliRunner()
@@ -63,7 +63,7 @@ def test_eval_base_with_labels_file(tmp_path, tiny_weights) -> None:
 def test_eval_base_with_the_real_imagenet_labels(tmp_path) -> None:
     if not IMAGENET_LABELS.is_file():
         pytest.skip(f"ImageNet labels not found at {IMAGENET_LABELS} (../shared/data is absent)")
-    from memory_core import save_base
+    from memvit.memory_core import save_base
     from tests.conftest import TINY, tiny_base
 
     weights = save_base(

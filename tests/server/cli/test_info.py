@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from server.cli import app
+from memvit.server.cli import app
 
 runner = CliRunner()
 
@@ -28,10 +28,10 @@ def test_info_refuses_a_model_without_class_token() -> None:
 def test_every_command_pins_malloc_before_running(monkeypatch) -> None:
     # The server's fused passes lose ~20% at batch 32 with glibc's default mmap threshold: every
     # command (serve, train, eval included) must pin it, as the benchmarks' raw passes do.
-    import memory_core.runtime
+    import memvit.memory_core.runtime
 
     calls = []
-    monkeypatch.setattr(memory_core.runtime, "tune_malloc", lambda: calls.append(1) or True)
+    monkeypatch.setattr(memvit.memory_core.runtime, "tune_malloc", lambda: calls.append(1) or True)
     result = runner.invoke(app, ["info", "deit_tiny_patch16_224"])
     assert result.exit_code == 0, result.output
     assert calls == [1]

@@ -6,8 +6,8 @@ import json
 
 from typer.testing import CliRunner
 
-from adapters import bundle_for, save_bundle
-from server.cli import app
+from memvit.adapters import bundle_for, save_bundle
+from memvit.server.cli import app
 from tests.conftest import random_adapter
 
 runner = CliRunner()

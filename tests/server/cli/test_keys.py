@@ -7,8 +7,8 @@ import json
 
 from typer.testing import CliRunner
 
-from server.cli import app
-from server.keys import KEY_PREFIX, hash_key, load_or_empty
+from memvit.server.cli import app
+from memvit.server.keys import KEY_PREFIX, hash_key, load_or_empty
 
 runner = CliRunner()
 

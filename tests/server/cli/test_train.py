@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from server.cli import app
+from memvit.server.cli import app
 
 runner = CliRunner()
 

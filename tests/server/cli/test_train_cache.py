@@ -8,9 +8,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from adapters import read_bundle
-from memory_core import save_base
-from server.cli import app
+from memvit.adapters import read_bundle
+from memvit.memory_core import save_base
+from memvit.server.cli import app
 from tests.conftest import TINY, make_folder, tiny_base
 
 runner = CliRunner()

@@ -13,11 +13,11 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-import adapters.training
-from adapters.training import Accuracy, TrainConfig
-from server.cli import app
-from server.cli import train as train_module
-from server.cli.train import CONFIG_PANEL
+import memvit.adapters.training
+from memvit.adapters.training import Accuracy, TrainConfig
+from memvit.server.cli import app
+from memvit.server.cli import train as train_module
+from memvit.server.cli.train import CONFIG_PANEL
 
 runner = CliRunner()
 
@@ -81,7 +81,7 @@ def captured(monkeypatch) -> list:
         calls.append((engine, config, kwargs))
         return SimpleNamespace(steps=1, val=Accuracy(1.0, 1.0, 1), seconds=0.0, augmentation="none")
 
-    monkeypatch.setattr(adapters.training, "train_adapter", fake_train_adapter)
+    monkeypatch.setattr(memvit.adapters.training, "train_adapter", fake_train_adapter)
     return calls
 
 

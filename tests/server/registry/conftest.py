@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from memory_core import LiveAdapters
-from server.registry import AdapterRegistry
-from server.store import open_store
+from memvit.memory_core import LiveAdapters
+from memvit.server.registry import AdapterRegistry
+from memvit.server.store import open_store
 
 
 @pytest.fixture

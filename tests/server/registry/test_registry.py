@@ -14,9 +14,9 @@ import threading
 import pytest
 import torch
 
-from memory_core import MemvitError
-from server.registry import AdapterRegistry
-from server.store import key_of, open_store
+from memvit.memory_core import MemvitError
+from memvit.server.registry import AdapterRegistry
+from memvit.server.store import key_of, open_store
 from tests.adapters.test_bundle_fuzz import mutate
 from tests.server.counting import bundle_reads, counting_requests
 

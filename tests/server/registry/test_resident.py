@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from server.errors import ResidentSetFullError, TasksRequiredError, TooManyTasksError, UnknownTaskError
-from server.store import StoreUnavailableError
-from server.tasks import check_tasks
+from memvit.server.errors import ResidentSetFullError, TasksRequiredError, TooManyTasksError, UnknownTaskError
+from memvit.server.store import StoreUnavailableError
+from memvit.server.tasks import check_tasks
 from tests.conftest import images
 from tests.server.counting import bundle_reads, counting_requests
 from tests.server.filling import register_in_bulk
@@ -21,7 +21,7 @@ from tests.server.filling import register_in_bulk
 @pytest.mark.parametrize("size", [10, 300])
 def test_an_idle_poll_costs_one_request_whatever_the_size(replica, bundles, store_location, size) -> None:
     location = f"{store_location}-{size}"
-    from server.store import open_store
+    from memvit.server.store import open_store
 
     register_in_bulk(open_store(location), bundles([f"a{i:03d}" for i in range(size)], m=0, classes=2))
     registry = replica(location)

@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from memory_core import DuplicateAdapterError, UnknownAdapterError
-from server.registry import Catalog
-from server.store import Entry, JournalDamagedError, LocalStore, Snapshot, open_store
-from server.store.journal import BASE_KEY, INDEX_KEY, entry_key
+from memvit.memory_core import DuplicateAdapterError, UnknownAdapterError
+from memvit.server.registry import Catalog
+from memvit.server.store import Entry, JournalDamagedError, LocalStore, Snapshot, open_store
+from memvit.server.store.journal import BASE_KEY, INDEX_KEY, entry_key
 from tests.server.counting import counting_requests
 
 
