@@ -111,7 +111,10 @@ def replica_settings() -> Settings:
     health_check_timeout_s=30,
     # A request for adapter X goes to X's replica (server/ray_router.py, server/ray_affinity.py);
     # request_router_kwargs {"adapter_affinity": False} turns it off (power of two choices).
-    request_router_config={"request_router_class": AFFINITY_ROUTER, "request_router_kwargs": {"adapter_affinity": True}},
+    request_router_config={
+        "request_router_class": AFFINITY_ROUTER,
+        "request_router_kwargs": {"adapter_affinity": True},
+    },
 )
 @serve.ingress()
 class MemvitDeployment:
