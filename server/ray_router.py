@@ -16,25 +16,30 @@ from the key and the set of running replicas, and the replicas report nothing:
   replica with the highest. Every proxy computes the same home with no shared state, each replica's
   resident set serves its own slice of the adapters, and when a replica comes or goes only the keys
   it wins or held move (about 1/N of them).
-- *Ranks*: the home first; if it is at ``max_ongoing_requests``, the next replica in score order,
-  and so on (Serve probes queue lengths and backs off as it does for its own routers). An overloaded
-  home spills its adapter's traffic to the next replica rather than queueing it.
+- *Bounded load* (consistent hashing with bounded loads): a replica takes its adapters' requests
+  while it holds at most ``load_factor`` (1.25) times its fair share of the requests this router has
+  in flight, plus one; past that, the next replica in the key's order takes them (and loads the
+  adapter, if it is not resident there). So one hot adapter or an unlucky slice cannot queue up on
+  one replica while another idles, and a hot adapter ends up resident on several replicas. Each proxy
+  counts its own requests: with several proxies each balances its share.
+- *Ranks*: replicas within the bound in the key's order, then the others in that order; Serve skips
+  a replica at ``max_ongoing_requests`` and backs off as it does for its own routers.
 - *No key* (base only, no filter, management) or ``adapter_affinity: false`` in
   ``request_router_kwargs``: Serve's default placement, power of two choices (two random replicas,
   preferring this node's when locality routing is on; the shorter queue wins).
 
-What it does not do: an adapter hot enough to overload one replica is not spread over several
-until its home is full (Serve's own multiplexing has the same limit).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
+from collections import Counter
 from typing import Any
 
-from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import LocalityMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 log = logging.getLogger("memvit.ray.router")
 
@@ -52,19 +57,41 @@ def rendezvous_order(key: str, replica_ids: list[str]) -> list[str]:
     return sorted(replica_ids, key=score, reverse=True)
 
 
+def placement(key: str, in_flight: dict[str, int], load_factor: float) -> list[str]:
+    """The replicas (``in_flight``: each one's requests in flight) in the order to try for ``key``:
+    those within ``load_factor`` times the fair share of one more request first, each group in the
+    key's rendezvous order."""
+    capacity = math.ceil(load_factor * (sum(in_flight.values()) + 1) / len(in_flight))
+    order = rendezvous_order(key, list(in_flight))
+    return sorted(order, key=lambda replica_id: in_flight[replica_id] + 1 > capacity)  # stable
+
+
 class AdapterAffinityRouter(LocalityMixin, RequestRouter):
     """Routes a keyed request to its adapter's home replica (then the next ones); others by power
     of two choices."""
 
-    def initialize_state(self, adapter_affinity: bool = True, **unknown: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.adapter_affinity, self.load_factor = True, 1.25
+        self._in_flight: Counter[str] = Counter()  # requests this router has on each replica
+
+    def initialize_state(
+        self, adapter_affinity: bool = True, load_factor: float = 1.25, **unknown: Any
+    ) -> None:
         if unknown:
             raise AffinityConfigError(
-                f"unknown request_router_kwargs {sorted(unknown)}; this router takes adapter_affinity"
+                f"unknown request_router_kwargs {sorted(unknown)}; this router takes adapter_affinity "
+                "and load_factor"
             )
         if not isinstance(adapter_affinity, bool):
             raise AffinityConfigError(f"adapter_affinity must be true or false, got {adapter_affinity!r}")
-        self.adapter_affinity = adapter_affinity
-        log.info("adapter affinity %s", "on" if adapter_affinity else "off (power of two choices)")
+        if isinstance(load_factor, bool) or not isinstance(load_factor, int | float) or load_factor < 1:
+            raise AffinityConfigError(f"load_factor must be a number >= 1, got {load_factor!r}")
+        self.adapter_affinity, self.load_factor = adapter_affinity, float(load_factor)
+        log.info(
+            "adapter affinity %s",
+            f"on (load factor {load_factor})" if adapter_affinity else "off (power of two choices)",
+        )
 
     async def choose_replicas(
         self,
@@ -72,11 +99,19 @@ class AdapterAffinityRouter(LocalityMixin, RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         key = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
-        if key and getattr(self, "adapter_affinity", True):
+        if key and self.adapter_affinity and candidate_replicas:
             by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+            in_flight = {replica_id: self._in_flight[replica_id] for replica_id in by_id}
             pending_request.routing_context.should_backoff = True
-            return [[by_id[replica_id]] for replica_id in rendezvous_order(key, list(by_id))]
+            return [[by_id[replica_id]] for replica_id in placement(key, in_flight, self.load_factor)]
         return self._power_of_two(pending_request)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._in_flight[replica_id.unique_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._in_flight[replica_id.unique_id] > 0:
+            self._in_flight[replica_id.unique_id] -= 1
 
     def _power_of_two(self, pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         """Serve's default placement for a request without a key (its PowerOfTwoChoicesRequestRouter)."""

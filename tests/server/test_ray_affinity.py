@@ -87,13 +87,31 @@ def test_rendezvous_gives_each_replica_a_slice_and_moves_little_when_one_goes() 
     assert all(after[k] == ray_router.rendezvous_order(k, replicas)[1] for k in keys if home[k] == "r-c")
 
 
+def test_a_busy_home_passes_its_requests_to_the_next_replica() -> None:
+    key = "adapter-7"
+    home, second, third = ray_router.rendezvous_order(key, ["r-a", "r-b", "r-c"])
+    idle = {"r-a": 0, "r-b": 0, "r-c": 0}
+    assert ray_router.placement(key, idle, 1.25) == [home, second, third]
+    # Within load_factor x the fair share (of those in flight plus this one): still the home.
+    assert ray_router.placement(key, {**idle, home: 3, second: 2, third: 2}, 1.25)[0] == home
+    # Past it: the replicas within the bound first, each group in the key's order.
+    assert ray_router.placement(key, {**idle, home: 6, second: 1, third: 1}, 1.25) == [second, third, home]
+    assert ray_router.placement(key, {**idle, home: 6, second: 6, third: 0}, 1.25) == [third, home, second]
+    # A large factor is pure affinity.
+    assert ray_router.placement(key, {**idle, home: 50}, 100.0)[0] == home
+
+
 def test_the_router_refuses_settings_it_does_not_know() -> None:
     router = object.__new__(ray_router.AdapterAffinityRouter)  # initialize_state only: no Serve
     router.initialize_state()
-    assert router.adapter_affinity is True
-    router.initialize_state(adapter_affinity=False)
-    assert router.adapter_affinity is False
-    with pytest.raises(ray_router.AffinityConfigError, match="adapter_affinity must be"):
-        router.initialize_state(adapter_affinity="no")
-    with pytest.raises(ray_router.AffinityConfigError, match="unknown request_router_kwargs"):
-        router.initialize_state(affinity=True)
+    assert router.adapter_affinity is True and router.load_factor == 1.25
+    router.initialize_state(adapter_affinity=False, load_factor=2)
+    assert router.adapter_affinity is False and router.load_factor == 2.0
+    for bad, match in [
+        ({"adapter_affinity": "no"}, "adapter_affinity must be"),
+        ({"load_factor": 0.5}, "load_factor must be"),
+        ({"load_factor": "2"}, "load_factor must be"),
+        ({"affinity": True}, "unknown request_router_kwargs"),
+    ]:
+        with pytest.raises(ray_router.AffinityConfigError, match=match):
+            router.initialize_state(**bad)
