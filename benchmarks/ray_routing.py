@@ -53,13 +53,14 @@ class Round:
     p50_ms: float
     p99_ms: float
     statuses: dict[int, int]
+    busiest: float  # the busier replica's share of the adapters asked for (0.5: even)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else float("nan")
 
 
-def serve_config(path: Path, port: int, env: dict[str, str], cpus: float) -> Path:
+def serve_config(path: Path, port: int, env: dict[str, str], cpus: float, load_factor: float) -> Path:
     """The shipped config as two applications (affinity on, off), two replicas each, one per node."""
     shipped = yaml.safe_load(CONFIG.read_text())
     (template,) = shipped["applications"]
@@ -71,7 +72,10 @@ def serve_config(path: Path, port: int, env: dict[str, str], cpus: float) -> Pat
         (deployment,) = app["deployments"]
         deployment["autoscaling_config"].update(min_replicas=2, initial_replicas=2, max_replicas=2)
         deployment["ray_actor_options"] = {"num_cpus": cpus, "resources": {f"slot_{name}": 1}}
-        deployment["request_router_config"]["request_router_kwargs"]["adapter_affinity"] = affinity
+        kwargs = deployment["request_router_config"]["request_router_kwargs"]
+        kwargs["adapter_affinity"] = affinity
+        if affinity:
+            kwargs["load_factor"] = load_factor
         apps.append(app)
     config = {**shipped, "proxy_location": "HeadOnly", "applications": apps}
     config["http_options"] = {"host": "127.0.0.2", "port": port}
@@ -105,8 +109,8 @@ async def replay(host: str, port: int, requests: list[bytes], clients: int) -> t
     return latencies, statuses
 
 
-def lookups(app: str) -> Counter:
-    """Adapters asked for on every replica of ``app``, resident ("hit") or not ("miss")."""
+def lookups(app: str) -> dict[str, Counter]:
+    """Adapters asked for on each replica of ``app``, resident ("hit") or not ("miss")."""
     from ray import serve
 
     handle = serve.get_deployment_handle("memvit", app_name=app)
@@ -120,7 +124,7 @@ def lookups(app: str) -> Counter:
     finally:
         handle.shutdown()
     assert len(seen) == 2, f"{app}: found {len(seen)} replicas"
-    return sum(seen.values(), Counter())
+    return seen
 
 
 def run_segment(host: str, port: int, app: str, names: list[str], image: bytes, clients: int) -> Round:
@@ -128,9 +132,14 @@ def run_segment(host: str, port: int, app: str, names: list[str], image: bytes, 
     latencies, statuses = asyncio.run(
         replay(host, port, [request_bytes(host, port, app, n, image) for n in names], clients)
     )
-    delta = lookups(app) - before
+    after = lookups(app)
+    per_replica = [after[r] - before.get(r, Counter()) for r in after]
+    delta = sum(per_replica, Counter())
+    asked = [c.total() for c in per_replica]
     p50, p99 = np.percentile(latencies, [50, 99]) * 1000
-    return Round(delta["hit"], delta["hit"] + delta["miss"], float(p50), float(p99), dict(statuses))
+    return Round(
+        delta["hit"], delta.total(), float(p50), float(p99), dict(statuses), max(asked) / max(1, sum(asked))
+    )
 
 
 def wait_running(timeout: float = 240) -> None:
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--load-factor", type=float, default=1.25, help="the router's bound (>= 1)")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny ViT, not DeiT-Tiny")
     args = parser.parse_args(argv)
     os.environ["RAY_AUTH_MODE"] = "disabled"  # before ray is imported: loopback only, one machine
@@ -201,7 +211,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             ray.init(address=nodes[0].address, log_to_driver=False, logging_level=logging.WARNING)
             port = free_port()
-            config = serve_config(tmp / "serve-config.yaml", port, env, cpus=0.5)
+            config = serve_config(
+                tmp / "serve-config.yaml", port, env, cpus=0.5, load_factor=args.load_factor
+            )
             result = CliRunner().invoke(serve_cli, ["run", "--non-blocking", str(config)])
             assert result.exit_code == 0, result.output
             wait_running()
@@ -242,15 +254,20 @@ def report(results: dict[str, list[Round]], args, real: bool, filled: int, warmu
         f"{args.resident} resident per replica",
         f"Zipf s={args.s}",
         f"{args.clients} clients",
+        f"load factor {args.load_factor}",
         "2 replicas x 2 applications",
     )
     print(environment(model, *setup))
     print(f"warm-up: {args.warmup} requests per application ({warmup_s:.0f} s for both)\n")
-    print("| round | routing | hit rate | p50 ms | p99 ms | statuses |\n|--:|---|--:|--:|--:|---|")
+    print("| round | routing | hit rate | p50 ms | p99 ms | busier replica's share | statuses |")
+    print("|--:|---|--:|--:|--:|--:|---|")
     for i in range(args.rounds):
         for app in APPS:
             r = results[app][i]
-            print(f"| {i + 1} | {app} | {r.hit_rate:.3f} | {r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.statuses} |")
+            print(
+                f"| {i + 1} | {app} | {r.hit_rate:.3f} | {r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.busiest:.2f} "
+                f"| {r.statuses} |"
+            )
     pairs = list(zip(results["affinity"], results["random"], strict=True))
     med = statistics.median
     for label, get in (("hit rate", "hit_rate"), ("p50 ms", "p50_ms"), ("p99 ms", "p99_ms")):
