@@ -22,8 +22,11 @@ from the key and the set of running replicas, and the replicas report nothing:
   adapter, if it is not resident there). So one hot adapter or an unlucky slice cannot queue up on
   one replica while another idles, and a hot adapter ends up resident on several replicas. Each proxy
   counts its own requests: with several proxies each balances its share.
-- *Ranks*: replicas within the bound in the key's order, then the others in that order; Serve skips
-  a replica at ``max_ongoing_requests`` and backs off as it does for its own routers.
+- *Patience*: for its first ``patience_s`` (1 s, as Serve waits for a multiplexed model's replica)
+  a request is offered only to its first replica within the bound. Serve probes a replica's queue
+  length with a 0.1 s deadline; a busy replica on a loaded machine misses it, and offering the next
+  replica then would scatter the adapters. After that, every replica, in the key's order (a replica
+  at ``max_ongoing_requests`` is skipped, a lost one is dropped by Serve).
 - *No key* (base only, no filter, management) or ``adapter_affinity: false`` in
   ``request_router_kwargs``: Serve's default placement, power of two choices (two random replicas,
   preferring this node's when locality routing is on; the shorter queue wins).
@@ -36,6 +39,7 @@ import hashlib
 import logging
 import math
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -72,22 +76,29 @@ class AdapterAffinityRouter(LocalityMixin, RequestRouter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.adapter_affinity, self.load_factor = True, 1.25
+        self.adapter_affinity, self.load_factor, self.patience_s = True, 1.25, 1.0
         self._in_flight: Counter[str] = Counter()  # requests this router has on each replica
 
     def initialize_state(
-        self, adapter_affinity: bool = True, load_factor: float = 1.25, **unknown: Any
+        self,
+        adapter_affinity: bool = True,
+        load_factor: float = 1.25,
+        patience_s: float = 1.0,
+        **unknown: Any,
     ) -> None:
         if unknown:
             raise AffinityConfigError(
-                f"unknown request_router_kwargs {sorted(unknown)}; this router takes adapter_affinity "
-                "and load_factor"
+                f"unknown request_router_kwargs {sorted(unknown)}; this router takes adapter_affinity, "
+                "load_factor and patience_s"
             )
         if not isinstance(adapter_affinity, bool):
             raise AffinityConfigError(f"adapter_affinity must be true or false, got {adapter_affinity!r}")
         if isinstance(load_factor, bool) or not isinstance(load_factor, int | float) or load_factor < 1:
             raise AffinityConfigError(f"load_factor must be a number >= 1, got {load_factor!r}")
+        if isinstance(patience_s, bool) or not isinstance(patience_s, int | float) or patience_s < 0:
+            raise AffinityConfigError(f"patience_s must be a number >= 0, got {patience_s!r}")
         self.adapter_affinity, self.load_factor = adapter_affinity, float(load_factor)
+        self.patience_s = float(patience_s)
         log.info(
             "adapter affinity %s",
             f"on (load factor {load_factor})" if adapter_affinity else "off (power of two choices)",
@@ -103,10 +114,15 @@ class AdapterAffinityRouter(LocalityMixin, RequestRouter):
             by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
             in_flight = {replica_id: self._in_flight[replica_id] for replica_id in by_id}
             pending_request.routing_context.should_backoff = True
-            return [[by_id[replica_id]] for replica_id in placement(key, in_flight, self.load_factor)]
+            order = placement(key, in_flight, self.load_factor)
+            if time.time() - pending_request.created_at < self.patience_s:
+                order = order[:1]
+            return [[by_id[replica_id]] for replica_id in order]
         return self._power_of_two(pending_request)
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        """Serve calls this for every request it sends (and ``on_request_completed`` once each)."""
+        super().on_send_request(replica_id)
         self._in_flight[replica_id.unique_id] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
