@@ -1,6 +1,6 @@
 """Adapter-aware routing on Ray Serve against Serve's default placement, on the same Zipf trace.
 
-    pip install -e '.[ray]' && python -m benchmarks.ray_routing      # ~6-8 minutes on 2 CPU cores
+    pip install -e '.[ray]' && python -m benchmarks.ray_routing      # ~6 minutes on 2 CPU cores (RESULTS §3.9)
 
 A two-node Ray cluster on this machine (tests/server/ray_cluster.py: two `ray start` nodes on
 loopback) runs two applications side by side, each docker/ray/serve-config.yaml's deployment with
@@ -159,11 +159,11 @@ def wait_running(timeout: float = 240) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__file__, __doc__)
-    parser.add_argument("--adapters", type=int, default=2000, help="adapters registered")
-    parser.add_argument("--resident", type=int, default=100, help="MEMVIT_RESIDENT_ADAPTERS per replica")
+    parser.add_argument("--adapters", type=int, default=1000, help="adapters registered")
+    parser.add_argument("--resident", type=int, default=50, help="MEMVIT_RESIDENT_ADAPTERS per replica")
     parser.add_argument("--s", type=float, default=1.1, help="Zipf exponent")
-    parser.add_argument("--warmup", type=int, default=3000, help="trace requests before the rounds")
-    parser.add_argument("--per-round", type=int, default=1000, help="trace requests per round")
+    parser.add_argument("--warmup", type=int, default=1500, help="trace requests before the rounds")
+    parser.add_argument("--per-round", type=int, default=600, help="trace requests per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
