@@ -1,6 +1,6 @@
 """Adapter-aware routing on Ray Serve against Serve's default placement, on the same Zipf trace.
 
-    pip install -e '.[ray]' && python -m benchmarks.ray_routing      # ~6 minutes on 2 CPU cores (RESULTS §3.9)
+    pip install -e '.[ray]' && python -m benchmarks.ray_routing      # ~6 minutes on 2 CPU cores
 
 A two-node Ray cluster on this machine (tests/server/ray_cluster.py: two `ray start` nodes on
 loopback) runs two applications side by side, each docker/ray/serve-config.yaml's deployment with
