@@ -42,6 +42,12 @@ class Metrics:
         self.adapter_loads = Counter(
             "memvit_adapter_loads_total", "cold loads of adapters from the store", ["result"], registry=r
         )
+        self.adapter_lookups = Counter(
+            "memvit_adapter_lookups_total",
+            "adapters asked for by requests: resident (hit) or not (miss)",
+            ["result"],
+            registry=r,
+        )
         self.resident_adapters = Gauge("memvit_resident_adapters", "adapters resident in memory", registry=r)
         self.resident_bytes = Gauge("memvit_resident_bytes", "bytes of the resident adapters", registry=r)
         # Label values are task names: "base" and live adapter names (validated, bounded by the set).

@@ -25,6 +25,7 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .edge.send import send_error
+from .ray_affinity import AdapterAffinityMiddleware
 
 log = logging.getLogger("memvit.ray.proxy")
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
@@ -85,5 +86,6 @@ class ReplicaLossMiddleware:
 
 
 def proxy_middlewares() -> list[Middleware]:
-    """What ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names: the middlewares every proxy wraps."""
-    return [Middleware(ReplicaLossMiddleware)]
+    """What ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` names: the middlewares every proxy wraps
+    (the second reads which adapter a request is for, for the router: server/ray_affinity.py)."""
+    return [Middleware(ReplicaLossMiddleware), Middleware(AdapterAffinityMiddleware)]

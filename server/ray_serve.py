@@ -9,6 +9,12 @@ environment (workers inherit that of ``ray start``) overlaid by the application'
 ``runtime_env.env_vars``. Replicas share adapters through an object-store registry
 (``MEMVIT_ADAPTER_STORE=s3://...``), where every change reaches every replica within two polls.
 
+Routing: a request for an adapter goes to the replica whose resident set serves that adapter
+(rendezvous hashing on the adapter's name: server/ray_router.py, with the key read from the request
+in the proxy by server/ray_affinity.py), so each replica's resident set holds a slice of the tenants
+rather than every replica holding the same hot few. ``adapter_affinity: false`` in the deployment's
+``request_router_kwargs`` turns it off.
+
 Readiness: Serve routes to a replica once its first ``check_health`` returns. The app loads its model
 in a background task of its lifespan (which Serve runs in the replica), so that first check waits
 until the model and the store are loaded: the proxy never sends a request to a replica that would
@@ -42,6 +48,7 @@ if TYPE_CHECKING:
     from .state import AppState
 
 REPLICA_HEADER = "x-memvit-replica"
+AFFINITY_ROUTER = "memvit.server.ray_router:AdapterAffinityRouter"
 
 
 @dataclass
@@ -102,6 +109,12 @@ def replica_settings() -> Settings:
     ray_actor_options={"num_cpus": 1},
     health_check_period_s=5,
     health_check_timeout_s=30,
+    # A request for adapter X goes to X's replica (server/ray_router.py, server/ray_affinity.py);
+    # request_router_kwargs {"adapter_affinity": False} turns it off (power of two choices).
+    request_router_config={
+        "request_router_class": AFFINITY_ROUTER,
+        "request_router_kwargs": {"adapter_affinity": True},
+    },
 )
 @serve.ingress()
 class MemvitDeployment:
@@ -163,6 +176,8 @@ class MemvitDeployment:
             if service is None
             else {"version": service.registry.version, "adapters": len(service.registry)},
             "resident": list(service.live.current.names) if service is not None else [],
+            # Adapters asked for by requests: resident ("hit") or loaded for them ("miss").
+            "lookups": dict(service.registry.resident.lookups) if service is not None else {},
         }
 
 

@@ -68,6 +68,8 @@ class ResidentSet:
         self.max_adapters, self.max_bytes = max_adapters, max_bytes
         self.metrics = metrics
         self.loads = 0  # cold loads started (each reads one bundle): what single flight keeps low
+        # Adapters asked for, resident ("hit") or not ("miss": loaded, or joining a load under way).
+        self.lookups: Counter[str] = Counter(hit=0, miss=0)
         self._resident: dict[str, Resident] = {}
         self._order = SegmentedLRU(max_adapters)  # which to evict first
         self._pins: Counter[str] = Counter()
@@ -136,7 +138,9 @@ class ResidentSet:
                 self._pins[name] += 1
                 if name in self._resident and name not in self._stale:
                     self._order.touch(name)
+                    self._lookup("hit")
                     continue
+                self._lookup("miss")
                 load = self._loading.get(name)
                 if load is None:
                     load = self._loading[name] = Load()
@@ -295,6 +299,11 @@ class ResidentSet:
         if held is not None:
             self._bytes -= held.nbytes
         self._stale.discard(name)
+
+    def _lookup(self, result: str) -> None:
+        self.lookups[result] += 1
+        if self.metrics is not None:
+            self.metrics.adapter_lookups.labels(result).inc()
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:

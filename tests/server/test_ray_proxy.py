@@ -12,6 +12,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
+from memvit.server.ray_affinity import AdapterAffinityMiddleware
 from memvit.server.ray_proxy import ReplicaLossMiddleware, proxy_middlewares
 
 
@@ -68,6 +69,6 @@ def test_answers_the_app_started_pass_unchanged(status, headers) -> None:
     assert r.headers.get("retry-after") == ("7" if status == 503 else None)
 
 
-def test_the_callback_names_the_middleware() -> None:
-    (middleware,) = proxy_middlewares()
-    assert middleware.cls is ReplicaLossMiddleware
+def test_the_callback_names_the_middlewares() -> None:
+    loss, affinity = proxy_middlewares()
+    assert loss.cls is ReplicaLossMiddleware and affinity.cls is AdapterAffinityMiddleware

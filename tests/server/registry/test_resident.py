@@ -86,6 +86,19 @@ def test_eviction_keeps_what_is_asked_for_again_and_never_what_is_pinned(replica
     assert "a" in r.resident and len(r.resident) == 3
 
 
+def test_each_adapter_asked_for_counts_as_a_hit_or_a_miss(replica, make_bundle) -> None:
+    writer = replica()
+    for name in "abc":
+        writer.register(make_bundle(name).to_bytes())
+    r = replica(resident_adapters=2)
+    r.acquire(["a", "b"]).release()  # both cold: loaded for this request
+    r.acquire(["a"]).release()
+    r.acquire(["c"]).release()  # evicts b
+    r.acquire(["b", "a"]).release()
+    assert r.resident.lookups == {"hit": 2, "miss": 4}
+    assert r.resident.loads == 4
+
+
 def test_a_request_needing_more_than_the_cap_is_refused(replica, make_bundle) -> None:
     r = replica(resident_adapters=3)
     r.register(make_bundle("p").to_bytes())
