@@ -1,13 +1,14 @@
-"""Adapter-aware routing on Ray Serve against Serve's default placement, on the same Zipf trace.
+"""Adapter-aware routing on Ray Serve against random routing and Serve's default, on the same Zipf trace.
 
-    pip install -e '.[ray]' && python -m benchmarks.ray_routing      # ~6 minutes on 2 CPU cores
+    pip install -e '.[ray]' && python -m benchmarks.ray_routing      # ~9 minutes on 2 CPU cores
 
 A two-node Ray cluster on this machine (tests/server/ray_cluster.py: two `ray start` nodes on
-loopback) runs two applications side by side, each docker/ray/serve-config.yaml's deployment with
+loopback) runs three applications side by side, each docker/ray/serve-config.yaml's deployment with
 two replicas, one per node, sharing one local adapter store of ``--adapters`` small adapters:
 - ``affinity`` (route prefix /affinity): adapter-aware routing, as shipped (server/ray_router.py);
-- ``random`` (route prefix /random): the same with ``adapter_affinity: false``: Serve's power of
-  two choices, which for a request is a coin toss between the two replicas.
+- ``random``: each request to a replica drawn uniformly at random (benchmarks/ray_uniform_router.py);
+- ``two-choices``: the shipped router with ``adapter_affinity: false``, i.e. Serve's default, power
+  of two choices, which with two replicas sends each request to the one with the shorter queue.
 Each replica keeps at most ``--resident`` adapters. Clients replay one Zipf(``--s``) trace of
 `/classify?tasks=<adapter>` requests (one small image each) through Ray's HTTP proxy on the head,
 closed loop. Both applications get the warm-up, then the same rounds of the trace, alternating
@@ -42,7 +43,17 @@ from tests.server.launcher import free_port
 from tests.server.ray_cluster import RayNode, node_temp_dir, stop_all
 
 log = logging.getLogger("benchmarks.ray_routing")
-APPS = {"affinity": True, "random": False}
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Each application's request_router_config: the shipped router with its kwargs, or another router.
+APPS: dict[str, dict] = {
+    "affinity": {"request_router_kwargs": {"adapter_affinity": True}},
+    "random": {
+        "request_router_class": "benchmarks.ray_uniform_router:UniformRandomRouter",
+        "request_router_kwargs": {},
+    },
+    "two-choices": {"request_router_kwargs": {"adapter_affinity": False}},
+}
+BASELINES = ("random", "two-choices")
 SLOTS = {f"slot_{app}": 1 for app in APPS}  # each node offers one per app: one replica per node each
 
 
@@ -61,21 +72,21 @@ class Round:
 
 
 def serve_config(path: Path, port: int, env: dict[str, str], cpus: float, load_factor: float) -> Path:
-    """The shipped config as two applications (affinity on, off), two replicas each, one per node."""
+    """The shipped config as one application per entry of APPS, two replicas each, one per node."""
     shipped = yaml.safe_load(CONFIG.read_text())
     (template,) = shipped["applications"]
     apps = []
-    for name, affinity in APPS.items():
+    for name, router in APPS.items():
         app = yaml.safe_load(yaml.safe_dump(template))
         app.update(name=name, route_prefix=f"/{name}")
         app["runtime_env"]["env_vars"] = env
         (deployment,) = app["deployments"]
         deployment["autoscaling_config"].update(min_replicas=2, initial_replicas=2, max_replicas=2)
         deployment["ray_actor_options"] = {"num_cpus": cpus, "resources": {f"slot_{name}": 1}}
-        kwargs = deployment["request_router_config"]["request_router_kwargs"]
-        kwargs["adapter_affinity"] = affinity
-        if affinity:
-            kwargs["load_factor"] = load_factor
+        routing = deployment["request_router_config"]
+        routing.update(yaml.safe_load(yaml.safe_dump(router)))  # a copy: APPS stays as written
+        if router["request_router_kwargs"].get("adapter_affinity"):
+            routing["request_router_kwargs"]["load_factor"] = load_factor
         apps.append(app)
     config = {**shipped, "proxy_location": "HeadOnly", "applications": apps}
     config["http_options"] = {"host": "127.0.0.2", "port": port}
@@ -202,7 +213,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             # Every request enters through the head's proxy (as a load balancer would spread them over
             # every node's proxy): without this, Serve would keep unkeyed ones on the head's replica.
-            node_env = dict([CALLBACK], RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING="0")
+            # PYTHONPATH: the proxy imports the "random" application's router from benchmarks/.
+            node_env = dict(
+                [CALLBACK], RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING="0", PYTHONPATH=str(REPO_ROOT)
+            )
             nodes.append(RayNode("127.0.0.2", temp_dir, num_cpus=1, resources=SLOTS, env=node_env).start())
             nodes.append(
                 RayNode(
@@ -212,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
             ray.init(address=nodes[0].address, log_to_driver=False, logging_level=logging.WARNING)
             port = free_port()
             config = serve_config(
-                tmp / "serve-config.yaml", port, env, cpus=0.5, load_factor=args.load_factor
+                tmp / "serve-config.yaml", port, env, cpus=0.3, load_factor=args.load_factor
             )
             result = CliRunner().invoke(serve_cli, ["run", "--non-blocking", str(config)])
             assert result.exit_code == 0, result.output
@@ -255,7 +269,7 @@ def report(results: dict[str, list[Round]], args, real: bool, filled: int, warmu
         f"Zipf s={args.s}",
         f"{args.clients} clients",
         f"load factor {args.load_factor}",
-        "2 replicas x 2 applications",
+        f"2 replicas x {len(APPS)} applications",
     )
     print(environment(model, *setup))
     print(f"warm-up: {args.warmup} requests per application ({warmup_s:.0f} s for both)\n")
@@ -268,18 +282,22 @@ def report(results: dict[str, list[Round]], args, real: bool, filled: int, warmu
                 f"| {i + 1} | {app} | {r.hit_rate:.3f} | {r.p50_ms:.1f} | {r.p99_ms:.1f} | {r.busiest:.2f} "
                 f"| {r.statuses} |"
             )
-    pairs = list(zip(results["affinity"], results["random"], strict=True))
     med = statistics.median
-    for label, get in (("hit rate", "hit_rate"), ("p50 ms", "p50_ms"), ("p99 ms", "p99_ms")):
-        a, r = (med(getattr(x[k], get) for x in pairs) for k in (0, 1))
-        print(f"median {label}: adapter-aware {a:.3f}, random {r:.3f}")
-    print(
-        "median of per-round ratios, adapter-aware / random: "
-        f"hit rate {med(x.hit_rate / y.hit_rate for x, y in pairs):.3f}, "
-        f"miss rate {med((1 - x.hit_rate) / (1 - y.hit_rate) for x, y in pairs):.3f}, "
-        f"p50 {med(x.p50_ms / y.p50_ms for x, y in pairs):.3f}, "
-        f"p99 {med(x.p99_ms / y.p99_ms for x, y in pairs):.3f}"
-    )
+    for app in APPS:
+        rounds = results[app]
+        print(
+            f"median {app}: hit rate {med(r.hit_rate for r in rounds):.3f}, "
+            f"p50 {med(r.p50_ms for r in rounds):.1f} ms, p99 {med(r.p99_ms for r in rounds):.1f} ms"
+        )
+    for baseline in BASELINES:
+        pairs = list(zip(results["affinity"], results[baseline], strict=True))
+        print(
+            f"median of per-round ratios, adapter-aware / {baseline}: "
+            f"hit rate {med(x.hit_rate / y.hit_rate for x, y in pairs):.3f}, "
+            f"miss rate {med((1 - x.hit_rate) / (1 - y.hit_rate) for x, y in pairs):.3f}, "
+            f"p50 {med(x.p50_ms / y.p50_ms for x, y in pairs):.3f}, "
+            f"p99 {med(x.p99_ms / y.p99_ms for x, y in pairs):.3f}"
+        )
 
 
 if __name__ == "__main__":
