@@ -71,6 +71,13 @@ def seeded(regime: str) -> bool:
     return bool(REGIMES[regime].get("memory_tokens"))
 
 
+def grid_points(regime: str, args) -> int:
+    """How many points of the regime's grid train (memory regimes may take fewer)."""
+    if REGIMES[regime].get("memory_tokens") and args.memory_grid_points is not None:
+        return args.memory_grid_points
+    return args.grid_points
+
+
 @dataclass
 class Arm:
     """One way of training every regime: its training images and where its batches come from."""
@@ -98,7 +105,7 @@ class Trained:
 
 def train_arm(engine: MemoryViT, dataset: str, arm: Arm, val_dir: Path, args, val_cache=None) -> dict:
     """Every regime x grid point x seed of ``arm`` in one fused run, epoch by epoch to the plateau."""
-    points = {r: GRID[r][: args.grid_points] for r in REGIMES}
+    points = {r: GRID[r][: grid_points(r, args)] for r in REGIMES}
     where, configs = [], []
     for regime, overrides in REGIMES.items():
         for g, (lr, tls, mls) in enumerate(points[regime]):
@@ -274,7 +281,7 @@ def report(dataset: str, arms: dict[str, dict], correct: dict[str, torch.Tensor]
         print("Validation top-1 per grid point (lr, class-token scale, memory scale), best epoch, seed mean:")
         for regime in REGIMES:
             cells = []
-            for g, point in enumerate(GRID[regime][: args.grid_points]):
+            for g, point in enumerate(GRID[regime][: grid_points(regime, args)]):
                 vals = [t.best for t in r["trained"] if t.regime == regime and t.grid == g]
                 cells.append(f"{point}: {statistics.mean(vals):.4f}")
             picks = [f"g{r['chosen'][regime][s].grid}" for s in seeds]
