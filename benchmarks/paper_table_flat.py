@@ -71,11 +71,12 @@ def seeded(regime: str) -> bool:
     return bool(REGIMES[regime].get("memory_tokens"))
 
 
-def grid_points(regime: str, args) -> int:
-    """How many points of the regime's grid train (memory regimes may take fewer)."""
+def grid_points(regime: str, args, arm: Arm) -> int:
+    """How many points of the regime's grid the arm trains (memory regimes may take fewer)."""
+    n = args.grid_points
     if REGIMES[regime].get("memory_tokens") and args.memory_grid_points is not None:
-        return args.memory_grid_points
-    return args.grid_points
+        n = args.memory_grid_points
+    return n if arm.grid_points is None else min(n, arm.grid_points)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Arm:
     cache: Path | None  # None: from the images (random-resized crops + flips)
     views: int = 1
     hflip: float = 0.0
+    grid_points: int | None = None  # at most this many points of each grid
 
 
 @dataclass
@@ -105,7 +107,7 @@ class Trained:
 
 def train_arm(engine: MemoryViT, dataset: str, arm: Arm, val_dir: Path, args, val_cache=None) -> dict:
     """Every regime x grid point x seed of ``arm`` in one fused run, epoch by epoch to the plateau."""
-    points = {r: GRID[r][: grid_points(r, args)] for r in REGIMES}
+    points = {r: GRID[r][: grid_points(r, args, arm)] for r in REGIMES}
     where, configs = [], []
     for regime, overrides in REGIMES.items():
         for g, (lr, tls, mls) in enumerate(points[regime]):
@@ -281,7 +283,7 @@ def report(dataset: str, arms: dict[str, dict], correct: dict[str, torch.Tensor]
         print("Validation top-1 per grid point (lr, class-token scale, memory scale), best epoch, seed mean:")
         for regime in REGIMES:
             cells = []
-            for g, point in enumerate(GRID[regime][: grid_points(regime, args)]):
+            for g, point in enumerate(GRID[regime][: grid_points(regime, args, r["arm"])]):
                 vals = [t.best for t in r["trained"] if t.regime == regime and t.grid == g]
                 cells.append(f"{point}: {statistics.mean(vals):.4f}")
             picks = [f"g{r['chosen'][regime][s].grid}" for s in seeds]
@@ -291,8 +293,8 @@ def report(dataset: str, arms: dict[str, dict], correct: dict[str, torch.Tensor]
     print("| arm | comparison | difference | SE images | SE seeds | per seed | >= 2 SE |")
     print("|---|---|--:|--:|--:|---|---|")
     comparisons = [(arm, arm, a, b) for arm in arms for a, b in PAIRS]
-    names = list(arms)
-    comparisons += [(f"{x} - {names[0]}", (x, names[0]), r, r) for x in names[1:] for r in REGIMES]
+    subset = [name for name in arms if name.startswith("subset")]  # augmentation against none
+    comparisons += [(f"{x} - {subset[0]}", (x, subset[0]), r, r) for x in subset[1:] for r in REGIMES]
     for label, which, a, b in comparisons:
         left, right = (which, which) if isinstance(which, str) else which
         p = paired(per_arm[left][a], per_arm[right][b])
@@ -325,12 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/memvit-paper"))
     parser.add_argument("--cache", type=Path, required=True, help="activation cache root (outside the repo)")
     parser.add_argument("--cache-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    parser.add_argument("--train-per-class", type=int, default=2000, help="with --augmentation: the subset")
+    parser.add_argument("--train-per-class", type=int, default=2000)
     parser.add_argument("--val-per-class", type=int, default=200)
     parser.add_argument("--test-per-class", type=int, default=1000)
-    parser.add_argument(
-        "--full-train-per-class", type=int, default=2000, help="the split the subset is cut from"
-    )
     parser.add_argument("--epochs", type=int, default=10, help="the cap")
     parser.add_argument("--patience", type=int, default=2)
     parser.add_argument("--min-gain", type=float, default=0.001, help="top-1 fraction (0.001 = 0.1 point)")
@@ -338,8 +337,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--grid-points", type=int, default=2, help="the first N points of each regime's grid")
+    parser.add_argument("--memory-grid-points", type=int, default=None, help="the same for memory regimes")
     parser.add_argument(
-        "--augmentation", action="store_true", help="compare none / mirror / uncached on a subset"
+        "--augmentation",
+        type=int,
+        default=None,
+        metavar="PER_CLASS",
+        help="also compare none / mirror / uncached on this many training images per class (first grid "
+        "point of each regime)",
     )
     parser.add_argument(
         "--no-uncached", action="store_true", help="with --augmentation: skip the uncached arm"
@@ -350,22 +355,24 @@ def main(argv: list[str] | None = None) -> None:
     pin_malloc()
     started = time.perf_counter()
     engine = deit_tiny_engine()
-    full = args.full_train_per_class
     train_dir, val_dir, test_dir = prepare_data(
-        args.data_dir, args.dataset, full, args.val_per_class, args.test_per_class
+        args.data_dir, args.dataset, args.train_per_class, args.val_per_class, args.test_per_class
     )
+    arms = [Arm("cached, no augmentation", train_dir, args.cache, views=1, hflip=0.0)]
     if args.augmentation:
-        sub = subset_folder(
-            train_dir, train_dir.with_name(f"train-{args.train_per_class}"), args.train_per_class
-        )
-        arms = [
-            Arm("cached, no augmentation", sub, args.cache, views=2, hflip=0.0),
-            Arm("cached, original + mirror", sub, args.cache, views=2, hflip=0.5),
+        n = args.augmentation
+        sub = subset_folder(train_dir, train_dir.with_name(f"train-{n}"), n)
+        cache = args.cache.with_name(f"{args.cache.name}-augmentation")  # two views
+        arms += [
+            Arm(f"subset {n}/class: cached, no augmentation", sub, cache, views=2, hflip=0.0, grid_points=1),
+            Arm(
+                f"subset {n}/class: cached, original + mirror", sub, cache, views=2, hflip=0.5, grid_points=1
+            ),
         ]
         if not args.no_uncached:
-            arms.append(Arm("uncached, crops + flips", sub, None, hflip=0.5))
-    else:
-        arms = [Arm("cached, no augmentation", train_dir, args.cache, views=1, hflip=0.0)]
+            arms.append(
+                Arm(f"subset {n}/class: uncached, crops + flips", sub, None, hflip=0.5, grid_points=1)
+            )
     results: dict[str, dict] = {}
     val_cache = None
     for arm in arms:
@@ -387,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nTest pass ({len(weights)} adapters, one fused pass): {test_s:.0f} s; total {total:.0f} s")
     if args.plots:
         args.plots.mkdir(parents=True, exist_ok=True)
-        name = f"paper_table_flat_{args.dataset}{'_augmentation' if args.augmentation else ''}.png"
+        name = f"paper_table_flat_{args.dataset}.png"
         plot(args.plots / name, args.dataset, results)
     if args.json:
         summary.update(
