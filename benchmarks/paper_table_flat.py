@@ -1,8 +1,7 @@
 """The paper's Table 2 from activation caches, run until validation top-1 stops rising.
 
     python -m benchmarks.paper_table_flat --dataset cifar10 --cache /work/cache-c10 --plots benchmarks/figures
-    python -m benchmarks.paper_table_flat --dataset cifar10 --augmentation --train-per-class 250 \
-        --cache /work/cache-aug --plots benchmarks/figures        # no augmentation / mirror / uncached
+    python -m benchmarks.paper_table_flat --dataset cifar10 --cache /work/cache-c10 --augmentation 200
 
 On the real DeiT-Tiny (frozen), one dataset per invocation (its caches fit this machine's disk one at
 a time):
@@ -17,9 +16,10 @@ a time):
 3. Per regime and seed, the grid point with the best validation top-1 (at its best epoch) is scored
    on the test split (uncached; one fused pass for every chosen adapter); paired differences with
    standard errors over images and over seeds (``paper_table.paired``).
-With ``--augmentation`` the same regimes (first grid point) train on a subset three ways: from a cache
-with no augmentation, from a cache of original + mirror views (mirror with p=0.5), and from the
-images with random-resized crops + flips (no cache), validated and tested on the same splits.
+With ``--augmentation N`` the same regimes (first grid point) also train on the first N images per
+class three ways: from a cache with no augmentation, from a cache of original + mirror views (mirror
+with p=0.5), and from the images with random-resized crops + flips (no cache; ``--no-uncached``
+skips it), validated and tested on the same splits, the test pass shared with the main run.
 """
 
 from __future__ import annotations
