@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--no-uncached", action="store_true", help="with --augmentation: skip the uncached arm"
     )
+    parser.add_argument("--no-main", action="store_true", help="with --augmentation: only the subset arms")
     parser.add_argument("--plots", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
     args = parser.parse_args(argv)
@@ -359,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
         args.data_dir, args.dataset, args.train_per_class, args.val_per_class, args.test_per_class
     )
     arms = [Arm("cached, no augmentation", train_dir, args.cache, views=1, hflip=0.0)]
+    if args.augmentation and args.no_main:
+        arms = []
     if args.augmentation:
         n = args.augmentation
         sub = subset_folder(train_dir, train_dir.with_name(f"train-{n}"), n)
@@ -394,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nTest pass ({len(weights)} adapters, one fused pass): {test_s:.0f} s; total {total:.0f} s")
     if args.plots:
         args.plots.mkdir(parents=True, exist_ok=True)
-        name = f"paper_table_flat_{args.dataset}.png"
+        name = f"paper_table_flat_{args.dataset}{'_augmentation' if args.no_main else ''}.png"
         plot(args.plots / name, args.dataset, results)
     if args.json:
         summary.update(
