@@ -6,7 +6,9 @@
   DeiT-Tiny, the natural photos, the ImageNet labels; about 26 MB);
 - ``.whl/``: wheels, for the device image's Python 3.12, of the packages its image lacks or may hold
   at another version: the server's (FastAPI, pydantic, uvicorn, obstore...) and timm, pinned to the
-  versions of this environment, so the GPU figures come from the same timm as the CPU ones.
+  versions of this environment, so the GPU figures come from the same timm as the CPU ones; and
+  memvit's own, built from this checkout (the suite imports ``memvit.*``, which only an install
+  provides: the folders install under that name).
 
 Both folders are ignored by git; name them in the run's ``carry``. Prints the command prefix that
 installs the wheels and points the suite at the data.
@@ -63,6 +65,11 @@ def download_wheels(target: Path) -> None:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
     command += ["--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(target), *pins]
     subprocess.run(command, check=True)
+    for old in target.glob("memvit-*.whl"):
+        old.unlink()  # one memvit wheel, this checkout's
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(target), str(REPO)], check=True
+    )
 
 
 def main() -> None:
