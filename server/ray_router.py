@@ -22,6 +22,12 @@ from the key and the set of running replicas, and the replicas report nothing:
   adapter, if it is not resident there). So one hot adapter or an unlucky slice cannot queue up on
   one replica while another idles, and a hot adapter ends up resident on several replicas. Each proxy
   counts its own requests: with several proxies each balances its share.
+- *Hot adapters get two homes*: an adapter asked for in at least ``hot_share`` (2%) of the last
+  ``HOT_WINDOW`` keyed requests is resident on the replicas anyway (every resident set keeps it), so
+  it goes to the less loaded of its first two replicas in the key's order (power of two choices
+  between its two homes). Under skewed (Zipf) traffic a handful of adapters carry a large part of
+  the load; giving them a choice balances the replicas, while the long tail, where the resident sets'
+  slices make the difference, stays on one home each.
 - *Patience*: for its first ``patience_s`` (1 s, as Serve waits for a multiplexed model's replica)
   a request is offered only to its first replica within the bound. Serve probes a replica's queue
   length with a 0.1 s deadline; a busy replica on a loaded machine misses it, and offering the next
@@ -40,7 +46,7 @@ import logging
 import math
 import random
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
 from ray.serve.request_router import LocalityMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -70,6 +76,36 @@ def placement(key: str, in_flight: dict[str, int], load_factor: float) -> list[s
     return sorted(order, key=lambda replica_id: in_flight[replica_id] + 1 > capacity)  # stable
 
 
+HOT_WINDOW = 2000  # keyed requests a router remembers to tell which adapters are hot
+
+
+class HotKeys:
+    """The keys of the last ``window`` keyed requests; a key is hot while it is at least ``share`` of them."""
+
+    def __init__(self, share: float, window: int = HOT_WINDOW) -> None:
+        self.share, self._recent, self._counts = share, deque(maxlen=window), Counter()
+
+    def observe(self, key: str) -> bool:
+        """Count ``key`` (one more request for it); whether it is hot now."""
+        if len(self._recent) == self._recent.maxlen:
+            oldest = self._recent[0]
+            self._counts[oldest] -= 1
+            if not self._counts[oldest]:
+                del self._counts[oldest]
+        self._recent.append(key)
+        self._counts[key] += 1
+        return self.share > 0 and self._counts[key] >= self.share * len(self._recent)
+
+
+def hot_placement(key: str, in_flight: dict[str, int], load_factor: float) -> list[str]:
+    """``placement`` for a hot key: the less loaded of its two first replicas in the key's order
+    (the home on a tie), then the rest as ``placement`` orders them."""
+    order = placement(key, in_flight, load_factor)
+    two_homes = rendezvous_order(key, list(in_flight))[:2]
+    first = min(two_homes, key=lambda replica_id: in_flight[replica_id])  # min keeps the first on ties
+    return [first, *(replica_id for replica_id in order if replica_id != first)]
+
+
 class AdapterAffinityRouter(LocalityMixin, RequestRouter):
     """Routes a keyed request to its adapter's home replica (then the next ones); others by power
     of two choices."""
@@ -77,6 +113,8 @@ class AdapterAffinityRouter(LocalityMixin, RequestRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.adapter_affinity, self.load_factor, self.patience_s = True, 1.25, 1.0
+        self.hot = HotKeys(0.02)
+        self._hot_by_request: OrderedDict[str, bool] = OrderedDict()  # Serve may ask again after a backoff
         self._in_flight: Counter[str] = Counter()  # requests this router has on each replica
 
     def initialize_state(
@@ -84,12 +122,13 @@ class AdapterAffinityRouter(LocalityMixin, RequestRouter):
         adapter_affinity: bool = True,
         load_factor: float = 1.25,
         patience_s: float = 1.0,
+        hot_share: float = 0.02,
         **unknown: Any,
     ) -> None:
         if unknown:
             raise AffinityConfigError(
                 f"unknown request_router_kwargs {sorted(unknown)}; this router takes adapter_affinity, "
-                "load_factor and patience_s"
+                "load_factor, patience_s and hot_share"
             )
         if not isinstance(adapter_affinity, bool):
             raise AffinityConfigError(f"adapter_affinity must be true or false, got {adapter_affinity!r}")
@@ -97,11 +136,16 @@ class AdapterAffinityRouter(LocalityMixin, RequestRouter):
             raise AffinityConfigError(f"load_factor must be a number >= 1, got {load_factor!r}")
         if isinstance(patience_s, bool) or not isinstance(patience_s, int | float) or patience_s < 0:
             raise AffinityConfigError(f"patience_s must be a number >= 0, got {patience_s!r}")
+        if isinstance(hot_share, bool) or not isinstance(hot_share, int | float) or not 0 <= hot_share <= 1:
+            raise AffinityConfigError(f"hot_share must be a number from 0 (off) to 1, got {hot_share!r}")
+        self.hot = HotKeys(float(hot_share))
         self.adapter_affinity, self.load_factor = adapter_affinity, float(load_factor)
         self.patience_s = float(patience_s)
         log.info(
             "adapter affinity %s",
-            f"on (load factor {load_factor})" if adapter_affinity else "off (power of two choices)",
+            f"on (load factor {load_factor}, hot share {hot_share})"
+            if adapter_affinity
+            else "off (power of two choices)",
         )
 
     async def choose_replicas(
@@ -114,11 +158,20 @@ class AdapterAffinityRouter(LocalityMixin, RequestRouter):
             by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
             in_flight = {replica_id: self._in_flight[replica_id] for replica_id in by_id}
             pending_request.routing_context.should_backoff = True
-            order = placement(key, in_flight, self.load_factor)
+            hot = self._is_hot(key, pending_request.metadata.internal_request_id) and len(in_flight) > 1
+            order = (hot_placement if hot else placement)(key, in_flight, self.load_factor)
             if time.time() - pending_request.created_at < self.patience_s:
                 order = order[:1]
             return [[by_id[replica_id]] for replica_id in order]
         return self._power_of_two(pending_request)
+
+    def _is_hot(self, key: str, request_id: str) -> bool:
+        """Whether ``key`` is hot, counted once per request however often Serve asks to route it."""
+        if request_id not in self._hot_by_request:
+            self._hot_by_request[request_id] = self.hot.observe(key)
+            if len(self._hot_by_request) > HOT_WINDOW:
+                self._hot_by_request.popitem(last=False)
+        return self._hot_by_request[request_id]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         """Serve calls this for every request it sends (and ``on_request_completed`` once each)."""

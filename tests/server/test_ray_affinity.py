@@ -116,3 +116,23 @@ def test_the_router_refuses_settings_it_does_not_know() -> None:
     ]:
         with pytest.raises(ray_router.AffinityConfigError, match=match):
             router.initialize_state(**bad)
+
+
+def test_a_key_is_hot_while_it_holds_its_share_of_the_recent_requests() -> None:
+    hot = ray_router.HotKeys(0.25, window=8)
+    assert hot.observe("a") is True  # 1 of 1
+    assert [hot.observe(k) for k in "bcdefgh"] == [True, True, True, False, False, False, False]
+    assert hot.observe("a") is False  # the window is full: the first "a" leaves as this one comes, 1 of 8
+    assert [hot.observe("z") for _ in range(3)] == [False, True, True]
+    assert ray_router.HotKeys(0.0).observe("a") is False  # 0 turns it off
+
+
+def test_a_hot_key_takes_the_less_loaded_of_its_two_homes() -> None:
+    key = "hot-adapter"
+    home, second, third = ray_router.rendezvous_order(key, ["r-a", "r-b", "r-c"])
+    idle = {"r-a": 0, "r-b": 0, "r-c": 0}
+    assert ray_router.hot_placement(key, idle, 1.25) == [home, second, third]  # a tie: the home
+    assert ray_router.hot_placement(key, {**idle, home: 2, second: 1}, 1.25)[0] == second
+    assert ray_router.hot_placement(key, {**idle, home: 1, second: 2}, 1.25)[0] == home
+    # Never a third replica first, however idle: the key stays resident on two.
+    assert ray_router.hot_placement(key, {**idle, home: 2, second: 2}, 100.0)[0] == home
