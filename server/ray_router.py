@@ -25,9 +25,10 @@ from the key and the set of running replicas, and the replicas report nothing:
 - *Hot adapters get two homes*: an adapter asked for in at least ``hot_share`` (2%) of the last
   ``HOT_WINDOW`` keyed requests is resident on the replicas anyway (every resident set keeps it), so
   it goes to the less loaded of its first two replicas in the key's order (power of two choices
-  between its two homes). Under skewed (Zipf) traffic a handful of adapters carry a large part of
-  the load; giving them a choice balances the replicas, while the long tail, where the resident sets'
-  slices make the difference, stays on one home each.
+  between its two homes; the home unless it has more than one request more in flight). Under skewed
+  (Zipf) traffic a handful of adapters carry a large part of the load; giving them a choice balances
+  the replicas, while the long tail, where the resident sets' slices make the difference, stays on
+  one home each.
 - *Patience*: for its first ``patience_s`` (1 s, as Serve waits for a multiplexed model's replica)
   a request is offered only to its first replica within the bound. Serve probes a replica's queue
   length with a 0.1 s deadline; a busy replica on a loaded machine misses it, and offering the next
@@ -97,12 +98,17 @@ class HotKeys:
         return self.share > 0 and self._counts[key] >= self.share * len(self._recent)
 
 
+HOT_SLACK = 1  # a hot key leaves its home only when the home has more than this many more in flight
+
+
 def hot_placement(key: str, in_flight: dict[str, int], load_factor: float) -> list[str]:
-    """``placement`` for a hot key: the less loaded of its two first replicas in the key's order
-    (the home on a tie), then the rest as ``placement`` orders them."""
+    """``placement`` for a hot key: its home, unless the home has more than HOT_SLACK requests in
+    flight beyond its second replica in the key's order, which then goes first; then the rest as
+    ``placement`` orders them. The slack keeps a request from moving over a count that is only a
+    moment old (a completion not yet counted when the client's next request arrives)."""
     order = placement(key, in_flight, load_factor)
-    two_homes = rendezvous_order(key, list(in_flight))[:2]
-    first = min(two_homes, key=lambda replica_id: in_flight[replica_id])  # min keeps the first on ties
+    home, second = rendezvous_order(key, list(in_flight))[:2]
+    first = second if in_flight[home] > in_flight[second] + HOT_SLACK else home
     return [first, *(replica_id for replica_id in order if replica_id != first)]
 
 
