@@ -662,9 +662,11 @@ def test_requests_for_an_adapter_go_to_the_replica_that_holds_it(cluster: Cluste
         home = {name: next(iter(replicas)) for name, replicas in served.items()}
         slices = Counter(home.values())
         assert len(slices) == 2, f"one replica got every adapter: {slices}"
-        # ... where it stayed resident: the repeats were all hits on a replica whose slice fits.
+        # ... where it stayed resident: the repeats were all hits on a replica whose slice fits beside
+        # the earlier tests' adapter (resident there too; 8 tenants + it in 8 slots would thrash the
+        # LRU). 10 tenants on 2 replicas: at least one slice has 5 or fewer, so one is always checked.
         for replica, size in slices.items():
-            if size <= RESIDENT:
+            if size < RESIDENT:
                 assert after[replica] - after_first[replica] == Counter(hit=2 * size), (replica, size)
 
         a, b = (next(n for n in names if home[n] == replica) for replica in slices)
