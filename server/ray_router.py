@@ -72,9 +72,13 @@ def placement(key: str, in_flight: dict[str, int], load_factor: float) -> list[s
     """The replicas (``in_flight``: each one's requests in flight) in the order to try for ``key``:
     those within ``load_factor`` times the fair share of one more request first, each group in the
     key's rendezvous order."""
+    return _within_bound_first(rendezvous_order(key, list(in_flight)), in_flight, load_factor)
+
+
+def _within_bound_first(ranked: list[str], in_flight: dict[str, int], load_factor: float) -> list[str]:
+    """``ranked`` with the replicas past ``load_factor`` x the fair share moved last (stable)."""
     capacity = math.ceil(load_factor * (sum(in_flight.values()) + 1) / len(in_flight))
-    order = rendezvous_order(key, list(in_flight))
-    return sorted(order, key=lambda replica_id: in_flight[replica_id] + 1 > capacity)  # stable
+    return sorted(ranked, key=lambda replica_id: in_flight[replica_id] + 1 > capacity)
 
 
 HOT_WINDOW = 2000  # keyed requests a router remembers to tell which adapters are hot
@@ -106,10 +110,11 @@ def hot_placement(key: str, in_flight: dict[str, int], load_factor: float) -> li
     flight beyond its second replica in the key's order, which then goes first; then the rest as
     ``placement`` orders them. The slack keeps a request from moving over a count that is only a
     moment old (a completion not yet counted when the client's next request arrives)."""
-    order = placement(key, in_flight, load_factor)
-    home, second = rendezvous_order(key, list(in_flight))[:2]
+    ranked = rendezvous_order(key, list(in_flight))  # hashed once for both orders
+    home, second = ranked[:2]
     first = second if in_flight[home] > in_flight[second] + HOT_SLACK else home
-    return [first, *(replica_id for replica_id in order if replica_id != first)]
+    rest = _within_bound_first(ranked, in_flight, load_factor)
+    return [first, *(replica_id for replica_id in rest if replica_id != first)]
 
 
 class AdapterAffinityRouter(LocalityMixin, RequestRouter):

@@ -112,6 +112,8 @@ def test_the_router_refuses_settings_it_does_not_know() -> None:
         ({"load_factor": 0.5}, "load_factor must be"),
         ({"load_factor": "2"}, "load_factor must be"),
         ({"patience_s": -1}, "patience_s must be"),
+        ({"hot_share": 1.5}, "hot_share must be"),
+        ({"hot_share": True}, "hot_share must be"),
         ({"affinity": True}, "unknown request_router_kwargs"),
     ]:
         with pytest.raises(ray_router.AffinityConfigError, match=match):
