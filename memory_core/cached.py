@@ -16,6 +16,9 @@ What is kept per image (the ``store``):
   key norm (``qk_norm``) cannot fold its queries into W_k: its keys and values are projected from h.
 - ``"keys-values"``: the keys and values themselves, (L, 2, H, T, d): twice the bytes, and the very
   tensors the split path reads (float32 storage gives its numbers bit for bit).
+
+How the class tokens read a stored layer is in memory_core/stored_attention.py; the common block runs
+as one autograd node with its backward pass written out (memory_core/cached_block.py).
 """
 
 from __future__ import annotations
@@ -24,15 +27,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from .adapter_set import AdapterSet
-from .attention import BaseKeys, KeysValues, base_block, class_token_block, project_qkv, softmax_dtype
+from .attention import BaseKeys, KeysValues, base_block, project_qkv
+from .cached_block import cached_class_token_block
 from .errors import AdapterShapeError, InputError
 from .output import FusedOutput
 from .spec import ViTSpec
+from .stored_attention import NormedInputs, StoredKeysValues
 
 STORES = ("inputs", "keys-values")
 
@@ -90,106 +94,6 @@ class CachedBatch:
         return self.layers.shape[0]
 
 
-class _TimesStored(torch.autograd.Function):
-    """``a @ x`` (or ``a @ x^T``) for a stored constant ``x``, widened to ``a``'s dtype where it is used.
-
-    The backward pass widens ``x`` again instead of keeping the widened copy: per layer the copy is a
-    few MB, made and read while it is still in cache, where a copy kept for the backward pass would
-    come back from main memory (and the whole batch would stay allocated at twice its size). Reading
-    the stored layers is most of a cached step's memory traffic.
-    """
-
-    @staticmethod
-    def forward(ctx, a: Tensor, x: Tensor, transpose: bool) -> Tensor:
-        ctx.save_for_backward(x)
-        ctx.transpose = transpose
-        wide = x.to(a.dtype)
-        return a @ (wide.transpose(-1, -2) if transpose else wide)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        (x,) = ctx.saved_tensors
-        wide = x.to(grad.dtype)
-        return grad @ (wide if ctx.transpose else wide.transpose(-1, -2)), None, None
-
-
-@dataclass(frozen=True)
-class StoredKeysValues:
-    """One layer's cached base keys and values, each (B, H, T, d) in the storage dtype."""
-
-    keys: Tensor
-    values: Tensor
-
-    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
-        T = self.keys.shape[-2]
-        scores = torch.cat([_TimesStored.apply(q, self.keys, True), other], dim=-1)
-        probs = scores.softmax(dim=-1, dtype=softmax_dtype(q.dtype)).to(q.dtype)
-        return _TimesStored.apply(probs[..., :T], self.values, False), probs[..., T:]
-
-
-class _AttendInputs(torch.autograd.Function):
-    """The class tokens' attention over one layer's base tokens, from their stored normed inputs h
-    (B, T, D): keys and values are never formed. With W_k, W_v (H, d, D) and biases b_k, b_v (H, 1, d):
-
-        scores = (q W_k).h + q.b_k             the query folded into W_k
-        p      = softmax([scores ; other])     one softmax with the lineage and memory scores
-        o      = (p h) W_v^T + (sum p) b_v     the weighted sum folded into W_v
-
-    Forward and backward are written out in one function: h is widened once per pass and read twice
-    while it is still in cache, and none of the small steps in between records an autograd node
-    (about 30 fewer per layer and step). The base is frozen: only q and the other scores get gradients.
-    """
-
-    @staticmethod
-    def forward(ctx, q: Tensor, other: Tensor, h: Tensor, w_k, b_k, w_v, b_v, dtype) -> tuple[Tensor, Tensor]:
-        B, H, K, _ = q.shape
-        T = h.shape[1]
-        wide = h.to(q.dtype)
-        u = torch.einsum("bhkd,hde->bhke", q, w_k).reshape(B, H * K, -1)  # (B, H*K, D)
-        scores = torch.bmm(u, wide.transpose(1, 2)).view(B, H, K, T) + (q * b_k).sum(-1, keepdim=True)
-        p = torch.cat([scores, other], dim=-1).softmax(dim=-1, dtype=dtype).to(q.dtype)
-        p_x = p[..., :T]
-        ph = torch.bmm(p_x.reshape(B, H * K, T), wide).view(B, H, K, -1)  # (B, H, K, D)
-        o = torch.einsum("bhke,hde->bhkd", ph, w_v) + p_x.sum(-1, keepdim=True) * b_v
-        ctx.save_for_backward(q, h, p, w_k, b_k, w_v, b_v)
-        ctx.dtype = dtype
-        return o, p[..., T:]
-
-    @staticmethod
-    def backward(ctx, grad_o: Tensor, grad_other: Tensor) -> tuple[Tensor | None, ...]:
-        q, h, p, w_k, b_k, w_v, b_v = ctx.saved_tensors
-        B, H, K, _ = q.shape
-        T = h.shape[1]
-        wide = h.to(q.dtype)
-        grad_ph = torch.einsum("bhkd,hde->bhke", grad_o, w_v).reshape(B, H * K, -1)
-        grad_p = torch.empty_like(p)
-        grad_p[..., :T] = torch.bmm(grad_ph, wide.transpose(1, 2)).view(B, H, K, T)
-        grad_p[..., :T] += (grad_o * b_v).sum(-1, keepdim=True)
-        grad_p[..., T:] = grad_other
-        pw, gw = p.to(ctx.dtype), grad_p.to(ctx.dtype)
-        grad_s = (pw * (gw - (gw * pw).sum(-1, keepdim=True))).to(q.dtype)  # through the softmax
-        grad_x = grad_s[..., :T]
-        grad_u = torch.bmm(grad_x.reshape(B, H * K, T), wide).view(B, H, K, -1)
-        grad_q = torch.einsum("bhke,hde->bhkd", grad_u, w_k) + grad_x.sum(-1, keepdim=True) * b_k
-        return grad_q, grad_s[..., T:], None, None, None, None, None, None
-
-
-@dataclass(frozen=True)
-class NormedInputs:
-    """One layer's base tokens held as their normed inputs h (B, T, D), in the storage dtype."""
-
-    h: Tensor
-
-    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
-        H, d, width = attn.num_heads, attn.head_dim, attn.attn_dim
-        w_k, w_v = attn.qkv.weight[width:].view(2, H, d, -1)  # (H, d, D) each
-        bias = attn.qkv.bias
-        b_k, b_v = q.new_zeros(2, H, 1, d) if bias is None else bias[width:].view(2, H, 1, d)
-        if w_k.requires_grad:
-            raise ValueError("the cached path trains adapters over a frozen base; this base requires grad")
-        return _AttendInputs.apply(q, other, self.h, w_k, b_k, w_v, b_v, softmax_dtype(q.dtype))
-
-
 def _base_keys(block: nn.Module, store: str, layer: Tensor, dtype: torch.dtype) -> BaseKeys:
     """One layer of a batch (B, ...), in the storage dtype -> how the class tokens read it."""
     attn = block.attn
@@ -224,7 +128,9 @@ def forward_cached(engine: Engine, batch: CachedBatch, adapter_set: AdapterSet) 
     layers = batch.layers.to(engine.device)
     c = base.norm_pre(stack.cls).expand(len(batch), -1, -1)  # (B, K, D)
     for i, (block, memory) in enumerate(zip(base.blocks, stack.layers, strict=True)):
-        c = class_token_block(block, c, _base_keys(block, batch.store, layers[:, i], engine.dtype), memory)
+        c = cached_class_token_block(
+            block, c, _base_keys(block, batch.store, layers[:, i], engine.dtype), memory
+        )
     heads = stack.apply_heads(base.norm(c))
     return FusedOutput.every_image(
         batch.base_logits.to(engine.device), dict(zip(adapter_set.names, heads, strict=True)), adapter_set
