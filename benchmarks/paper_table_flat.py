@@ -4,9 +4,10 @@
     python -m benchmarks.paper_table_flat --dataset cifar10 --cache /work/cache-c10 --augmentation 200
 
 On the real DeiT-Tiny (frozen), one dataset per invocation (its caches fit this machine's disk one at
-a time):
+a time). The regimes, grids, stopping rule and choice are in benchmarks/table2.py, the test pass, the
+curves and the tables in benchmarks/paper_table_flat_report.py:
 1. Every regime (head only, class token + head, memory 1, 5, 10) at every point of its grid
-   (``paper_table.GRIDS``, memory 10 as memory 5), for every seed, trains in ONE fused run over the
+   (``table2.GRID``: ``paper_table.GRIDS``, memory 10 as memory 5), for every seed, trains in ONE fused run over the
    activation cache (``TrainingRun``). Head only and class token + head start from the base's class
    token and a zero head, so their seeds are the same run: they train once and stand for every seed.
 2. After every epoch every variant is scored on the validation split (cut from the training set,
@@ -27,82 +28,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from benchmarks.common import argument_parser, deit_tiny_engine, pin_malloc
-from benchmarks.paper_table import GRIDS, paired, prepare_data
+from benchmarks.paper_table import prepare_data
+from benchmarks.paper_table_flat_report import plot, report, test_correct
+from benchmarks.table2 import GRID, REGIMES, Arm, Trained, choose, grid_points, plateaued, seeded
 from memvit.adapters.preprocess import eval_transform
-from memvit.adapters.training import TrainConfig, TrainingRun, evaluate_many, scan_folder
-from memvit.adapters.training.data import ImageDataset
-from memvit.memory_core import AdapterWeights, MemoryViT
-
-REGIMES: dict[str, dict] = {
-    "head only": {"head_only": True},
-    "class token + head": {"memory_tokens": 0},
-    "memory 1": {"memory_tokens": 1},
-    "memory 5": {"memory_tokens": 5},
-    "memory 10": {"memory_tokens": 10},
-}
-GRID = {**GRIDS, "memory 10": GRIDS["memory 5"]}
-PAIRS = [
-    ("class token + head", "head only"),
-    *((f"memory {m}", b) for m in (1, 5, 10) for b in ("head only", "class token + head")),
-    ("memory 5", "memory 1"),
-    ("memory 10", "memory 1"),
-]
-
-
-def plateaued(curve: Sequence[float], patience: int, min_gain: float) -> bool:
-    """True once the last ``patience`` points of ``curve`` gained less than ``min_gain`` over the best
-    point before them (never before there are ``patience`` + 1 points)."""
-    if patience < 1 or len(curve) <= patience:
-        return False
-    return max(curve[-patience:]) < max(curve[:-patience]) + min_gain
-
-
-def seeded(regime: str) -> bool:
-    """Whether the initialisation seed changes the regime's run (only memory is drawn at random)."""
-    return bool(REGIMES[regime].get("memory_tokens"))
-
-
-def grid_points(regime: str, args, arm: Arm) -> int:
-    """How many points of the regime's grid the arm trains (memory regimes may take fewer)."""
-    n = args.grid_points
-    if REGIMES[regime].get("memory_tokens") and args.memory_grid_points is not None:
-        n = args.memory_grid_points
-    return n if arm.grid_points is None else min(n, arm.grid_points)
-
-
-@dataclass
-class Arm:
-    """One way of training every regime: its training images and where its batches come from."""
-
-    name: str
-    train_dir: Path
-    cache: Path | None  # None: from the images (random-resized crops + flips)
-    views: int = 1
-    hflip: float = 0.0
-    grid_points: int | None = None  # at most this many points of each grid
-
-
-@dataclass
-class Trained:
-    regime: str
-    grid: int
-    seed: int
-    curve: list[float]  # validation top-1 after each epoch
-    best_epoch: int
-    weights: AdapterWeights
-
-    @property
-    def best(self) -> float:
-        return self.curve[self.best_epoch - 1]
+from memvit.adapters.training import TrainConfig, TrainingRun, evaluate_many
+from memvit.memory_core import MemoryViT
 
 
 def train_arm(engine: MemoryViT, dataset: str, arm: Arm, val_dir: Path, args, val_cache=None) -> dict:
@@ -187,126 +122,6 @@ def train_arm(engine: MemoryViT, dataset: str, arm: Arm, val_dir: Path, args, va
         "val_s": val_s,
         "val_cache": val_cache,
     }
-
-
-def choose(trained: list[Trained], seeds: list[int]) -> dict[str, dict[int, Trained]]:
-    """Per regime and seed: the grid point with the best validation top-1 at its best epoch (ties: the
-    first). Unseeded regimes stand for every seed with their one run."""
-    chosen: dict[str, dict[int, Trained]] = {}
-    for t in trained:
-        for seed in seeds if not seeded(t.regime) else [t.seed]:
-            best = chosen.setdefault(t.regime, {}).get(seed)
-            if best is None or t.best > best.best:
-                chosen[t.regime][seed] = t
-    return chosen
-
-
-@torch.inference_mode()
-def test_correct(engine: MemoryViT, weights: list[AdapterWeights], test_dir: Path) -> dict[str, torch.Tensor]:
-    """Which test images each adapter gets right (bool (N,)), from one fused pass per batch."""
-    samples = scan_folder(test_dir, check_images=False)
-    adapter_set = engine.prepare_set(weights)
-    dataset = ImageDataset(samples, eval_transform(engine))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=128, num_workers=1)
-    correct: dict[str, list[torch.Tensor]] = {w.name: [] for w in weights}
-    for images, labels in loader:
-        out = engine(images, adapter_set)
-        for name in correct:
-            correct[name].append(out.adapters[name].argmax(-1) == labels)
-    return {name: torch.cat(parts) for name, parts in correct.items()}
-
-
-def plot(path: Path, title: str, arms: dict[str, dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(
-        1, len(arms), figsize=(6.5 * len(arms), 4.6), constrained_layout=True, squeeze=False
-    )
-    for ax, (arm, r) in zip(axes[0], arms.items(), strict=True):
-        for i, regime in enumerate(REGIMES):
-            picked = {id(t) for t in r["chosen"][regime].values()}
-            for t in r["trained"]:
-                if t.regime != regime:
-                    continue
-                on = id(t) in picked
-                first = on and t is next(iter(r["chosen"][regime].values()))
-                epochs = range(1, len(t.curve) + 1)
-                ax.plot(
-                    epochs,
-                    t.curve,
-                    color=f"C{i}",
-                    linewidth=1.2 if on else 0.6,
-                    linestyle="-" if on else ":",
-                    marker="o" if on else None,
-                    markersize=2.5,
-                    label=regime if first else None,
-                )
-        ax.set(title=f"{title}: {arm}", xlabel="epoch", ylabel="validation top-1")
-        ax.legend(fontsize=8)
-    fig.suptitle("chosen grid point per seed: solid; other grid points: dotted", fontsize=9)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def report(dataset: str, arms: dict[str, dict], correct: dict[str, torch.Tensor], args) -> dict:
-    seeds = args.seeds
-    per_arm = {
-        arm: {regime: [correct[r["chosen"][regime][s].weights.name] for s in seeds] for regime in REGIMES}
-        for arm, r in arms.items()
-    }
-    n_test = len(next(iter(correct.values())))
-    print(f"\n{dataset}: test top-1 on {n_test} images (mean ± sd over seeds {seeds}); epochs to the best")
-    print("| regime | " + " | ".join(f"{a} top-1 | best epoch" for a in arms) + " |")
-    print("|---|" + "--:|--:|" * len(arms))
-    summary: dict = {"test_images": n_test, "arms": {}}
-    for regime in REGIMES:
-        cells = []
-        for arm, r in arms.items():
-            accs = [c.float().mean().item() for c in per_arm[arm][regime]]
-            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-            best_epochs = sorted({t.best_epoch for t in r["chosen"][regime].values()})
-            cells.append(f"{statistics.mean(accs):.4f} ± {sd:.4f} | {','.join(map(str, best_epochs))}")
-            summary["arms"].setdefault(arm, {})[regime] = accs
-        print(f"| {regime} | " + " | ".join(cells) + " |")
-    for arm, r in arms.items():
-        ran = len(r["epoch_s"])
-        print(
-            f"\n[{arm}] {r['train_images']} training images, {r['augmentation']}; "
-            f"{len(r['trained'])} variants; ran {ran} of {args.epochs} epochs (stop: every variant's last "
-            f"{args.patience} epochs gained < {args.min_gain * 100:g} point over its best before); caches "
-            f"{r['build_s']:.0f} s, epochs {statistics.median(r['epoch_s']):.0f} s (median) + validation "
-            f"{statistics.median(r['val_s']):.0f} s"
-        )
-        print("Validation top-1 per grid point (lr, class-token scale, memory scale), best epoch, seed mean:")
-        for regime in REGIMES:
-            cells = []
-            for g, point in enumerate(GRID[regime][: grid_points(regime, args, r["arm"])]):
-                vals = [t.best for t in r["trained"] if t.regime == regime and t.grid == g]
-                cells.append(f"{point}: {statistics.mean(vals):.4f}")
-            picks = [f"g{r['chosen'][regime][s].grid}" for s in seeds]
-            print(f"- {regime}: {'; '.join(cells)}; chosen {picks}")
-        summary["arms"][arm]["_epochs"] = {"ran": ran, "train_s": r["epoch_s"], "val_s": r["val_s"]}
-    print("\nPaired differences on the same test images (points of top-1; SE over images | over seeds):")
-    print("| arm | comparison | difference | SE images | SE seeds | per seed | >= 2 SE |")
-    print("|---|---|--:|--:|--:|---|---|")
-    comparisons = [(arm, arm, a, b) for arm in arms for a, b in PAIRS]
-    subset = [name for name in arms if name.startswith("subset")]  # augmentation against none
-    comparisons += [(f"{x} - {subset[0]}", (x, subset[0]), r, r) for x in subset[1:] for r in REGIMES]
-    for label, which, a, b in comparisons:
-        left, right = (which, which) if isinstance(which, str) else which
-        p = paired(per_arm[left][a], per_arm[right][b])
-        se = max(p["se_images"], 0.0 if math.isnan(p["se_seeds"]) else p["se_seeds"])
-        what = f"{a} - {b}" if a != b else a
-        separated = "yes" if p["diff"] and abs(p["diff"]) >= 2 * se else "no"
-        seeds_s = ", ".join(f"{100 * x:+.2f}" for x in p["per_seed"])
-        print(
-            f"| {label} | {what} | {100 * p['diff']:+.2f} | {100 * p['se_images']:.2f} "
-            f"| {100 * p['se_seeds']:.2f} | {seeds_s} | {separated} |"
-        )
-    return summary
 
 
 def subset_folder(source: Path, out: Path, per_class: int) -> Path:

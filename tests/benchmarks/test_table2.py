@@ -1,10 +1,10 @@
-"""The stopping rule and the choice of grid points of benchmarks/paper_table_flat.py."""
+"""The stopping rule and the choice of grid points of the Table 2 run (benchmarks/table2.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.paper_table_flat import Trained, choose, plateaued
+from benchmarks.table2 import Trained, choose, plateaued
 
 
 @pytest.mark.parametrize(
