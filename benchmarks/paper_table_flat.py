@@ -7,9 +7,10 @@ On the real DeiT-Tiny (frozen), one dataset per invocation (its caches fit this 
 a time). The regimes, grids, stopping rule and choice are in benchmarks/table2.py, the test pass, the
 curves and the tables in benchmarks/paper_table_flat_report.py:
 1. Every regime (head only, class token + head, memory 1, 5, 10) at every point of its grid
-   (``table2.GRID``: ``paper_table.GRIDS``, memory 10 as memory 5), for every seed, trains in ONE fused run over the
-   activation cache (``TrainingRun``). Head only and class token + head start from the base's class
-   token and a zero head, so their seeds are the same run: they train once and stand for every seed.
+   (``table2.GRID``: ``paper_table.GRIDS``, memory 10 as memory 5), for every seed, trains in ONE
+   fused run over the activation cache (``TrainingRun``). Head only and class token + head start
+   from the base's class token and a zero head, so their seeds are the same run: they train once
+   and stand for every seed.
 2. After every epoch every variant is scored on the validation split (cut from the training set,
    disjoint) from its cache. The run stops when every variant has plateaued (``plateaued``: the last
    ``--patience`` epochs gained less than ``--min-gain`` over the best epoch before them) or at

@@ -11,7 +11,7 @@ has to map its fields onto this class.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Literal
 
 import torch
@@ -80,15 +80,18 @@ class AdapterWeights:
     parent: str | None = None  # extension mode: the adapter whose tokens this one also attends to
     labels: tuple[str, ...] | None = None  # C class names, if known
     extra: dict = field(default_factory=dict)  # free-form metadata carried along (training record, ...)
+    # False only for a trainer's own live parameters, rebuilt every step: the NaN and range checks
+    # read every tensor back (a sync each), and the bundle a training run writes is checked anyway.
+    check_values: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check_values: bool) -> None:
         check_name(self.name)
         if self.parent is not None:
             check_name(self.parent, field="parent")
             if self.parent == self.name:
                 raise InvalidAdapterError(f"adapter {self.name!r} names itself as its parent", field="parent")
         check_memory_norm(self.memory_norm)
-        self._check_tensors()
+        self._check_tensors(check_values)
         if self.labels is not None:
             if not isinstance(self.labels, tuple) or not all(isinstance(x, str) for x in self.labels):
                 raise InvalidAdapterError("labels must be a tuple of strings", field="labels")
@@ -99,7 +102,7 @@ class AdapterWeights:
                     field="labels",
                 )
 
-    def _check_tensors(self) -> None:
+    def _check_tensors(self, check_values: bool) -> None:
         for key, ndim, layout in TENSORS:
             t = getattr(self, key)
             if not isinstance(t, Tensor):
@@ -130,6 +133,8 @@ class AdapterWeights:
             raise AdapterShapeError(
                 "the head has 0 classes; an adapter needs at least one", field="head_weight"
             )
+        if not check_values:
+            return
         with torch.no_grad():
             for key, _, _ in TENSORS:
                 t = getattr(self, key)

@@ -75,6 +75,29 @@ def _layer_norm_backward(norm: nn.LayerNorm, grad: Tensor, x: Tensor, mean: Tens
     ]
 
 
+# Each class token's memory, (K, H, P, d), against per-row tensors (B, H, K, ...): einsum's products
+# as one bmm over the K*H (adapter, head) pairs each.
+def _scores(x: Tensor, m: Tensor) -> Tensor:
+    """x (B, H, K, d), m (K, H, P, d) -> (B, H, K, P): ``einsum("bhkd,khpd->bhkp")``."""
+    B, H, K, d = x.shape
+    out = torch.bmm(x.permute(2, 1, 0, 3).reshape(K * H, B, d), m.reshape(K * H, -1, d).transpose(1, 2))
+    return out.view(K, H, B, -1).permute(2, 1, 0, 3)
+
+
+def _mix(p: Tensor, m: Tensor) -> Tensor:
+    """p (B, H, K, P), m (K, H, P, d) -> (B, H, K, d): ``einsum("bhkp,khpd->bhkd")``."""
+    B, H, K, P = p.shape
+    out = torch.bmm(p.permute(2, 1, 0, 3).reshape(K * H, B, P), m.reshape(K * H, P, -1))
+    return out.view(K, H, B, -1).permute(2, 1, 0, 3)
+
+
+def _outer(p: Tensor, x: Tensor) -> Tensor:
+    """p (B, H, K, P), x (B, H, K, d) -> (K, H, P, d), over the batch: ``einsum("bhkp,bhkd->khpd")``."""
+    B, H, K, P = p.shape
+    out = torch.bmm(p.permute(2, 1, 3, 0).reshape(K * H, P, B), x.permute(2, 1, 0, 3).reshape(K * H, B, -1))
+    return out.view(K, H, P, -1)
+
+
 class _ClassTokenBlock(torch.autograd.Function):
     """c (B, K, D), memory keys and values (K, H, P, d), the stored normed inputs h (B, T, D) -> c.
 
@@ -100,11 +123,11 @@ class _ClassTokenBlock(torch.autograd.Function):
         q, k, v = qkv.reshape(B, K, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q = q * attn.scale  # (B, H, K, d), as k and v
         s_self = (q * k).sum(-1, keepdim=True)  # (B, H, K, 1)
-        s_mem = torch.einsum("bhkd,khpd->bhkp", q, mem_k) + mem_bias  # (B, H, K, P)
+        s_mem = _scores(q, mem_k) + mem_bias  # (B, H, K, P)
         folded, dtype = Folded.of(attn, q), softmax_dtype(q.dtype)
         o_x, p = attend_inputs(q, torch.cat([s_self, s_mem], dim=-1), h, folded, dtype)
         T = h.shape[1]
-        o = o_x + p[..., T : T + 1] * v + torch.einsum("bhkp,khpd->bhkd", p[..., T + 1 :], mem_v)
+        o = o_x + p[..., T : T + 1] * v + _mix(p[..., T + 1 :], mem_v)
         c1 = c + F.linear(o.transpose(1, 2).reshape(B, K, D), attn.proj.weight, attn.proj.bias)
         h2, mean2, rstd2 = _layer_norm(block.norm2, c1)
         a = F.linear(h2, mlp.fc1.weight, mlp.fc1.bias)  # (B, K, hidden)
@@ -127,16 +150,14 @@ class _ClassTokenBlock(torch.autograd.Function):
         grad_o = (grad_c1 @ attn.proj.weight).view(B, K, attn.num_heads, -1).transpose(1, 2)  # (B, H, K, d)
         p_self, p_mem = p[..., T : T + 1], p[..., T + 1 :]
         grad_v = p_self * grad_o
-        grad_mem_v = torch.einsum("bhkp,bhkd->khpd", p_mem, grad_o)
-        grad_other = torch.cat(
-            [(grad_o * v).sum(-1, keepdim=True), torch.einsum("bhkd,khpd->bhkp", grad_o, mem_v)], dim=-1
-        )
+        grad_mem_v = _outer(p_mem, grad_o)
+        grad_other = torch.cat([(grad_o * v).sum(-1, keepdim=True), _scores(grad_o, mem_v)], dim=-1)
         # one softmax over the base, itself and the memory; then the scores
         grad_q, grad_s = attend_inputs_backward(grad_o, grad_other, q, h, p, folded, ctx.dtype)
         grad_s_self, grad_s_mem = grad_s[..., :1], grad_s[..., 1:]
-        grad_q = grad_q + grad_s_self * k + torch.einsum("bhkp,khpd->bhkd", grad_s_mem, mem_k)
+        grad_q = grad_q + grad_s_self * k + _mix(grad_s_mem, mem_k)
         grad_k = grad_s_self * q  # q is already scaled
-        grad_mem_k = torch.einsum("bhkp,bhkd->khpd", grad_s_mem, q)
+        grad_mem_k = _outer(grad_s_mem, q)
         grad_qkv = (
             torch.stack([grad_q * attn.scale, grad_k, grad_v]).permute(1, 3, 0, 2, 4).reshape(B, K, 3 * D)
         )

@@ -73,13 +73,14 @@ class TrainableAdapter(nn.Module):
             return "head-only"
         return "memory" if self.memory.shape[1] else "class-token"
 
-    def _weights(self, tensors: dict[str, Tensor]) -> AdapterWeights:
+    def _weights(self, tensors: dict[str, Tensor], *, check_values: bool = True) -> AdapterWeights:
         return AdapterWeights(
             name=self.name,
             **tensors,
             memory_norm=self.memory_norm,
             parent=None if self.parent is None else self.parent.name,
             labels=self.labels,
+            check_values=check_values,
         )
 
     def _tensors(self) -> dict[str, Tensor]:
@@ -91,8 +92,9 @@ class TrainableAdapter(nn.Module):
         }
 
     def live_weights(self) -> AdapterWeights:
-        """The parameters themselves (no copy): what ``prepare`` differentiates through."""
-        return self._weights(self._tensors())
+        """The parameters themselves (no copy): what ``prepare`` differentiates through. Built every
+        step, so their values are not checked here (``weights``, what a bundle stores, checks them)."""
+        return self._weights(self._tensors(), check_values=False)
 
     def weights(self) -> AdapterWeights:
         """A detached snapshot, as a bundle stores it."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -70,6 +72,17 @@ def test_every_rule_is_checked_on_construction(kwargs, error, field, match) -> N
     with pytest.raises(error, match=match) as info:
         AdapterWeights(**{**GOOD, **kwargs})
     assert info.value.field == field
+
+
+def test_a_trainers_live_parameters_skip_only_the_value_checks() -> None:
+    # check_values=False (a trainer's own parameters, rebuilt every step) skips NaN and range checks,
+    # never the shape checks; dataclasses.replace checks values again unless told otherwise.
+    w = AdapterWeights(**{**GOOD, "memory": _nan((3, 1, 64))}, check_values=False)
+    assert w.memory.isnan().any()
+    with pytest.raises(AdapterShapeError, match="memory has width 5"):
+        AdapterWeights(**{**GOOD, "memory": torch.zeros(3, 1, 5)}, check_values=False)
+    with pytest.raises(InvalidAdapterError, match="NaN or inf"):
+        dataclasses.replace(w, name="b")
 
 
 def test_a_valid_adapter_and_its_shape() -> None:
