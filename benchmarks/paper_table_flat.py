@@ -13,8 +13,9 @@ curves and the tables in benchmarks/paper_table_flat_report.py:
    and stand for every seed.
 2. After every epoch every variant is scored on the validation split (cut from the training set,
    disjoint) from its cache. The run stops when every variant has plateaued (``plateaued``: the last
-   ``--patience`` epochs gained less than ``--min-gain`` over the best epoch before them) or at
-   ``--epochs`` (the warm-up/cosine schedule spans the cap). Each variant keeps its best epoch.
+   ``--patience`` epochs gained less than ``--min-gain`` over the best epoch before them), but not
+   before the schedule's last quarter (``first_stop``), or at ``--epochs`` (the warm-up/cosine
+   schedule spans the cap). Each variant keeps its best epoch.
 3. Per regime and seed, the grid point with the best validation top-1 (at its best epoch) is scored
    on the test split (uncached; one fused pass for every chosen adapter); paired differences with
    standard errors over images and over seeds (``paper_table.paired``).
@@ -35,7 +36,7 @@ from pathlib import Path
 from benchmarks.common import argument_parser, deit_tiny_engine, pin_malloc
 from benchmarks.paper_table import prepare_data
 from benchmarks.paper_table_flat_report import plot, report, test_correct
-from benchmarks.table2 import GRID, REGIMES, Arm, Trained, choose, grid_points, plateaued, seeded
+from benchmarks.table2 import GRID, REGIMES, Arm, Trained, choose, first_stop, grid_points, plateaued, seeded
 from memvit.adapters.preprocess import eval_transform
 from memvit.adapters.training import TrainConfig, TrainingRun, evaluate_many
 from memvit.memory_core import MemoryViT
@@ -111,7 +112,7 @@ def train_arm(engine: MemoryViT, dataset: str, arm: Arm, val_dir: Path, args, va
             f"plateaued {flat}/{len(trained)}",
             flush=True,
         )
-        if flat == len(trained):
+        if flat == len(trained) and epoch >= first_stop(args.epochs):
             break
     return {
         "arm": arm,

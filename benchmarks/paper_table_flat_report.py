@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.paper_table import paired
-from benchmarks.table2 import GRID, PAIRS, REGIMES, grid_points
+from benchmarks.table2 import GRID, PAIRS, REGIMES, first_stop, grid_points
 from memvit.adapters.preprocess import eval_transform
 from memvit.adapters.training import scan_folder
 from memvit.adapters.training.data import ImageDataset
@@ -91,7 +91,8 @@ def report(dataset: str, arms: dict[str, dict], correct: dict[str, torch.Tensor]
         print(
             f"\n[{arm}] {r['train_images']} training images, {r['augmentation']}; "
             f"{len(r['trained'])} variants; ran {ran} of {args.epochs} epochs (stop: every variant's last "
-            f"{args.patience} epochs gained < {args.min_gain * 100:g} point over its best before); caches "
+            f"{args.patience} epochs gained < {args.min_gain * 100:g} point over its best before, from epoch "
+            f"{first_stop(args.epochs)}); caches "
             f"{r['build_s']:.0f} s, epochs {statistics.median(r['epoch_s']):.0f} s (median) + validation "
             f"{statistics.median(r['val_s']):.0f} s"
         )

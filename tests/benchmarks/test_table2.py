@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from benchmarks.table2 import Trained, choose, plateaued
+from benchmarks.table2 import Trained, choose, first_stop, plateaued
 
 
 @pytest.mark.parametrize(
@@ -45,3 +47,11 @@ def test_choose_best_grid_point_per_seed_at_its_best_epoch():
     assert chosen["memory 1"][0] is runs[0] and chosen["memory 1"][1] is runs[3]
     # head only's seeds are one run: it stands for every seed
     assert chosen["head only"][0] is runs[5] and chosen["head only"][1] is runs[5]
+
+
+@pytest.mark.parametrize(("cap", "first"), [(1, 1), (4, 3), (10, 8), (20, 15)])
+def test_a_run_may_stop_only_in_its_schedules_last_quarter(cap, first):
+    # cosine factor 0.5 * (1 + cos(pi * epoch / cap)) is below 0.15 from epoch ``first`` on, not before
+    assert first_stop(cap) == first
+    factor = lambda e: 0.5 * (1 + math.cos(math.pi * e / cap))  # noqa: E731
+    assert factor(first) < 0.15 and (first == 1 or factor(first - 1) >= 0.15)
