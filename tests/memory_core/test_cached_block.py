@@ -16,6 +16,8 @@ from memvit.memory_core.stored_attention import NormedInputs, StoredKeysValues
 from tests.conftest import images
 from tests.factories import VARIANTS, random_adapter, tiny_engine
 
+original = cached_block.written_out  # the real rule, before any test patches it
+
 
 def _trainable(engine: MemoryViT, name: str, m: int, *, head_only: bool = False) -> AdapterWeights:
     w = random_adapter(name, engine, m=m, seed=len(name))
@@ -45,9 +47,6 @@ def _logits_and_grads(
         (w.name, k): getattr(w, k).grad for w in adapters for k in ("memory", "cls_token", "head_weight")
     }
     return out.adapters, grads
-
-
-original = cached_block.written_out
 
 
 def test_the_written_out_block_equals_the_recorded_path_in_float64(monkeypatch) -> None:
