@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from timm.layers import LayerNorm, Mlp
+from timm.layers import Mlp
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from .attention import BaseKeys, LayerMemory, class_token_block, softmax_dtype
+from .memory_projection import plain_layer_norm
 from .stored_attention import Folded, NormedInputs, attend_inputs, attend_inputs_backward
 
 
@@ -43,18 +44,13 @@ def written_out(block: nn.Module, base: BaseKeys, memory: LayerMemory) -> bool:
     return (
         memory.lineage.ndim == 2  # shared, not routed
         and memory.lineage.shape[-1] == 1  # concatenation mode: each row's lineage is itself
-        and _plain_layer_norm(block.norm1)
-        and _plain_layer_norm(block.norm2)
+        and plain_layer_norm(block.norm1)
+        and plain_layer_norm(block.norm2)
         and all(isinstance(m, nn.Identity) for m in (*identities, mlp.norm))
         and getattr(attn, "gate", None) is None
         and type(mlp.act) is nn.GELU
         and not any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in dropouts)
     )
-
-
-def _plain_layer_norm(norm: nn.Module) -> bool:
-    """torch's LayerNorm, or timm's without its fast-norm option (then it is torch's)."""
-    return type(norm) is nn.LayerNorm or (type(norm) is LayerNorm and not norm._fast_norm)
 
 
 def cached_class_token_block(block: nn.Module, c: Tensor, base: BaseKeys, memory: LayerMemory) -> Tensor:

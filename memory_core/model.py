@@ -29,6 +29,7 @@ from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
 from .fingerprint import state_fingerprint
 from .invariant import InvariantBlocks
+from .memory_projection import StackedProjection
 from .output import FusedOutput
 from .routing import Route, build_route
 from .spec import ViTSpec
@@ -54,6 +55,7 @@ class MemoryViT(nn.Module):
         self.invariant_blocks: InvariantBlocks | None = None  # None: the device's defaults
         self.spec = ViTSpec.from_model(base.model, base.arch)  # raises UnsupportedModelError
         self.base = base.model.eval().requires_grad_(False)
+        self._stacked_projection = StackedProjection()  # training's memory projection, built on first use
         self.labels = base.labels
         self.source = base.source
         self._data_config_overrides = dict(base.data_config or {})
@@ -186,6 +188,10 @@ class MemoryViT(nn.Module):
         if m == 0:
             empty = memory.new_zeros(L, self.spec.num_heads, 0, self.spec.head_dim)
             return empty, empty
+        if torch.is_grad_enabled() and memory.requires_grad and not self.batch_invariant:
+            stacked = self._stacked_projection.project(self.base.blocks, memory, memory_norm)
+            if stacked is not None:  # training: every layer at once (memory_projection.py)
+                return stacked
         blocks = self._blocks() if self.batch_invariant else None  # invariant.py; None: one product
         layers = zip(self.base.blocks, memory, strict=True)
         pairs = [invariant.project_memory(block, rows, memory_norm, blocks) for block, rows in layers]
