@@ -156,15 +156,10 @@ def _build_stack(adapters: tuple[PreparedAdapter, ...], lineages: list[list[int]
     A = max(len(chain) for chain in lineages)
     lineage = torch.tensor([chain + [chain[0]] * (A - len(chain)) for chain in lineages], device=device)
     lineage_bias = _padding_bias([len(chain) for chain in lineages], A, device, dtype)
+    # unbind, not keys[layer]: one autograd node for all L layers when training, not one per layer
     layers = tuple(
-        LayerMemory(
-            keys=keys[layer],
-            values=values[layer],
-            bias=mem_bias,
-            lineage=lineage,
-            lineage_bias=lineage_bias,
-        )
-        for layer in range(L)
+        LayerMemory(keys=k, values=v, bias=mem_bias, lineage=lineage, lineage_bias=lineage_bias)
+        for k, v in zip(keys.unbind(0), values.unbind(0), strict=True)
     )
     return AdapterStack(
         cls=torch.stack([a.cls for a in adapters]),
