@@ -103,6 +103,7 @@ def train_arm(engine: MemoryViT, dataset: str, arm: Arm, val_dir: Path, args, va
         val_s.append(time.perf_counter() - started)
         for t, w, acc in zip(trained, weights, accs, strict=True):
             t.curve.append(acc.top1)
+            t.last = w
             if acc.top1 > max(t.curve[:-1], default=-1.0):
                 t.best_epoch, t.weights = epoch, w
         flat = sum(plateaued(t.curve, args.patience, args.min_gain) for t in trained)
@@ -199,14 +200,16 @@ def main(argv: list[str] | None = None) -> None:
         results[arm.name] = train_arm(engine, args.dataset, arm, val_dir, args, val_cache)
         val_cache = results[arm.name]["val_cache"]
         results[arm.name]["chosen"] = choose(results[arm.name]["trained"], args.seeds)
-    # Every chosen adapter of every arm in one test pass (names made unique per arm).
+    # Every chosen adapter of every arm in one test pass (names made unique per arm), at its best
+    # epoch and at the last epoch run: the second compares regimes with no choice of epoch at all.
     weights, test_start = [], time.perf_counter()
     for i, r in enumerate(results.values()):
         for by_seed in r["chosen"].values():
             for t in by_seed.values():
                 if not t.weights.name.endswith(f"-a{i}"):
                     t.weights = dataclasses.replace(t.weights, name=f"{t.weights.name}-a{i}")
-                    weights.append(t.weights)
+                    t.last = dataclasses.replace(t.last, name=f"{t.last.name}-last-a{i}")
+                    weights += [t.weights, t.last]
     correct = test_correct(engine, weights, test_dir)
     test_s = time.perf_counter() - test_start
     summary = report(args.dataset, results, correct, args)

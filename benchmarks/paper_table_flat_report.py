@@ -105,6 +105,13 @@ def report(dataset: str, arms: dict[str, dict], correct: dict[str, torch.Tensor]
             picks = [f"g{r['chosen'][regime][s].grid}" for s in seeds]
             print(f"- {regime}: {'; '.join(cells)}; chosen {picks}")
         summary["arms"][arm]["_epochs"] = {"ran": ran, "train_s": r["epoch_s"], "val_s": r["val_s"]}
+    last = {
+        arm: {regime: [correct[r["chosen"][regime][s].last.name] for s in seeds] for regime in REGIMES}
+        for arm, r in arms.items()
+        if all(t.last is not None and t.last.name in correct for t in r["trained"] if _chosen(r, t))
+    }
+    if last:
+        _print_last(last, summary)
     print("\nPaired differences on the same test images (points of top-1; SE over images | over seeds):")
     print("| arm | comparison | difference | SE images | SE seeds | per seed | >= 2 SE |")
     print("|---|---|--:|--:|--:|---|---|")
@@ -113,13 +120,41 @@ def report(dataset: str, arms: dict[str, dict], correct: dict[str, torch.Tensor]
     comparisons += [(f"{x} - {subset[0]}", (x, subset[0]), r, r) for x in subset[1:] for r in REGIMES]
     for label, which, a, b in comparisons:
         left, right = (which, which) if isinstance(which, str) else which
-        p = paired(per_arm[left][a], per_arm[right][b])
-        se = max(p["se_images"], 0.0 if math.isnan(p["se_seeds"]) else p["se_seeds"])
         what = f"{a} - {b}" if a != b else a
-        separated = "yes" if p["diff"] and abs(p["diff"]) >= 2 * se else "no"
-        seeds_s = ", ".join(f"{100 * x:+.2f}" for x in p["per_seed"])
-        print(
-            f"| {label} | {what} | {100 * p['diff']:+.2f} | {100 * p['se_images']:.2f} "
-            f"| {100 * p['se_seeds']:.2f} | {seeds_s} | {separated} |"
-        )
+        print(f"| {label} | {what} | {_paired_cells(per_arm[left][a], per_arm[right][b])} |")
     return summary
+
+
+def _chosen(r: dict, t) -> bool:
+    return any(t is c for by_seed in r["chosen"].values() for c in by_seed.values())
+
+
+def _print_last(last: dict[str, dict[str, list[torch.Tensor]]], summary: dict) -> None:
+    """The chosen grid points scored at the last epoch run: the regimes compared with no choice of
+    epoch, so a regime whose validation peaked early on a noisy split is not judged by that epoch."""
+    print("\nAt the last epoch run (each regime's chosen grid point; no choice of epoch): test top-1")
+    print("| arm | regime | top-1 (mean ± sd over seeds) |")
+    print("|---|---|--:|")
+    for arm, by_regime in last.items():
+        accs = {regime: [c.float().mean().item() for c in cs] for regime, cs in by_regime.items()}
+        summary.setdefault("last", {})[arm] = accs
+        for regime, values in accs.items():
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            print(f"| {arm} | {regime} | {statistics.mean(values):.4f} ± {sd:.4f} |")
+    print("| arm | comparison at the last epoch | difference | SE images | SE seeds | per seed | >= 2 SE |")
+    print("|---|---|--:|--:|--:|---|---|")
+    for arm, by_regime in last.items():
+        for a, b in PAIRS:
+            print(f"| {arm} | {a} - {b} | {_paired_cells(by_regime[a], by_regime[b])} |")
+
+
+def _paired_cells(left: list[torch.Tensor], right: list[torch.Tensor]) -> str:
+    """A paired comparison's cells: difference, SE over images, SE over seeds, per seed, >= 2 SE."""
+    p = paired(left, right)
+    se = max(p["se_images"], 0.0 if math.isnan(p["se_seeds"]) else p["se_seeds"])
+    separated = "yes" if p["diff"] and abs(p["diff"]) >= 2 * se else "no"
+    seeds_s = ", ".join(f"{100 * x:+.2f}" for x in p["per_seed"])
+    return (
+        f"{100 * p['diff']:+.2f} | {100 * p['se_images']:.2f} | {100 * p['se_seeds']:.2f} "
+        f"| {seeds_s} | {separated}"
+    )

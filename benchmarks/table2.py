@@ -77,7 +77,8 @@ class Trained:
     seed: int
     curve: list[float]  # validation top-1 after each epoch
     best_epoch: int
-    weights: AdapterWeights
+    weights: AdapterWeights  # at the best epoch (what validation chooses)
+    last: AdapterWeights | None = None  # at the last epoch run (no choice of epoch at all)
 
     @property
     def best(self) -> float:
