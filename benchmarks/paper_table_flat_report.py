@@ -108,7 +108,7 @@ def report(dataset: str, arms: dict[str, dict], correct: dict[str, torch.Tensor]
     last = {
         arm: {regime: [correct[r["chosen"][regime][s].last.name] for s in seeds] for regime in REGIMES}
         for arm, r in arms.items()
-        if all(t.last is not None and t.last.name in correct for t in r["trained"] if _chosen(r, t))
+        if all(t.last and t.last.name in correct for by in r["chosen"].values() for t in by.values())
     }
     if last:
         _print_last(last, summary)
@@ -123,10 +123,6 @@ def report(dataset: str, arms: dict[str, dict], correct: dict[str, torch.Tensor]
         what = f"{a} - {b}" if a != b else a
         print(f"| {label} | {what} | {_paired_cells(per_arm[left][a], per_arm[right][b])} |")
     return summary
-
-
-def _chosen(r: dict, t) -> bool:
-    return any(t is c for by_seed in r["chosen"].values() for c in by_seed.values())
 
 
 def _print_last(last: dict[str, dict[str, list[torch.Tensor]]], summary: dict) -> None:
