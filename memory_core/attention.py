@@ -32,6 +32,8 @@ class LayerMemory:
     mode), padded to the longest with ``bias`` = -inf on padding; P is 0 when no adapter has memory.
     ``lineage`` lists, per adapter, the class tokens it attends to (itself first, then its ancestors),
     padded with ``lineage_bias`` = -inf; in concatenation mode A is 1 and each row is just itself.
+    ``inputs``, when training keeps them, are the rows the memory keys and values are projected from
+    (its normed memory, padded alike): what the written-out block of memory_core/cached_block.py reads.
     """
 
     keys: Tensor  # (K, H, P, d)
@@ -39,6 +41,7 @@ class LayerMemory:
     bias: Tensor  # (K, P) additive 0 / -inf
     lineage: Tensor  # (K, A) long indices into the K class tokens
     lineage_bias: Tensor  # (K, A) additive 0 / -inf
+    inputs: Tensor | None = None  # (K, P, D)
 
 
 class BaseKeys(Protocol):

@@ -23,7 +23,7 @@ as one autograd node with its backward pass written out (memory_core/cached_bloc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -31,7 +31,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from .adapter_set import AdapterSet
-from .attention import BaseKeys, KeysValues, base_block, project_qkv
+from .attention import BaseKeys, KeysValues, LayerMemory, base_block, project_qkv
 from .cached_block import cached_class_token_block
 from .errors import AdapterShapeError, InputError
 from .output import FusedOutput
@@ -127,7 +127,8 @@ def forward_cached(engine: Engine, batch: CachedBatch, adapter_set: AdapterSet) 
     base = engine.base
     layers = batch.layers.to(engine.device)
     c = base.norm_pre(stack.cls).expand(len(batch), -1, -1)  # (B, K, D)
-    for i, (block, memory) in enumerate(zip(base.blocks, stack.layers, strict=True)):
+    memories = _with_memory_rows(base.blocks, adapter_set, stack.layers)
+    for i, (block, memory) in enumerate(zip(base.blocks, memories, strict=True)):
         c = cached_class_token_block(
             block, c, _base_keys(block, batch.store, layers[:, i], engine.dtype), memory
         )
@@ -135,3 +136,32 @@ def forward_cached(engine: Engine, batch: CachedBatch, adapter_set: AdapterSet) 
     return FusedOutput.every_image(
         batch.base_logits.to(engine.device), dict(zip(adapter_set.names, heads, strict=True)), adapter_set
     )
+
+
+def _with_memory_rows(
+    blocks: nn.Sequential, adapter_set: AdapterSet, layers: tuple[LayerMemory, ...]
+) -> tuple[LayerMemory, ...]:
+    """The stack's layers with their memory's rows, which the written-out block reads. Training's
+    stacked projection keeps them; a set prepared without them (evaluation: serving keeps keys and
+    values only) gets them here, in concatenation mode: each adapter's memory through each block's
+    norm1 (or as it is), padded as its keys are. One norm per layer and memory_norm, for all adapters."""
+    first = layers[0]
+    if first.inputs is not None or first.lineage.ndim != 2 or first.lineage.shape[-1] != 1:
+        return layers
+    adapters = adapter_set.adapters
+    K, _, P, _ = first.keys.shape
+    D = adapters[0].cls.shape[-1]
+    rows = first.keys.new_zeros(len(layers), K, P, D)
+    for norm in {a.weights.memory_norm for a in adapters}:
+        members = [
+            k for k, a in enumerate(adapters) if a.weights.memory_norm == norm and a.weights.num_memory
+        ]
+        if not members:
+            continue
+        memory = torch.cat([adapters[k].weights.memory for k in members], dim=1).to(rows)  # (L, Σm, D)
+        if norm == "norm1":
+            memory = torch.stack([block.norm1(m) for block, m in zip(blocks, memory, strict=True)])
+        sizes = [adapters[k].weights.num_memory for k in members]
+        for k, part in zip(members, memory.split(sizes, dim=1), strict=True):
+            rows[:, k, : part.shape[1]] = part
+    return tuple(replace(layer, inputs=r) for layer, r in zip(layers, rows.unbind(0), strict=True))

@@ -37,8 +37,9 @@ class StackedProjection:
 
     def project(
         self, blocks: Sequence[nn.Module], memory: Tensor, memory_norm: str
-    ) -> tuple[Tensor, Tensor] | None:
-        """The keys and values ``attention.project_memory`` gives layer by layer, to float rounding;
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The keys and values ``attention.project_memory`` gives layer by layer, to float rounding,
+        and the rows (L, m, D) they are projected from (the normed memory, or the memory itself);
         None when a block is not one this covers."""
         stacked = self._stacked(blocks)
         if stacked is None:
@@ -52,7 +53,7 @@ class StackedProjection:
             h = torch.addcmul(b_norm, F.layer_norm(memory, norm.normalized_shape, eps=norm.eps), w_norm)
         kv = torch.bmm(h, w_kv) if b_kv is None else torch.baddbmm(b_kv, h, w_kv)  # (L, m, 2A)
         k, v = kv.view(L, m, 2, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        return k, v  # each (L, H, m, d)
+        return k, v, h  # (L, H, m, d) each, (L, m, D)
 
     def _stacked(self, blocks: Sequence[nn.Module]) -> tuple[Tensor, Tensor | None, Tensor, Tensor] | None:
         tensors = _tensors(blocks)

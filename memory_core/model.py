@@ -132,8 +132,8 @@ class MemoryViT(nn.Module):
         weights.check_fits(self.spec)
         like = {"device": self.device, "dtype": self.dtype}
         with torch.set_grad_enabled(torch.is_grad_enabled() and weights.requires_grad):
-            keys, values = self.project_memory(weights.memory.to(**like), weights.memory_norm)
-            return self._prepared(weights, keys, values)
+            keys, values, rows = self._project(weights.memory.to(**like), weights.memory_norm)
+            return self._prepared(weights, keys, values, rows)
 
     def prepare_many(self, weights: Sequence[AdapterWeights], *, chunk: int = 512) -> list[PreparedAdapter]:
         """``prepare`` for many adapters (start-up with thousands of bundles), in the same order.
@@ -155,13 +155,14 @@ class MemoryViT(nn.Module):
                     members = [i for i in group if weights[i].memory_norm == norm]
                     sizes = [weights[i].num_memory for i in members]
                     memory = torch.cat([weights[i].memory.to(**like) for i in members], dim=1)  # (L, Σm, D)
-                    keys, values = self.project_memory(memory, norm)  # (L, H, Σm, d)
+                    keys, values, rows = self._project(memory, norm)  # (L, H, Σm, d), rows or None
                     # Own copies when serving: a view would keep the whole chunk alive after its
                     # neighbours are gone. Training keeps the views: its graph holds the chunk anyway.
                     split_k = [k if grad else k.clone() for k in keys.split(sizes, dim=2)]
                     split_v = [v if grad else v.clone() for v in values.split(sizes, dim=2)]
-                    for i, k, v in zip(members, split_k, split_v, strict=True):
-                        prepared[i] = self._prepared(weights[i], k, v)
+                    split_r = [None] * len(sizes) if rows is None else rows.split(sizes, dim=1)
+                    for i, k, v, r in zip(members, split_k, split_v, split_r, strict=True):
+                        prepared[i] = self._prepared(weights[i], k, v, r)
         return prepared  # type: ignore[return-value]  # every slot is filled above
 
     def prepare_set(self, weights: Iterable[AdapterWeights], *, version: int | None = None) -> AdapterSet:
@@ -169,7 +170,9 @@ class MemoryViT(nn.Module):
         (parents before their extensions): what ``forward`` takes. Installs nothing anywhere."""
         return AdapterSet(tuple(self.prepare_many(list(weights))), version=version)
 
-    def _prepared(self, weights: AdapterWeights, keys: Tensor, values: Tensor) -> PreparedAdapter:
+    def _prepared(
+        self, weights: AdapterWeights, keys: Tensor, values: Tensor, rows: Tensor | None = None
+    ) -> PreparedAdapter:
         like = {"device": self.device, "dtype": self.dtype}
         return PreparedAdapter(
             name=weights.name,
@@ -178,16 +181,23 @@ class MemoryViT(nn.Module):
             cls=weights.cls_token.to(**like) + self.class_position(),
             memory_keys=keys,
             memory_values=values,
+            memory_inputs=rows,
             head_weight=weights.head_weight.to(**like),
             head_bias=weights.head_bias.to(**like),
         )
 
     def project_memory(self, memory: Tensor, memory_norm: str) -> tuple[Tensor, Tensor]:
         """Memory (L, m, D) -> keys and values (L, H, m, d) through each block's norm1/qkv."""
-        L, m, _ = memory.shape
+        keys, values, _ = self._project(memory, memory_norm)
+        return keys, values
+
+    def _project(self, memory: Tensor, memory_norm: str) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``project_memory``, plus the rows (L, m, D) the keys and values are projected from when
+        training keeps them (the cached block reads those); None when serving."""
+        L, m, D = memory.shape
         if m == 0:
             empty = memory.new_zeros(L, self.spec.num_heads, 0, self.spec.head_dim)
-            return empty, empty
+            return empty, empty, memory.new_zeros(L, 0, D)
         if torch.is_grad_enabled() and memory.requires_grad and not self.batch_invariant:
             stacked = self._stacked_projection.project(self.base.blocks, memory, memory_norm)
             if stacked is not None:  # training: every layer at once (memory_projection.py)
@@ -195,7 +205,7 @@ class MemoryViT(nn.Module):
         blocks = self._blocks() if self.batch_invariant else None  # invariant.py; None: one product
         layers = zip(self.base.blocks, memory, strict=True)
         pairs = [invariant.project_memory(block, rows, memory_norm, blocks) for block, rows in layers]
-        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]), None
 
     # -- the fused pass ------------------------------------------------------------------------
     def forward(

@@ -37,6 +37,9 @@ class PreparedAdapter:
     memory_values: Tensor  # (L, H, m, d)
     head_weight: Tensor  # (C, D)
     head_bias: Tensor  # (C,)
+    # (L, m, D): the rows the keys and values are projected from, kept only by training's stacked
+    # projection (memory_core/memory_projection.py) for the cached block; serving holds None.
+    memory_inputs: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ def _build_stack(adapters: tuple[PreparedAdapter, ...], lineages: list[list[int]
         if visible[k]:
             keys[:, k, :, : visible[k]] = torch.cat([adapters[j].memory_keys for j in chain], dim=2)
             values[:, k, :, : visible[k]] = torch.cat([adapters[j].memory_values for j in chain], dim=2)
+    inputs = _stacked_inputs(adapters, lineages, visible, P)
     mem_bias = _padding_bias(visible, P, device, dtype)  # (K, P): -inf on padding
     # Class tokens each one attends to, itself first; shorter lineages are padded with their own
     # index under a -inf bias. In concatenation mode this is just (K, 1) = itself.
@@ -157,15 +161,30 @@ def _build_stack(adapters: tuple[PreparedAdapter, ...], lineages: list[list[int]
     lineage = torch.tensor([chain + [chain[0]] * (A - len(chain)) for chain in lineages], device=device)
     lineage_bias = _padding_bias([len(chain) for chain in lineages], A, device, dtype)
     # unbind, not keys[layer]: one autograd node for all L layers when training, not one per layer
+    rows = (None,) * L if inputs is None else inputs.unbind(0)
     layers = tuple(
-        LayerMemory(keys=k, values=v, bias=mem_bias, lineage=lineage, lineage_bias=lineage_bias)
-        for k, v in zip(keys.unbind(0), values.unbind(0), strict=True)
+        LayerMemory(keys=k, values=v, bias=mem_bias, lineage=lineage, lineage_bias=lineage_bias, inputs=r)
+        for k, v, r in zip(keys.unbind(0), values.unbind(0), rows, strict=True)
     )
     return AdapterStack(
         cls=torch.stack([a.cls for a in adapters]),
         layers=layers,
         heads=tuple((a.head_weight, a.head_bias) for a in adapters),
     )
+
+
+def _stacked_inputs(
+    adapters: tuple[PreparedAdapter, ...], lineages: list[list[int]], visible: list[int], P: int
+) -> Tensor | None:
+    """The memory's rows (L, K, P, D), padded as the keys are; None unless every adapter kept them."""
+    if any(a.memory_inputs is None for a in adapters):
+        return None
+    first = adapters[0].memory_inputs
+    rows = first.new_zeros(first.shape[0], len(adapters), P, first.shape[-1])
+    for k, chain in enumerate(lineages):
+        if visible[k]:
+            rows[:, k, : visible[k]] = torch.cat([adapters[j].memory_inputs for j in chain], dim=1)
+    return rows
 
 
 def _padding_bias(lengths: list[int], width: int, device: torch.device, dtype: torch.dtype) -> Tensor:

@@ -12,6 +12,7 @@ import memvit.memory_core.cached_block as cached_block
 from memvit.memory_core import AdapterSet, AdapterWeights, MemoryViT
 from memvit.memory_core.attention import LayerMemory
 from memvit.memory_core.cached import CachedBatch, capture
+from memvit.memory_core.folded_attention import folded
 from memvit.memory_core.stored_attention import NormedInputs, StoredKeysValues
 from tests.conftest import images
 from tests.factories import VARIANTS, random_adapter, tiny_engine
@@ -29,6 +30,12 @@ def _trainable(engine: MemoryViT, name: str, m: int, *, head_only: bool = False)
     return dataclasses.replace(
         w, **{k: getattr(w, k).clone().requires_grad_(k in grads) for k in grads | {"memory", "cls_token"}}
     )
+
+
+def _served(engine: MemoryViT, name: str, m: int, memory_norm: str) -> AdapterWeights:
+    w = random_adapter(name, engine, m=m, memory_norm=memory_norm, seed=len(name))
+    tensors = ("memory", "cls_token", "head_weight", "head_bias")
+    return dataclasses.replace(w, **{k: getattr(w, k).to(engine.dtype) for k in tensors})
 
 
 def _logits_and_grads(
@@ -85,16 +92,37 @@ def test_the_written_out_block_passes_gradcheck() -> None:
     block = engine.base.blocks[1]
     g = torch.Generator().manual_seed(0)
     B, K, P, T, D = 2, 3, 2, 5, engine.spec.width
-    H, d = engine.spec.num_heads, engine.spec.head_dim
     c = torch.randn(B, K, D, generator=g, dtype=torch.float64, requires_grad=True)
-    mem_k = torch.randn(K, H, P, d, generator=g, dtype=torch.float64, requires_grad=True)
-    mem_v = torch.randn(K, H, P, d, generator=g, dtype=torch.float64, requires_grad=True)
-    bias = torch.tensor(
-        [[0.0, 0.0], [0.0, float("-inf")], [float("-inf"), float("-inf")]], dtype=torch.float64
+    memory = torch.randn(K, P, D, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor(  # the token itself first, then its memory: full, half padding, all padding
+        [[0.0, 0.0, 0.0], [0.0, 0.0, float("-inf")], [0.0, float("-inf"), float("-inf")]], dtype=torch.float64
     )
     h = torch.randn(B, T, D, generator=g, dtype=torch.float64)
-    fn = cached_block._ClassTokenBlock.apply
-    assert torch.autograd.gradcheck(lambda c, k, v: fn(c, k, v, h, block, bias), (c, mem_k, mem_v))
+    fn, f = cached_block._ClassTokenBlock.apply, folded(block.attn)
+    assert torch.autograd.gradcheck(lambda c, m: fn(c, m, h, block, bias, f), (c, memory))
+
+
+def test_evaluation_reads_the_memory_rows_it_was_not_given(monkeypatch) -> None:
+    """A set prepared for serving holds keys and values only; from a cache it still takes the
+    written-out block (its memory's rows made from the adapters' weights) and gives the same logits."""
+    engine = tiny_engine().double()
+    base_logits, layers = capture(engine, images(engine, batch=3).double(), "inputs")
+    batch = CachedBatch("inputs", layers, base_logits)
+    adapters = [_served(engine, n, m, norm) for n, m, norm in (("three", 3, "norm1"), ("none", 0, "norm1"))]
+    adapters += [_served(engine, "one", 1, "norm1"), _served(engine, "raw", 2, "none")]
+    with torch.no_grad():
+        adapter_set = engine.prepare_set(adapters)
+        assert all(layer.inputs is None for layer in adapter_set.stack.layers)  # serving's set
+        taken = []
+        monkeypatch.setattr(
+            cached_block._ClassTokenBlock, "apply", _counting(cached_block._ClassTokenBlock.apply, taken)
+        )
+        written = engine(batch, adapter_set).adapters
+        assert len(taken) == engine.spec.depth
+        monkeypatch.setattr(cached_block, "written_out", lambda *a: False)
+        recorded = engine(batch, adapter_set).adapters
+    for name, logits in recorded.items():
+        torch.testing.assert_close(written[name], logits, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -108,6 +136,7 @@ def test_the_block_is_written_out_only_where_it_computes_the_same(variant: str) 
         torch.zeros(K, 1),
         torch.arange(K)[:, None],
         torch.zeros(K, 1),
+        inputs=torch.zeros(K, 1, engine.spec.width),
     )
     h = NormedInputs(torch.zeros(1, engine.spec.num_tokens, engine.spec.width))
     plain = variant in ("plain", "registers", "registers_embedded")  # qk norm and layer scale are not
@@ -117,7 +146,8 @@ def test_the_block_is_written_out_only_where_it_computes_the_same(variant: str) 
     )
     routed = dataclasses.replace(memory, lineage=memory.lineage.expand(3, K, 1))
     stored = StoredKeysValues(torch.zeros(1, H, 4, d), torch.zeros(1, H, 4, d))
+    no_rows = dataclasses.replace(memory, inputs=None)
     assert not any(
         cached_block.written_out(block, base, mem)
-        for base, mem in [(h, lineage), (h, routed), (stored, memory)]
+        for base, mem in [(h, lineage), (h, routed), (stored, memory), (h, no_rows)]
     )

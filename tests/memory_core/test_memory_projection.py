@@ -40,11 +40,18 @@ def test_every_layer_at_once_equals_layer_by_layer_in_float64(variant: str, norm
     engine = tiny_engine(variant).double()
     stacked = StackedProjection()
     memory = _memory(engine)
-    got = _keys_values_and_grad(lambda x: stacked.project(engine.base.blocks, x, norm), memory)
+    got = _keys_values_and_grad(lambda x: stacked.project(engine.base.blocks, x, norm)[:2], memory)
     want = _keys_values_and_grad(lambda x: _layer_by_layer(engine, x, norm), memory)
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # and the rows they are projected from: what the cached block reads (memory_core/cached_block.py)
+    rows = stacked.project(engine.base.blocks, memory, norm)[2]
+    blocks = engine.base.blocks
+    want_rows = (
+        memory if norm != "norm1" else torch.stack([b.norm1(m) for b, m in zip(blocks, memory, strict=True)])
+    )
+    torch.testing.assert_close(rows, want_rows, rtol=0, atol=1e-12)
 
 
 def test_the_engine_takes_it_for_trainable_memory_only() -> None:
