@@ -8,8 +8,8 @@ autograd nodes per block and running them back costs as much as the maths they d
 out below with aten's LayerNorm and GELU backward kernels, and computes it in fewer, larger
 operations than the generic path: the frozen attention folded into two linear layers
 (memory_core/folded_attention.py), the token itself and its memory read as more rows beside the
-stored base rows, not through their own keys and values (a third fewer operations per block, and
-a sixth off a cached step on DeiT-Tiny; docs/design.md §2.9).
+stored base rows, not through their own keys and values (a cached DeiT-Tiny epoch 14% faster;
+docs/design.md §2.9).
 
 It covers timm's pre-norm block (LayerNorm, GELU MLP, no layer scale, no q/k norm, no dropout in
 effect), shared memory with each adapter its own lineage and its memory's rows at hand (what
