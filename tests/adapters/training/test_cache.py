@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import shutil
 from collections import namedtuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,6 +102,21 @@ def test_a_cache_holds_what_the_base_computes_per_view(tmp_path, folder) -> None
     stamp = (cache.directory / "activations.bin").stat().st_mtime_ns
     assert _open(engine, folder, tmp_path / "c", dtype="float32", views=2).key == cache.key
     assert (cache.directory / "activations.bin").stat().st_mtime_ns == stamp
+
+
+def test_only_rows_not_in_memory_get_a_read_ahead_hint(tmp_path, folder, monkeypatch) -> None:
+    cache = _open(tiny_engine(), folder, tmp_path / "c", dtype="float32", views=2)
+    hints = []
+    monkeypatch.setattr(ActivationCache, "_hint", lambda self, offset, length: hints.append((offset, length)))
+    np.asarray(cache.activations).reshape(-1).view(np.uint8)[:: mmap.PAGESIZE].sum()  # every page read
+    cache.batch([0, 5, 7], [0, 1, 0])
+    assert hints == []  # all in memory: no system call per row
+    monkeypatch.setattr(cache_module, "all_resident", lambda address, length: False)  # as if dropped
+    cache.batch([0, 5, 7], [0, 1, 0])
+    row = cache._row_bytes
+    starts = [(image * 2 + view) * row for image, view in ((0, 0), (5, 1), (7, 0))]
+    assert [o for o, _ in hints] == [s - s % mmap.PAGESIZE for s in starts]
+    assert all(o + n >= s + row for (o, n), s in zip(hints, starts, strict=True))  # each whole row
 
 
 def test_a_cache_refuses_another_base_preprocessing_images_or_setting(tmp_path, folder) -> None:
