@@ -127,7 +127,9 @@ def forward_cached(engine: Engine, batch: CachedBatch, adapter_set: AdapterSet) 
     base = engine.base
     layers = batch.layers.to(engine.device)
     c = base.norm_pre(stack.cls).expand(len(batch), -1, -1)  # (B, K, D)
-    memories = _with_memory_rows(base.blocks, adapter_set, stack.layers)
+    memories = stack.layers
+    if batch.store == "inputs":  # the written-out block reads the memory's rows beside the base's
+        memories = _with_memory_rows(base.blocks, adapter_set, stack.layers)
     for i, (block, memory) in enumerate(zip(base.blocks, memories, strict=True)):
         c = cached_class_token_block(
             block, c, _base_keys(block, batch.store, layers[:, i], engine.dtype), memory
