@@ -40,6 +40,7 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .ray_handover import HandOverMiddleware
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ class MemvitDeployment:
         from .app import create_app
 
         app = create_app(self.settings)
+        app.add_middleware(HandOverMiddleware)  # a retried request whose body stayed with a dead replica
         app.add_middleware(ReplicaMiddleware, replica=self.replica, in_flight=self.in_flight)
         self._app = app
         return app
