@@ -22,7 +22,6 @@ it), with ``TrainingRun`` as ``memvit train`` runs it (batch 32, the threads tor
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import os
@@ -42,6 +41,7 @@ from memvit.adapters.training import TrainConfig, TrainingRun, evaluate_many, sc
 from memvit.adapters.training.cache import ActivationCache
 from memvit.adapters.training.cache_key import CacheSpec
 from memvit.adapters.training.data import ImageDataset
+from memvit.adapters.training.residency import resident_pages
 from memvit.memory_core import AdapterWeights, MemoryViT
 from memvit.memory_core.cached import capture
 
@@ -52,12 +52,8 @@ TEST_TAR = CIFAR10 / "cifar10_jpg_test_10k.tar.gz"
 def resident(cache: ActivationCache) -> float:
     """Fraction of the cache's activation pages in memory now (``mincore``)."""
     array = cache.activations
-    pages = math.ceil(array.nbytes / mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mincore(ctypes.c_void_p(array.ctypes.data), ctypes.c_size_t(array.nbytes), vec) != 0:
-        return float("nan")
-    return sum(b & 1 for b in vec) / pages
+    pages = resident_pages(array.ctypes.data, array.nbytes)
+    return float("nan") if pages is None else sum(b & 1 for b in pages) / len(pages)
 
 
 def drop_from_memory(caches: list[ActivationCache]) -> None:
