@@ -84,14 +84,18 @@ def project_qkv(attn: Attention, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return attn.q_norm(q), attn.k_norm(k), v
 
 
+def memory_rows(block: Block, memory: Tensor, memory_norm: str) -> Tensor:
+    """One layer's memory tokens (m, D) -> the rows (m, D) its keys and values are projected from:
+    through the block's pre-attention LayerNorm (``memory_norm`` "norm1", the paper) or as they are."""
+    return block.norm1(memory) if memory_norm == "norm1" else memory
+
+
 def project_memory(block: Block, memory: Tensor, memory_norm: str) -> tuple[Tensor, Tensor]:
     """One layer's memory tokens (m, D) -> their keys and values, each (H, m, d).
 
-    Memory tokens are keys and values only, so their queries are never computed. ``memory_norm``
-    says whether they pass through the block's pre-attention LayerNorm (the paper) or not.
+    Memory tokens are keys and values only, so their queries are never computed.
     """
-    h = block.norm1(memory) if memory_norm == "norm1" else memory
-    _, k, v = project_qkv(block.attn, h.unsqueeze(0))
+    _, k, v = project_qkv(block.attn, memory_rows(block, memory, memory_norm).unsqueeze(0))
     return k[0], v[0]
 
 

@@ -31,7 +31,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from .adapter_set import AdapterSet
-from .attention import BaseKeys, KeysValues, LayerMemory, base_block, project_qkv
+from .attention import BaseKeys, KeysValues, LayerMemory, base_block, memory_rows, project_qkv
 from .cached_block import cached_class_token_block
 from .errors import AdapterShapeError, InputError
 from .output import FusedOutput
@@ -145,8 +145,8 @@ def _with_memory_rows(
 ) -> tuple[LayerMemory, ...]:
     """The stack's layers with their memory's rows, which the written-out block reads. Training's
     stacked projection keeps them; a set prepared without them (evaluation: serving keeps keys and
-    values only) gets them here, in concatenation mode: each adapter's memory through each block's
-    norm1 (or as it is), padded as its keys are. One norm per layer and memory_norm, for all adapters."""
+    values only) gets them here, in concatenation mode: each adapter's ``attention.memory_rows``,
+    padded as its keys are. One norm per layer and memory_norm, for all adapters."""
     first = layers[0]
     if first.inputs is not None or first.lineage.ndim != 2 or first.lineage.shape[-1] != 1:
         return layers
@@ -161,8 +161,7 @@ def _with_memory_rows(
         if not members:
             continue
         memory = torch.cat([adapters[k].weights.memory for k in members], dim=1).to(rows)  # (L, Σm, D)
-        if norm == "norm1":
-            memory = torch.stack([block.norm1(m) for block, m in zip(blocks, memory, strict=True)])
+        memory = torch.stack([memory_rows(block, m, norm) for block, m in zip(blocks, memory, strict=True)])
         sizes = [adapters[k].weights.num_memory for k in members]
         for k, part in zip(members, memory.split(sizes, dim=1), strict=True):
             rows[:, k, : part.shape[1]] = part

@@ -37,8 +37,9 @@ class PreparedAdapter:
     memory_values: Tensor  # (L, H, m, d)
     head_weight: Tensor  # (C, D)
     head_bias: Tensor  # (C,)
-    # (L, m, D): the rows the keys and values are projected from, kept only by training's stacked
-    # projection (memory_core/memory_projection.py) for the cached block; serving holds None.
+    # (L, m, D): the rows the keys and values are projected from, kept by training's stacked
+    # projection (memory_core/memory_projection.py) for the cached block; None when serving (an
+    # adapter without memory has its empty rows either way).
     memory_inputs: Tensor | None = None
 
 
