@@ -25,7 +25,8 @@ from .flops import AdapterCost, adapter_flops, base_flops, flop_ratio, fused_flo
 from .live import LiveAdapters
 from .model import MemoryViT
 from .output import FusedOutput
-from .routing import Route, RouteOutput, build_route
+from .plan import PassPlan, PlanShape, plan_pass
+from .slots import AdapterSlots, SlotPools
 from .spec import ViTSpec, check_supported
 from .stack import AdapterStack, PreparedAdapter
 
@@ -38,6 +39,7 @@ __all__ = [
     "AdapterInUseError",
     "AdapterSet",
     "AdapterShapeError",
+    "AdapterSlots",
     "AdapterStack",
     "AdapterWeights",
     "BaseModel",
@@ -49,22 +51,23 @@ __all__ = [
     "MemoryViT",
     "MemvitError",
     "MissingParentError",
+    "PassPlan",
+    "PlanShape",
     "PreparedAdapter",
-    "Route",
-    "RouteOutput",
+    "SlotPools",
     "UnknownAdapterError",
     "UnsupportedModelError",
     "ViTSpec",
     "WeightsError",
     "adapter_flops",
     "base_flops",
-    "build_route",
     "check_memory_norm",
     "check_name",
     "check_supported",
     "create_base",
     "flop_ratio",
     "fused_flops",
+    "plan_pass",
     "read_weights_metadata",
     "save_base",
     "state_fingerprint",

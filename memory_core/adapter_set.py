@@ -30,7 +30,7 @@ class AdapterSet:
     report one number).
     """
 
-    __slots__ = ("_by_name", "_stack", "adapters", "version")
+    __slots__ = ("_by_name", "_requires_grad", "_stack", "adapters", "version")
 
     def __init__(self, adapters: tuple[PreparedAdapter, ...] = (), *, version: int | None = None) -> None:
         self.adapters = tuple(adapters)
@@ -45,8 +45,9 @@ class AdapterSet:
                 )
         # Stacked for the all-tasks pass on first use, not here: adding or removing one adapter among
         # thousands builds a new set in about a millisecond, and routed passes never need it (they
-        # stack only the adapters a batch asks for, memory_core/routing.py).
+        # read the device slots the engine keeps, memory_core/slots.py).
         self._stack: AdapterStack | None = None
+        self._requires_grad: bool | None = None
         self.version = next(_versions) if version is None else version
 
     @property
@@ -55,6 +56,18 @@ class AdapterSet:
         if self._stack is None and self.adapters:
             self._stack = stack_adapters(self.adapters, group_heads=True)
         return self._stack
+
+    @property
+    def requires_grad(self) -> bool:
+        """True when some adapter of the set is being trained (one of its tensors requires grad):
+        such a set runs through its stack, not the device slots (``MemoryViT.forward``)."""
+        if self._requires_grad is None:
+            self._requires_grad = any(
+                t.requires_grad
+                for a in self.adapters
+                for t in (a.cls, a.memory_keys, a.memory_values, a.head_weight, a.head_bias)
+            )
+        return self._requires_grad
 
     # -- reading -------------------------------------------------------------------------------
     @property
@@ -131,10 +144,11 @@ class AdapterSet:
     def at_version(self, version: int) -> AdapterSet:
         """The same adapters under another version number (the stack is shared, not rebuilt)."""
         renumbered = object.__new__(AdapterSet)
-        renumbered.adapters, renumbered._by_name, renumbered._stack = (
+        renumbered.adapters, renumbered._by_name, renumbered._stack, renumbered._requires_grad = (
             self.adapters,
             self._by_name,
             self._stack,
+            self._requires_grad,
         )
         renumbered.version = version
         return renumbered

@@ -35,7 +35,9 @@ from torch import Tensor, nn
 
 from .attention import LayerMemory, _finish, base_attention
 from .attention import project_memory as _project_memory
-from .routing import Route
+from .plan import PlanShape, PlanTensors
+from .planned import gathered_heads, layer_memory, lineage_of, rows_of
+from .slots import SlotPools
 from .stack import AdapterStack
 
 
@@ -116,8 +118,45 @@ def project_memory(
     return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
 
 
+@dataclass(frozen=True)
+class PlannedRows:
+    """A plan's class-token rows with their memory gathered from the slot pools, per image."""
+
+    cls: Tensor  # (B, R, D)
+    layers: tuple[LayerMemory, ...]  # per block: keys (R, H, P, d) shared or (B, R, H, P, d) routed
+
+
+def planned(
+    base: VisionTransformer,
+    x: Tensor,
+    plan: PlanTensors,
+    shape: PlanShape,
+    pools: SlotPools,
+    blocks: InvariantBlocks,
+) -> tuple[Tensor, Tensor]:
+    """``planned.planned_forward`` with every call's shape fixed: images (B, C, H, W) -> base logits
+    and the plan's adapter logits, in the same layout."""
+    bias = rows_of(pools.memory_bias, plan, shape, expand=False)
+    lineage = lineage_of(plan, shape, x.dtype)
+    layers = tuple(layer_memory(pools, i, plan, shape, bias, lineage) for i in range(len(base.blocks)))
+    x_tokens, c = features(base, x, PlannedRows(rows_of(pools.cls, plan, shape), layers), blocks)
+    B, R, D = c.shape
+    if shape.shared:  # outputs (R, B): row r of image b is class-token row b * R + r, slot r's head
+        r = torch.arange(R, device=c.device).view(R, 1).expand(R, B).reshape(-1)
+        b = torch.arange(B, device=c.device).view(1, B).expand(R, B).reshape(-1)
+        out_rows, out_slots = b * R + r, plan.row_slots.index_select(0, r)
+    else:
+        out_rows, out_slots = plan.out_rows, plan.out_slots
+    flat = c.reshape(B * R, D).contiguous()
+
+    def heads(rows: Tensor, slots: Tensor) -> Tensor:  # one (1, D) x (D, C) matrix per output
+        return gathered_heads(flat, rows, slots, pools.head_weight, pools.head_bias)
+
+    return head(base, x_tokens, blocks), in_blocks(heads, blocks.thin, out_rows, out_slots)
+
+
 def features(
-    base: VisionTransformer, x: Tensor, stack: AdapterStack | Route | None, blocks: InvariantBlocks
+    base: VisionTransformer, x: Tensor, stack: AdapterStack | PlannedRows | None, blocks: InvariantBlocks
 ) -> tuple[Tensor, Tensor | None]:
     """``MemoryViT.forward_features`` (merged path): images -> final-normed base and class tokens."""
     x = in_blocks(base.patch_embed, blocks.images, x)

@@ -1,12 +1,15 @@
 """MemoryViT: a frozen timm ViT plus any number of memory adapters, in one fused forward pass.
 
-    forward(x, adapter_set) = forward_head(*forward_features(x, adapter_set.stack), adapter_set)
+    forward(x, adapter_set, tasks) = run_plan(x, plan_pass(adapter_set, slots, tasks))
 
-``forward_features`` runs the base tokens through every block exactly as timm does, and the K
-adapter class tokens alongside them (``attention.py``); ``forward_head`` applies the base's own head
-to the base tokens and each adapter's head to its class token. The engine holds no adapters: it
-``prepare``s them and runs whichever immutable ``AdapterSet`` it is handed. Which set is live, and
-how it changes, is ``live.py``'s (``LiveAdapters``).
+An inference pass is planned on the host (``plan.py``: each image's class-token rows, as slots of
+the engine's ``AdapterSlots``, ``slots.py``) and run on the device from the plan and the slot pools
+alone (``planned.py``): the base tokens through every block exactly as timm computes them, the
+class-token rows alongside, the base head and each row's head. A pass that trains adapters runs
+their stack instead (``forward_features``/``forward_head``, the split path, docs/design.md §2.3).
+The engine holds no adapters of its own: it ``prepare``s them and runs whichever immutable
+``AdapterSet`` it is handed, giving each adapter a slot the first time one needs it. Which set is
+live, and how it changes, is ``live.py``'s (``LiveAdapters``).
 """
 
 from __future__ import annotations
@@ -16,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.data import resolve_data_config
 from torch import Tensor, nn
 
-from . import invariant
+from . import invariant, triton_kernels
 from .adapter import AdapterWeights
 from .adapter_set import AdapterSet
 from .attention import merged_block, split_block
@@ -31,7 +33,9 @@ from .fingerprint import state_fingerprint
 from .invariant import InvariantBlocks
 from .memory_projection import StackedProjection
 from .output import FusedOutput
-from .routing import Route, build_route
+from .plan import PassPlan, plan_pass
+from .planned import planned_forward
+from .slots import AdapterSlots
 from .spec import ViTSpec
 from .stack import AdapterStack, PreparedAdapter
 
@@ -53,6 +57,10 @@ class MemoryViT(nn.Module):
         # Opt-in: every image's logits bit-identical whatever shares its pass (invariant.py), at a cost.
         self.batch_invariant = batch_invariant
         self.invariant_blocks: InvariantBlocks | None = None  # None: the device's defaults
+        # The class-token attention and heads of an inference pass: "torch", "triton" or "auto"
+        # (Triton on CUDA). Both compute the same numbers (planned.py); tests run Triton on CPU too.
+        self.kernels = "auto"
+        self._slots: AdapterSlots | None = None  # built for the device and dtype on first use
         self.spec = ViTSpec.from_model(base.model, base.arch)  # raises UnsupportedModelError
         self.base = base.model.eval().requires_grad_(False)
         self._stacked_projection = StackedProjection()  # training's memory projection, built on first use
@@ -222,7 +230,8 @@ class MemoryViT(nn.Module):
         None runs the base alone. ``tasks``: None computes every adapter for every image; otherwise
         ``tasks[b]`` names the adapters image b asks for, and only those rows (plus, in extension
         mode, their ancestors') are built: an image pays for the base pass plus what it asks for,
-        whatever else the set holds.
+        whatever else the set holds. ``path``: "auto"/"merged" (class-token rows share the base's
+        linear layers) or "split" (kept apart, as training computes them; docs/design.md §2.3).
 
         ``x`` may also be a ``CachedBatch``: the base's cached activations for a batch of images
         (training and evaluation from an activation cache, docs/design.md §2.9). Then only the
@@ -233,22 +242,65 @@ class MemoryViT(nn.Module):
             if tasks is not None:
                 raise ValueError("a cached batch runs every adapter for every image: tasks must be None")
             return forward_cached(self, x, adapter_set)
-        if tasks is None:
+        if path not in ("auto", "merged", "split"):
+            raise ValueError(f"path must be 'auto', 'merged' or 'split', got {path!r}")
+        if torch.is_grad_enabled() and adapter_set.requires_grad:  # training: the stack, split
+            if tasks is not None:
+                raise ValueError(
+                    "a pass that trains adapters runs every adapter for every image: tasks must be None"
+                )
             x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
             return self.forward_head(x_tokens, c_tokens, adapter_set)
-        route = build_route(adapter_set, tasks, x.shape[0])  # None: nobody asked for an adapter
-        x_tokens, c_tokens = self.forward_features(x, route, path=path)
-        return self.forward_head(x_tokens, c_tokens, adapter_set, route)
+        self._check_input(x)
+        plan = plan_pass(adapter_set, self.slots, tasks, x.shape[0])  # None: nobody asked for an adapter
+        base_logits, adapter_logits = self.run_plan(x, plan, path="split" if path == "split" else "merged")
+        return FusedOutput.of_plan(base_logits, adapter_logits, plan, adapter_set)
+
+    def run_plan(
+        self, x: Tensor, plan: PassPlan | None, *, path: str = "merged"
+    ) -> tuple[Tensor, Tensor | None]:
+        """The device part of a pass: images and a plan -> base logits (B, C_0) and the adapter logits
+        of the plan's output rows (planned.py), or None without a plan (the base alone)."""
+        base = self.base
+        blocks = self._blocks() if self.batch_invariant and path == "merged" else None
+        if plan is None:
+            if blocks is not None:
+                x_tokens, _ = invariant.features(base, x.to(self.dtype), None, blocks)
+                return invariant.head(base, x_tokens, blocks), None
+            return base.forward_head(base.norm(base.blocks(self.embed(x)))), None
+        tensors = plan.tensors(self.device)
+        if blocks is not None:
+            return invariant.planned(base, x.to(self.dtype), tensors, plan.shape, plan.pools, blocks)
+        return planned_forward(
+            base, self.embed(x), tensors, plan.shape, plan.pools, kernels=self.resolved_kernels, path=path
+        )
+
+    @property
+    def slots(self) -> AdapterSlots:
+        """The device slots of the adapters this engine runs (slots.py), for its current device and
+        dtype: after a move, new (empty) slots, filled again as passes need them."""
+        slots = self._slots
+        if slots is None or slots.device != self.device or slots.dtype != self.dtype:
+            slots = self._slots = AdapterSlots(self.spec, self.device, self.dtype)
+        return slots
+
+    @property
+    def resolved_kernels(self) -> str:
+        """The class-token attention and heads' implementation (planned.py): ``kernels`` unless "auto",
+        which is Triton on CUDA (when installed) and torch elsewhere."""
+        if self.kernels != "auto":
+            return self.kernels
+        return "triton" if self.device.type == "cuda" and triton_kernels.available() else "torch"
 
     def forward_features(
-        self, x: Tensor, stack: AdapterStack | Route | None, *, path: str = "auto"
+        self, x: Tensor, stack: AdapterStack | None, *, path: str = "auto"
     ) -> tuple[Tensor, Tensor | None]:
-        """Images -> final-normed base tokens (B, T, D) and adapter class tokens (B, K, D) or None.
+        """Images -> final-normed base tokens (B, T, D) and the stack's class tokens (B, K, D) or None.
 
-        ``stack``: every adapter for every image (an ``AdapterStack``), or the rows a ``Route`` picked
-        per image (then K is its R). ``path``: "merged" runs base and class-token rows through each
-        linear layer together (fastest for inference); "split" keeps them apart so that autograd
-        records only the class-token rows (training, docs/design.md §2.3); "auto" picks split exactly
+        Every adapter of ``stack`` for every image, from their prepared tensors: the training pass
+        (gradients flow into the stack) and callers that want the tokens. ``path``: "merged" runs base
+        and class-token rows through each linear layer together; "split" keeps them apart so that
+        autograd records only the class-token rows (docs/design.md §2.3); "auto" picks split exactly
         when gradients will flow into the stack.
         """
         base = self.base
@@ -261,8 +313,7 @@ class MemoryViT(nn.Module):
         x = self.embed(x)  # (B, T, D)
         if stack is None:
             return base.norm(base.blocks(x)), None
-        cls = stack.cls if stack.cls.ndim == 3 else stack.cls.expand(x.shape[0], -1, -1)
-        c = base.norm_pre(cls)  # (B, K, D)
+        c = base.norm_pre(stack.cls.expand(x.shape[0], -1, -1))  # (B, K, D)
         if path == "auto":
             path = "split" if training else "merged"
         if path == "split":
@@ -284,30 +335,22 @@ class MemoryViT(nn.Module):
         base = self.base
         return base.norm_pre(base.patch_drop(base._pos_embed(base.patch_embed(x.to(self.dtype)))))
 
-    def forward_head(
-        self, x: Tensor, c: Tensor | None, adapter_set: AdapterSet, route: Route | None = None
-    ) -> FusedOutput:
-        """Final tokens -> logits. With a ``route``, only the rows asked for meet a head (ancestors
-        computed for an extension do not), and ``images`` says which images each task answers."""
+    def forward_head(self, x: Tensor, c: Tensor | None, adapter_set: AdapterSet) -> FusedOutput:
+        """``forward_features``' tokens -> logits: the base head, and each adapter's head on its row."""
         blocks = self._blocks() if self.batch_invariant else None
         base_logits = self.base.forward_head(x) if blocks is None else invariant.head(self.base, x, blocks)
         if c is None:  # no adapter rows: the base alone
             return FusedOutput(base_logits, {}, {}, adapter_set)
-        if route is None:
-            stack = adapter_set.stack
-            heads = stack.apply_heads(c) if blocks is None else invariant.adapter_heads(stack, c, blocks)
-            return FusedOutput.every_image(
-                base_logits, dict(zip(adapter_set.names, heads, strict=True)), adapter_set
-            )
-        head = F.linear if blocks is None else lambda r, w, b: invariant.linear(r, w, b, blocks)
-        logits = {o.name: head(c[o.images, o.rows], o.weight, o.bias) for o in route.outputs}  # (n, C_k)
-        images = {o.name: o.images for o in route.outputs}
-        return FusedOutput(base_logits, logits, images, adapter_set)
+        stack = adapter_set.stack
+        heads = stack.apply_heads(c) if blocks is None else invariant.adapter_heads(stack, c, blocks)
+        return FusedOutput.every_image(
+            base_logits, dict(zip(adapter_set.names, heads, strict=True)), adapter_set
+        )
 
     def _blocks(self) -> InvariantBlocks:  # the batch-invariant mode's call sizes (invariant.py)
         return self.invariant_blocks or InvariantBlocks.for_device(self.device)
 
-    def _check_stack(self, stack: AdapterStack | Route) -> None:
+    def _check_stack(self, stack: AdapterStack) -> None:
         if stack.cls.device != self.device or stack.cls.dtype != self.dtype:
             # A set prepared before the engine moved (all adapters of a stack share one device/dtype).
             raise AdapterShapeError(

@@ -4,18 +4,23 @@ One shape for every pass. ``adapters[name]`` holds one row per image that asked 
 ``images[name]`` says which images those are (ascending batch indices). Unrouted, every image asks
 for every adapter, so every task's rows are the whole batch; routed (``MemoryViT.forward(...,
 tasks=...)``), each task has the rows of the images that asked for it, and a task nobody asked for
-is absent.
+is absent. The ``images`` index tensors are host (CPU) tensors: the plan made them on the host, and
+cutting an output per request reads them there without waiting for the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .adapter import BASE_TASK
 from .adapter_set import AdapterSet
+
+if TYPE_CHECKING:
+    from .plan import PassPlan
 
 
 @dataclass(frozen=True)
@@ -24,8 +29,24 @@ class FusedOutput:
 
     base: Tensor  # (B, C_0): the base model's own task, for every image
     adapters: dict[str, Tensor]  # name -> (n_k, C_k), in the set's order
-    images: dict[str, Tensor]  # name -> (n_k,) long: the images those rows answer, ascending
+    images: dict[str, Tensor]  # name -> (n_k,) long on the host: the images those rows answer, ascending
     adapter_set: AdapterSet  # the snapshot that answered
+    # When one pass computed every task's logits into one (rows, classes) tensor (memory_core/plan.py),
+    # that tensor and each task's (start, stop, classes) in it: ``to`` then moves one tensor, not K.
+    flat: Tensor | None = None
+    spans: dict[str, tuple[int, int, int]] | None = None
+
+    @classmethod
+    def of_plan(
+        cls, base: Tensor, flat: Tensor | None, plan: PassPlan | None, adapter_set: AdapterSet
+    ) -> FusedOutput:
+        """A planned pass's output: ``base`` (B, C_0) with any bucketing padding, and its adapter
+        logits ``flat`` (N, C), each asked task one run of rows (``plan.tasks``), cut out as views."""
+        if plan is None:
+            return cls(base, {}, {}, adapter_set)
+        spans = {t.name: (t.start, t.stop, t.classes) for t in plan.tasks}
+        images = {t.name: t.images for t in plan.tasks}
+        return cls(base[: plan.batch], _cut(flat, spans), images, adapter_set, flat, spans)
 
     @classmethod
     def every_image(cls, base: Tensor, adapters: dict[str, Tensor], adapter_set: AdapterSet) -> FusedOutput:
@@ -65,9 +86,15 @@ class FusedOutput:
         for who in self.images.values():
             if id(who) not in moved:
                 moved[id(who)] = who.to(device)
-        return FusedOutput(
-            base=self.base.to(device, dtype),
-            adapters={name: t.to(device, dtype) for name, t in self.adapters.items()},
-            images={name: moved[id(who)] for name, who in self.images.items()},
-            adapter_set=self.adapter_set,
-        )
+        images = {name: moved[id(who)] for name, who in self.images.items()}
+        base = self.base.to(device, dtype)
+        if self.flat is not None and self.spans is not None:  # one copy for every task
+            flat = self.flat.to(device, dtype)
+            return FusedOutput(base, _cut(flat, self.spans), images, self.adapter_set, flat, self.spans)
+        adapters = {name: t.to(device, dtype) for name, t in self.adapters.items()}
+        return FusedOutput(base, adapters, images, self.adapter_set)
+
+
+def _cut(flat: Tensor, spans: dict[str, tuple[int, int, int]]) -> dict[str, Tensor]:
+    """Each task's rows and classes of ``flat``: views, no copies."""
+    return {name: flat[start:stop, :classes] for name, (start, stop, classes) in spans.items()}

@@ -1,10 +1,11 @@
-"""Adapters prepared for one engine, and stacked for the fused pass.
+"""Adapters prepared for one engine, and stacked for a pass that trains them.
 
 ``PreparedAdapter`` is one adapter on the engine's device and dtype, its memory already projected to
 keys and values. ``stack_adapters`` lays any tuple of them out as one ``AdapterStack``: class tokens
 (K, D), per-layer memory padded to the longest (with a -inf bias on padding) and, in extension mode,
-each adapter's ancestors. An ``AdapterSet`` stacks its adapters once; a route stacks the few a batch
-asks for (memory_core/routing.py).
+each adapter's ancestors. A stack keeps the autograd graph back to the adapters' parameters, so
+training (and training from cached activations) runs it; an inference pass reads the engine's
+device slots instead (memory_core/slots.py), and never stacks.
 """
 
 from __future__ import annotations

@@ -3,11 +3,19 @@ the real files in ../shared/data ($MEMVIT_SHARED_DATA; the paths are benchmarks/
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, the Triton kernels run under Triton's interpreter, so their results are held to the
+# dense reference here too (memory_core/triton_kernels.py). Triton reads this when it is first
+# imported, which importing torch does not do, and memvit (below) does.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from PIL import Image
 
 # Re-exported: the shared-data paths (one definition, benchmarks/common.py) and the factories

@@ -180,7 +180,9 @@ def test_a_bare_move_leaves_the_base_working_and_stale_adapters_refused(live) ->
     engine.to(torch.float64)
     assert max_diff(engine(x.double()).base, expected) <= 1e-5  # the base alone still runs
     assert max_diff(engine.base(x.double()), expected) <= 1e-5
-    with pytest.raises(AdapterShapeError, match=r"prepared for cpu/torch.float32, the engine runs"):
+    with pytest.raises(
+        AdapterShapeError, match=r"'a' was prepared for cpu/torch.float32, not cpu/torch.float64"
+    ):
         engine(x.double(), stale)
     with pytest.raises(AdapterShapeError, match=r"prepared for cpu/torch.float32"):
         engine(x.double(), stale, tasks=[["a"], [], []])

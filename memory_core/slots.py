@@ -1,0 +1,216 @@
+"""Adapter slots: every adapter an engine serves, in a few preallocated tensors on its device.
+
+vLLM serves LoRA adapters from a fixed number of GPU slots (``max_loras``) and each pass only names
+slots; S-LoRA keeps every resident adapter in one pool. memvit does the same for memory adapters.
+``AdapterSlots`` holds, for S slots (docs/design.md §2.10):
+
+    keys, values   (L, S, H, P, d)  each slot's visible memory per layer (its own, then its
+                                    ancestors' in extension mode), zero-padded to the longest, P
+    memory_bias    (S, P)           0 on a slot's memory, -inf on its padding
+    memory_length  (S,)             how many of the P entries are real (kernels skip the rest)
+    cls            (S, D)           class token plus the base class token's position embedding
+    head_weight    (S, C, D)        heads, zero-padded to the most classes, C
+    head_bias      (S, C)
+
+Slot 0 is the null slot: no memory, a zero class token, a zero head. Padding rows of a pass point at
+it, so they compute finite numbers that nobody reads.
+
+A slot is written in place when an adapter first needs one (``assign``: ``LiveAdapters.install``
+for the server's resident set, or the first pass that uses it) and freed when the adapter itself is
+freed: a ``weakref.finalize`` hands the slot back once no adapter set, and so no pass, can still
+name it. A pass therefore never stacks adapters; it reads the pools through the slot numbers its
+plan carries (memory_core/plan.py). Slots never move: when the pools must grow (more slots, longer
+memory, more classes) they are copied into larger tensors, ``generation`` counts up, and whatever
+was captured against the old tensors (CUDA graphs, memory_core/graphs.py) is captured again.
+
+Writes run on the caller's thread and, on CUDA, on the device's current stream, which is the stream
+passes run on: a slot freed after a pass was launched is rewritten only after that pass's kernels.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .spec import ViTSpec
+from .stack import PreparedAdapter, check_prepared_for
+
+NULL_SLOT = 0
+
+
+@dataclass(frozen=True)
+class SlotPools:
+    """The pool tensors at one generation. A pass reads one ``SlotPools`` throughout."""
+
+    keys: Tensor  # (L, S, H, P, d)
+    values: Tensor  # (L, S, H, P, d)
+    memory_bias: Tensor  # (S, P) 0 / -inf
+    memory_length: Tensor  # (S,) int32
+    cls: Tensor  # (S, D)
+    head_weight: Tensor  # (S, C, D)
+    head_bias: Tensor  # (S, C)
+    generation: int
+
+    @property
+    def capacity(self) -> int:
+        return self.cls.shape[0]
+
+    @property
+    def memory(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def classes(self) -> int:
+        return self.head_weight.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.keys, self.values, self.memory_bias, self.memory_length, self.cls)
+        return sum(t.nbytes for t in (*tensors, self.head_weight, self.head_bias))
+
+
+@dataclass(frozen=True, eq=False)
+class _Slot:
+    adapter: weakref.ref  # the adapter the slot holds
+    ancestors: tuple[PreparedAdapter, ...]  # kept alive while the slot is: their memory is in it
+    classes: int
+    memory: int  # visible memory: its own plus its ancestors'
+
+
+class AdapterSlots:
+    """The slot pools of one engine (device and dtype fixed), and which adapter holds which slot."""
+
+    def __init__(
+        self, spec: ViTSpec, device: torch.device, dtype: torch.dtype, *, capacity: int = 16
+    ) -> None:
+        if capacity < 2:
+            raise ValueError(f"capacity must be at least 2 (the null slot and one adapter), got {capacity}")
+        self.spec, self.device, self.dtype = spec, torch.device(device), dtype
+        self._lock = threading.Lock()
+        self._slot_of: dict[tuple[int, ...], int] = {}  # ids of (adapter, *ancestors) -> slot
+        self._records: dict[int, _Slot] = {}
+        self._free: list[int] = []
+        # Filled by finalizers, which may run in any thread at any moment (garbage collection):
+        # they only append here, and the next ``assign`` takes the slots back under the lock.
+        self._released: deque[tuple[int, ...]] = deque()
+        self.writes = 0  # slots written since creation (a test and a metric: cold loads, not passes)
+        self.pools = self._allocate(capacity, memory=0, classes=1, generation=0)
+        self._free = list(range(capacity - 1, NULL_SLOT, -1))  # pop() hands out 1, 2, 3, ...
+
+    # -- reading -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Slots in use (the null slot not counted)."""
+        return len(self._records)
+
+    @property
+    def generation(self) -> int:
+        return self.pools.generation
+
+    # -- assigning -----------------------------------------------------------------------------
+    def assign(self, chains: list[tuple[PreparedAdapter, ...]]) -> tuple[list[int], SlotPools]:
+        """The slot of each ``(adapter, *ancestors)`` chain, writing the ones that have none yet.
+
+        Returns the slots and the pools they are valid in, read under one lock: a pass uses exactly
+        these (later growth copies them into new tensors; these keep their contents)."""
+        with self._lock:
+            self._take_back_released()
+            slots: list[int] = []
+            missing: list[tuple[int, tuple[PreparedAdapter, ...]]] = []
+            for chain in chains:
+                slot = self._slot_of.get(_key(chain))
+                if slot is None:
+                    missing.append((len(slots), chain))
+                    slot = NULL_SLOT  # filled below
+                slots.append(slot)
+            if missing:
+                fresh: dict[tuple[int, ...], int] = {}
+                for at, chain in missing:
+                    key = _key(chain)
+                    if key not in fresh:  # the same adapter twice in one call: one slot
+                        fresh[key] = self._write(chain)
+                    slots[at] = fresh[key]
+            return slots, self.pools
+
+    def slot_of(self, adapter: PreparedAdapter, ancestors: tuple[PreparedAdapter, ...] = ()) -> int | None:
+        """The slot holding ``adapter`` (with these ancestors), or None."""
+        return self._slot_of.get(_key((adapter, *ancestors)))
+
+    def _write(self, chain: tuple[PreparedAdapter, ...]) -> int:
+        adapter, ancestors = chain[0], chain[1:]
+        check_prepared_for(chain, self.device, self.dtype)
+        memory = sum(a.memory_keys.shape[2] for a in chain)
+        classes = adapter.head_weight.shape[0]
+        if not self._free or memory > self.pools.memory or classes > self.pools.classes:
+            self._grow(memory=memory, classes=classes)
+        slot = self._free.pop()
+        p = self.pools
+        with torch.no_grad():
+            if memory:
+                p.keys[:, slot, :, :memory] = torch.cat([a.memory_keys for a in chain], dim=2)
+                p.values[:, slot, :, :memory] = torch.cat([a.memory_values for a in chain], dim=2)
+            p.keys[:, slot, :, memory:] = 0
+            p.values[:, slot, :, memory:] = 0
+            p.memory_bias[slot, :memory] = 0
+            p.memory_bias[slot, memory:] = float("-inf")
+            p.memory_length[slot] = memory
+            p.cls[slot] = adapter.cls
+            p.head_weight[slot, :classes] = adapter.head_weight
+            p.head_weight[slot, classes:] = 0
+            p.head_bias[slot, :classes] = adapter.head_bias
+            p.head_bias[slot, classes:] = 0
+        key = _key(chain)
+        self._slot_of[key] = slot
+        self._records[slot] = _Slot(weakref.ref(adapter), ancestors, classes, memory)
+        weakref.finalize(adapter, self._released.append, key)
+        self.writes += 1
+        return slot
+
+    def _take_back_released(self) -> None:
+        while self._released:
+            key = self._released.popleft()
+            slot = self._slot_of.pop(key, None)
+            if slot is not None:
+                del self._records[slot]
+                self._free.append(slot)
+
+    # -- growing -------------------------------------------------------------------------------
+    def _grow(self, *, memory: int, classes: int) -> None:
+        old = self.pools
+        capacity = old.capacity * 2 if not self._free else old.capacity
+        memory, classes = max(memory, old.memory), max(classes, old.classes)
+        new = self._allocate(capacity, memory=memory, classes=classes, generation=old.generation + 1)
+        S, P, C = old.capacity, old.memory, old.classes
+        with torch.no_grad():
+            new.keys[:, :S, :, :P] = old.keys
+            new.values[:, :S, :, :P] = old.values
+            new.memory_bias[:S, :P] = old.memory_bias
+            new.memory_length[:S] = old.memory_length
+            new.cls[:S] = old.cls
+            new.head_weight[:S, :C] = old.head_weight
+            new.head_bias[:S, :C] = old.head_bias
+        self._free = list(range(capacity - 1, S - 1, -1)) + self._free
+        self.pools = new
+
+    def _allocate(self, capacity: int, *, memory: int, classes: int, generation: int) -> SlotPools:
+        s = self.spec
+        like = {"device": self.device, "dtype": self.dtype}
+        memory_shape = (s.depth, capacity, s.num_heads, memory, s.head_dim)
+        return SlotPools(
+            keys=torch.zeros(memory_shape, **like),
+            values=torch.zeros(memory_shape, **like),
+            memory_bias=torch.full((capacity, memory), float("-inf"), **like),
+            memory_length=torch.zeros(capacity, device=self.device, dtype=torch.int32),
+            cls=torch.zeros(capacity, s.width, **like),
+            head_weight=torch.zeros(capacity, classes, s.width, **like),
+            head_bias=torch.zeros(capacity, classes, **like),
+            generation=generation,
+        )
+
+
+def _key(chain: tuple[PreparedAdapter, ...]) -> tuple[int, ...]:
+    return tuple(id(a) for a in chain)
