@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from .attention import LayerMemory, _finish, base_attention
 from .attention import project_memory as _project_memory
 from .plan import PlanShape, PlanTensors
-from .planned import gathered_heads, layer_memory, lineage_of, rows_of
+from .planned import layer_memory, lineage_of, rows_of
 from .slots import SlotPools
 from .stack import AdapterStack
 
@@ -48,6 +48,7 @@ class InvariantBlocks:
     rows: int | None = 256  # token rows per call of a per-token layer; None: all in one call
     thin: int = 8  # class-token queries per image per product, and rows per head call
     keys: int = 8  # own keys (lineage, memory) per chunk of the class-token attention
+    classes: int = 16  # head columns per product: the padded class count of the slot pools may grow
     images: int | None = None  # images per patch-embedding and attention call; None: the whole batch
     # Class-token rows per call of their own-key products, and (in chunks of ``thin``) heads per call
     # of a head group's batched product. None: any count (on CPU a batched product's per-matrix
@@ -148,11 +149,20 @@ def planned(
     else:
         out_rows, out_slots = plan.out_rows, plan.out_slots
     flat = c.reshape(B * R, D).contiguous()
+    # Heads in fixed chunks of columns: the pools pad every head to the most classes resident, which
+    # grows as adapters come, and a product's kernel depends on its column count.
+    chunks = -(-pools.classes // blocks.classes)
 
-    def heads(rows: Tensor, slots: Tensor) -> Tensor:  # one (1, D) x (D, C) matrix per output
-        return gathered_heads(flat, rows, slots, pools.head_weight, pools.head_bias)
+    def heads(rows: Tensor, slots: Tensor) -> Tensor:  # one (1, D) x (D, classes) product per chunk
+        n = rows.shape[0]
+        x = flat.index_select(0, rows)[:, None].expand(n, chunks, D).reshape(n * chunks, 1, D)
+        w = _pad(pools.head_weight.index_select(0, slots), 1, blocks.classes)  # (n, C', D)
+        b = _pad(pools.head_bias.index_select(0, slots), 1, blocks.classes)
+        w, b = w.reshape(n * chunks, blocks.classes, D), b.reshape(n * chunks, 1, blocks.classes)
+        return torch.baddbmm(b, x, w.transpose(1, 2)).reshape(n, -1)
 
-    return head(base, x_tokens, blocks), in_blocks(heads, blocks.thin, out_rows, out_slots)
+    logits = in_blocks(heads, blocks.thin, out_rows, out_slots)
+    return head(base, x_tokens, blocks), logits[:, : pools.classes]
 
 
 def features(

@@ -2,7 +2,8 @@
 
 ``LiveAdapters`` owns three things and nothing else: the current immutable ``AdapterSet`` (readers
 never lock: a pass reads ``current`` once and keeps that object), the one write lock that orders
-every change, and ``install``, the swap. The server's adapter registry and the command line hold one;
+every change, and ``install``, the swap, which also writes each new adapter into the engine's device
+slots (memory_core/slots.py). The server's adapter registry and the command line hold one;
 the engine (``MemoryViT``) knows nothing of it: it prepares adapters and runs whichever snapshot it
 is handed.
 
@@ -61,8 +62,9 @@ class LiveAdapters:
     def install(self, adapter_set: AdapterSet) -> AdapterSet:
         """Make ``adapter_set`` live: the one way the live set changes. Returns it.
 
-        Its adapters must have been prepared by the engine on its current device and dtype. Passes
-        in flight keep the set they started with; every later pass sees the new one.
+        Its adapters must have been prepared by the engine on its current device and dtype. Each
+        adapter new to the live set is written into a device slot of the engine here, so passes find
+        it there. Passes in flight keep the set they started with; every later pass sees the new one.
         """
         target = (self.engine.device, self.engine.dtype)
         with self._lock:
@@ -70,11 +72,14 @@ class LiveAdapters:
             # moved since, only the new ones need checking. Linear in the set's size either way, but
             # a set lookup instead of a device comparison: 0.2 ms instead of 3.5 ms at 5,000 resident,
             # paid on every cold load of a server's resident set.
-            fresh: Iterable = adapter_set
-            if self._checked_for == target:
-                known = {id(a) for a in self._current.adapters}
-                fresh = [a for a in adapter_set.adapters if id(a) not in known]
+            known = {id(a) for a in self._current.adapters} if self._checked_for == target else set()
+            fresh = [a for a in adapter_set.adapters if id(a) not in known]
             check_prepared_for(fresh, *target)
+            # Each new adapter gets its device slot now, on the installing thread, so that passes
+            # never pay for the copy (memory_core/slots.py); a slot is freed with its adapter.
+            self.engine.slots.assign(
+                [tuple(adapter_set[n] for n in adapter_set.lineage(a.name)) for a in fresh]
+            )
             self._current = adapter_set  # one reference assignment
             self._checked_for = target
         # Debug, not info: a server swaps the set on every cold load and eviction (many per second

@@ -182,7 +182,9 @@ class AdapterSlots:
     def _grow(self, *, memory: int, classes: int) -> None:
         old = self.pools
         capacity = old.capacity * 2 if not self._free else old.capacity
-        memory, classes = max(memory, old.memory), max(classes, old.classes)
+        # Memory rounds up to a power of two, so adapters of m = 1, 2, 3, 5 grow the pools twice,
+        # not four times; padding costs the Triton kernel nothing (it stops at each slot's length).
+        memory, classes = max(_power_of_2(memory), old.memory), max(classes, old.classes)
         new = self._allocate(capacity, memory=memory, classes=classes, generation=old.generation + 1)
         S, P, C = old.capacity, old.memory, old.classes
         with torch.no_grad():
@@ -214,3 +216,7 @@ class AdapterSlots:
 
 def _key(chain: tuple[PreparedAdapter, ...]) -> tuple[int, ...]:
     return tuple(id(a) for a in chain)
+
+
+def _power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0

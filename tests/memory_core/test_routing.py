@@ -140,9 +140,10 @@ def test_routed_output_slices_per_request() -> None:
     assert out[2:3].adapters == {} and out[2:3].images == {}  # image 2 asked for nothing
 
 
-def test_no_pass_stacks_and_routed_passes_give_slots_only_to_what_they_use() -> None:
-    """Add/remove build a new set without stacking; no inference pass stacks either: a routed pass
-    gives device slots to the adapters its batch needs, the all-tasks pass to the rest, once."""
+def test_no_pass_stacks_and_slots_are_written_once() -> None:
+    """Add/remove build a new set without stacking; no inference pass stacks either. Installing gives
+    each new adapter its device slot; a pass over a set never installed gives slots to the adapters
+    its batch needs only, once."""
     from memvit.memory_core import stack as adapter_set_module
 
     engine = tiny_engine()
@@ -157,16 +158,20 @@ def test_no_pass_stacks_and_routed_passes_give_slots_only_to_what_they_use() -> 
 
     adapter_set_module._build_stack = counting
     try:
+        assert engine.slots.writes == 40
         live.add(random_adapter("new", engine, m=2))
         live.remove("a3")
+        assert engine.slots.writes == 41  # the one new adapter
         x = images(engine, batch=2)
         engine(x, live.current, tasks=[["new"], ["a1", "a2"]])
-        assert engine.slots.writes == 3  # only the three adapters asked for
-        engine(x, live.current, tasks=[["a1"], ["new"]])
-        assert engine.slots.writes == 3  # already in their slots
         engine(x, live.current)
-        engine(x, live.current)
-        assert engine.slots.writes == 40  # every adapter of the set, once
+        assert engine.slots.writes == 41  # passes find every live adapter in its slot
+        apart = engine.prepare_set([random_adapter(f"b{i}", engine) for i in range(10)])  # not installed
+        engine(x, apart, tasks=[["b1"], ["b2", "b3"]])
+        assert engine.slots.writes == 44  # only the three adapters asked for
+        engine(x, apart)
+        engine(x, apart)
+        assert engine.slots.writes == 51  # the other seven, once
         assert stacked == []  # nothing was stacked, by a change or by a pass
     finally:
         adapter_set_module._build_stack = real
