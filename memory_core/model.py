@@ -14,7 +14,7 @@ live, and how it changes, is ``live.py``'s (``LiveAdapters``).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +23,28 @@ from timm.data import resolve_data_config
 from torch import Tensor, nn
 
 from . import invariant, triton_kernels
-from .adapter import AdapterWeights
 from .adapter_set import AdapterSet
 from .attention import merged_block, split_block
 from .base_model import BaseModel, create_base
 from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
 from .fingerprint import state_fingerprint
+from .graphs import GraphedPasses, bucket_images, bucket_rows
 from .invariant import InvariantBlocks
 from .memory_projection import StackedProjection
 from .output import FusedOutput
-from .plan import PassPlan, plan_pass
+from .plan import PassPlan, PlanTensors, plan_pass
 from .planned import planned_forward
+from .preparation import AdapterPreparation
 from .slots import AdapterSlots
 from .spec import ViTSpec
-from .stack import AdapterStack, PreparedAdapter
+from .stack import AdapterStack
+from .staging import PinnedStaging
 
 _BASE_ONLY = AdapterSet()  # what a pass without a set runs: no adapters
 
 
-class MemoryViT(nn.Module):
+class MemoryViT(AdapterPreparation, nn.Module):
     """A frozen timm ViT that serves its own task and every adapter of the set it is given, in one pass."""
 
     def __init__(
@@ -60,7 +62,11 @@ class MemoryViT(nn.Module):
         # The class-token attention and heads of an inference pass: "torch", "triton" or "auto"
         # (Triton on CUDA). Both compute the same numbers (planned.py); tests run Triton on CPU too.
         self.kernels = "auto"
+        # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (graphs.py).
+        self.cuda_graphs = True
         self._slots: AdapterSlots | None = None  # built for the device and dtype on first use
+        self._graphed_passes: GraphedPasses | None = None
+        self._staging = PinnedStaging()  # pinned buffers for the plan's copy to a CUDA device
         self.spec = ViTSpec.from_model(base.model, base.arch)  # raises UnsupportedModelError
         self.base = base.model.eval().requires_grad_(False)
         self._stacked_projection = StackedProjection()  # training's memory projection, built on first use
@@ -122,99 +128,6 @@ class MemoryViT(nn.Module):
         config["input_size"] = (self.base.patch_embed.proj.in_channels, *self.spec.img_size)
         return config
 
-    # -- preparing adapters --------------------------------------------------------------------
-    def class_position(self) -> Tensor:
-        """(D,) the position embedding the base's class token gets, which adapter class tokens share."""
-        base = self.base
-        if base.pos_embed is None or base.no_embed_class:
-            return torch.zeros(self.spec.width, device=self.device, dtype=self.dtype)
-        return base.pos_embed[0, 0]
-
-    def prepare(self, weights: AdapterWeights) -> PreparedAdapter:
-        """Check ``weights`` against the base and precompute what the fused pass needs. Changes nothing.
-
-        Serving and training share it: when some tensor of ``weights`` requires grad (an adapter being
-        trained) and grad mode is on, the prepared tensors keep the graph back to the parameters, so
-        the loss reaches the memory through its projected keys and values.
-        """
-        weights.check_fits(self.spec)
-        like = {"device": self.device, "dtype": self.dtype}
-        with torch.set_grad_enabled(torch.is_grad_enabled() and weights.requires_grad):
-            keys, values, rows = self._project(weights.memory.to(**like), weights.memory_norm)
-            return self._prepared(weights, keys, values, rows)
-
-    def prepare_many(self, weights: Sequence[AdapterWeights], *, chunk: int = 512) -> list[PreparedAdapter]:
-        """``prepare`` for many adapters (start-up with thousands of bundles), in the same order.
-
-        Memory tokens are projected independently of one another, so the memories of many adapters
-        go through each block's norm and qkv together: one matmul per layer and chunk instead of
-        one per adapter and layer, which is what dominates preparing small adapters one by one (and,
-        for the adapters a training step prepares, what it costs on top of the pass).
-        """
-        for w in weights:
-            w.check_fits(self.spec)
-        like = {"device": self.device, "dtype": self.dtype}
-        prepared: list[PreparedAdapter | None] = [None] * len(weights)
-        grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-        with torch.set_grad_enabled(grad):
-            for start in range(0, len(weights), chunk):
-                group = range(start, min(start + chunk, len(weights)))
-                for norm in sorted({weights[i].memory_norm for i in group}):
-                    members = [i for i in group if weights[i].memory_norm == norm]
-                    sizes = [weights[i].num_memory for i in members]
-                    memory = torch.cat([weights[i].memory.to(**like) for i in members], dim=1)  # (L, Σm, D)
-                    keys, values, rows = self._project(memory, norm)  # (L, H, Σm, d), rows or None
-                    # Own copies when serving: a view would keep the whole chunk alive after its
-                    # neighbours are gone. Training keeps the views: its graph holds the chunk anyway.
-                    split_k = [k if grad else k.clone() for k in keys.split(sizes, dim=2)]
-                    split_v = [v if grad else v.clone() for v in values.split(sizes, dim=2)]
-                    split_r = [None] * len(sizes) if rows is None else rows.split(sizes, dim=1)
-                    for i, k, v, r in zip(members, split_k, split_v, split_r, strict=True):
-                        prepared[i] = self._prepared(weights[i], k, v, r)
-        return prepared  # type: ignore[return-value]  # every slot is filled above
-
-    def prepare_set(self, weights: Iterable[AdapterWeights], *, version: int | None = None) -> AdapterSet:
-        """Prepare every adapter (``prepare_many``) and make them one snapshot, in the given order
-        (parents before their extensions): what ``forward`` takes. Installs nothing anywhere."""
-        return AdapterSet(tuple(self.prepare_many(list(weights))), version=version)
-
-    def _prepared(
-        self, weights: AdapterWeights, keys: Tensor, values: Tensor, rows: Tensor | None = None
-    ) -> PreparedAdapter:
-        like = {"device": self.device, "dtype": self.dtype}
-        return PreparedAdapter(
-            name=weights.name,
-            parent=weights.parent,
-            weights=weights,
-            cls=weights.cls_token.to(**like) + self.class_position(),
-            memory_keys=keys,
-            memory_values=values,
-            memory_inputs=rows,
-            head_weight=weights.head_weight.to(**like),
-            head_bias=weights.head_bias.to(**like),
-        )
-
-    def project_memory(self, memory: Tensor, memory_norm: str) -> tuple[Tensor, Tensor]:
-        """Memory (L, m, D) -> keys and values (L, H, m, d) through each block's norm1/qkv."""
-        keys, values, _ = self._project(memory, memory_norm)
-        return keys, values
-
-    def _project(self, memory: Tensor, memory_norm: str) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``project_memory``, plus the rows (L, m, D) the keys and values are projected from when
-        training keeps them (the cached block reads those); None when serving."""
-        L, m, D = memory.shape
-        if m == 0:
-            empty = memory.new_zeros(L, self.spec.num_heads, 0, self.spec.head_dim)
-            return empty, empty, memory.new_zeros(L, 0, D)
-        if torch.is_grad_enabled() and memory.requires_grad and not self.batch_invariant:
-            stacked = self._stacked_projection.project(self.base.blocks, memory, memory_norm)
-            if stacked is not None:  # training: every layer at once (memory_projection.py)
-                return stacked
-        blocks = self._blocks() if self.batch_invariant else None  # invariant.py; None: one product
-        layers = zip(self.base.blocks, memory, strict=True)
-        pairs = [invariant.project_memory(block, rows, memory_norm, blocks) for block, rows in layers]
-        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]), None
-
     # -- the fused pass ------------------------------------------------------------------------
     def forward(
         self,
@@ -252,7 +165,16 @@ class MemoryViT(nn.Module):
             x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
             return self.forward_head(x_tokens, c_tokens, adapter_set)
         self._check_input(x)
-        plan = plan_pass(adapter_set, self.slots, tasks, x.shape[0])  # None: nobody asked for an adapter
+        graphed = self.graphed
+        plan = plan_pass(  # None: nobody asked for an adapter
+            adapter_set,
+            self.slots,
+            tasks,
+            x.shape[0],
+            images=bucket_images if graphed else None,
+            rows=bucket_rows if graphed else None,
+            pad_outputs=graphed,
+        )
         base_logits, adapter_logits = self.run_plan(x, plan, path="split" if path == "split" else "merged")
         return FusedOutput.of_plan(base_logits, adapter_logits, plan, adapter_set)
 
@@ -260,7 +182,21 @@ class MemoryViT(nn.Module):
         self, x: Tensor, plan: PassPlan | None, *, path: str = "merged"
     ) -> tuple[Tensor, Tensor | None]:
         """The device part of a pass: images and a plan -> base logits (B, C_0) and the adapter logits
-        of the plan's output rows (planned.py), or None without a plan (the base alone)."""
+        of the plan's output rows (planned.py), or None without a plan (the base alone). On CUDA, a
+        replay of the pass's graph (graphs.py) unless ``cuda_graphs`` is off."""
+
+        def device_pass(images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None):
+            return self._device_pass(images, tensors, plan, path)
+
+        if self.graphed:
+            key = (self.resolved_kernels, path, self.batch_invariant)
+            return self._graphs().run(x, plan, key, device_pass)
+        tensors = None if plan is None else plan.tensors(self.device, self._staging)
+        return device_pass(x, tensors, plan)
+
+    def _device_pass(
+        self, x: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, path: str
+    ) -> tuple[Tensor, Tensor | None]:
         base = self.base
         blocks = self._blocks() if self.batch_invariant and path == "merged" else None
         if plan is None:
@@ -268,12 +204,22 @@ class MemoryViT(nn.Module):
                 x_tokens, _ = invariant.features(base, x.to(self.dtype), None, blocks)
                 return invariant.head(base, x_tokens, blocks), None
             return base.forward_head(base.norm(base.blocks(self.embed(x)))), None
-        tensors = plan.tensors(self.device)
         if blocks is not None:
             return invariant.planned(base, x.to(self.dtype), tensors, plan.shape, plan.pools, blocks)
+        kernels = self.resolved_kernels
         return planned_forward(
-            base, self.embed(x), tensors, plan.shape, plan.pools, kernels=self.resolved_kernels, path=path
+            base, self.embed(x), tensors, plan.shape, plan.pools, kernels=kernels, path=path
         )
+
+    @property
+    def graphed(self) -> bool:
+        """Whether inference passes run as CUDA graphs: on CUDA, while ``cuda_graphs`` is on."""
+        return self.cuda_graphs and self.device.type == "cuda"
+
+    def _graphs(self) -> GraphedPasses:
+        if self._graphed_passes is None:
+            self._graphed_passes = GraphedPasses()
+        return self._graphed_passes
 
     @property
     def slots(self) -> AdapterSlots:

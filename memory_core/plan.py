@@ -31,6 +31,7 @@ from torch import Tensor
 from .adapter_set import AdapterSet
 from .errors import InputError
 from .slots import NULL_SLOT, AdapterSlots, SlotPools
+from .staging import PinnedStaging
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,14 @@ class PassPlan:
     pools: SlotPools  # the pools the slots are valid in
     adapter_set: AdapterSet
 
-    def tensors(self, device: torch.device) -> PlanTensors:
-        """The plan on ``device``: one copy of the packed buffer (non-blocking from pinned memory)."""
-        buffer = self.host
-        if device.type == "cuda":
-            buffer = buffer.pin_memory().to(device, non_blocking=True)
-        return PlanTensors.unpack(buffer.to(device), self.shape)
+    def tensors(self, device: torch.device, staging: PinnedStaging | None = None) -> PlanTensors:
+        """The plan on ``device``: one copy of the packed buffer, through ``staging``'s pinned buffers
+        on CUDA so that the host does not wait for it."""
+        if device.type == "cuda" and staging is not None:
+            buffer = staging.copy(self.host, torch.empty_like(self.host, device=device))
+        else:
+            buffer = self.host.to(device)
+        return PlanTensors.unpack(buffer, self.shape)
 
 
 Bucket = Callable[[int], int]
@@ -112,13 +115,14 @@ def plan_pass(
     *,
     images: Bucket | None = None,
     rows: Bucket | None = None,
-    outputs: Bucket | None = None,
+    pad_outputs: bool = False,
 ) -> PassPlan | None:
     """Plan ``batch`` images through ``adapter_set``: ``tasks[b]`` names what image b asks for (None:
     every adapter, for every image). Returns None when no image asks for any adapter (the base alone).
 
-    ``images``/``rows``/``outputs``: bucket functions rounding the batch, the rows per image and a
-    routed plan's output rows up (to the shapes a captured graph exists for); None keeps them exact.
+    ``images``/``rows``: bucket functions rounding the batch and the rows per image (and the lineage
+    width) up, to the shapes a captured graph exists for; None keeps them exact. ``pad_outputs``
+    gives a routed plan B * R outputs, the most it can have, so that its shape is (B, R)'s alone.
     Writes a slot for every adapter the pass needs that has none yet. Unknown names raise
     ``UnknownAdapterError``.
     """
@@ -139,10 +143,11 @@ def plan_pass(
     R = max(len(rows_b) for rows_b in needed)
     R = rows(R) if rows is not None else R
     A = max(len(chain) for chain in lineages.values())
+    A = rows(A) if rows is not None and A > 1 else A
     layout = _Layout(adapter_set, lineages, slot_of, batch, B, R, A, pools)
     if all(rows_b == needed[0] for rows_b in needed) and all(ks == asked[0] for ks in asked):
         return layout.shared(needed[0], asked[0])
-    return layout.routed(needed, asked, outputs)
+    return layout.routed(needed, asked, pad_outputs)
 
 
 def _asked(adapter_set: AdapterSet, tasks: Sequence[Collection[str]] | None, batch: int) -> list | None:
@@ -204,7 +209,7 @@ class _Layout:
         host = torch.tensor(self.row_slots(rows) + self.lineage_rows(rows), dtype=torch.long)
         return PassPlan(shape, self.batch, host, tuple(tasks), self.pools, self.adapter_set)
 
-    def routed(self, needed: list[list[int]], asked: list[list[int]], outputs: Bucket | None) -> PassPlan:
+    def routed(self, needed: list[list[int]], asked: list[list[int]], pad_outputs: bool) -> PassPlan:
         """Rows per image; outputs are the (image, asked task) pairs, by task then image."""
         padding = [[]] * (self.B - self.batch)  # images added by bucketing: null rows only
         row_slots = [s for rows in needed + padding for s in self.row_slots(rows)]
@@ -221,7 +226,7 @@ class _Layout:
             out_rows += [b * self.R + needed[b].index(k) for b in askers[k]]
             out_slots += [self.slot_of[k]] * len(askers[k])
             tasks.append(self.task(k, start, len(out_rows), torch.tensor(askers[k], dtype=torch.long)))
-        N = outputs(len(out_rows)) if outputs is not None else len(out_rows)
+        N = self.B * self.R if pad_outputs else len(out_rows)
         out_rows += [0] * (N - len(out_rows))  # padding outputs: row 0's null head, never read
         out_slots += [NULL_SLOT] * (N - len(out_slots))
         shape = PlanShape(images=self.B, rows=self.R, lineage=self.A, shared=False, outputs=N)
