@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +36,11 @@ from torch import Tensor, nn
 
 from .attention import LayerMemory, _finish, base_attention
 from .attention import project_memory as _project_memory
-from .plan import PlanShape, PlanTensors
-from .planned import layer_memory, lineage_of, rows_of
-from .slots import SlotPools
+from .planned import SlotAttention
 from .stack import AdapterStack
+
+if TYPE_CHECKING:
+    from .invariant_planned import PlannedRows
 
 
 @dataclass(frozen=True)
@@ -119,52 +121,6 @@ def project_memory(
     return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
 
 
-@dataclass(frozen=True)
-class PlannedRows:
-    """A plan's class-token rows with their memory gathered from the slot pools, per image."""
-
-    cls: Tensor  # (B, R, D)
-    layers: tuple[LayerMemory, ...]  # per block: keys (R, H, P, d) shared or (B, R, H, P, d) routed
-
-
-def planned(
-    base: VisionTransformer,
-    x: Tensor,
-    plan: PlanTensors,
-    shape: PlanShape,
-    pools: SlotPools,
-    blocks: InvariantBlocks,
-) -> tuple[Tensor, Tensor]:
-    """``planned.planned_forward`` with every call's shape fixed: images (B, C, H, W) -> base logits
-    and the plan's adapter logits, in the same layout."""
-    bias = rows_of(pools.memory_bias, plan, shape, expand=False)
-    lineage = lineage_of(plan, shape, x.dtype)
-    layers = tuple(layer_memory(pools, i, plan, shape, bias, lineage) for i in range(len(base.blocks)))
-    x_tokens, c = features(base, x, PlannedRows(rows_of(pools.cls, plan, shape), layers), blocks)
-    B, R, D = c.shape
-    if shape.shared:  # outputs (R, B): row r of image b is class-token row b * R + r, slot r's head
-        r = torch.arange(R, device=c.device).view(R, 1).expand(R, B).reshape(-1)
-        b = torch.arange(B, device=c.device).view(1, B).expand(R, B).reshape(-1)
-        out_rows, out_slots = b * R + r, plan.row_slots.index_select(0, r)
-    else:
-        out_rows, out_slots = plan.out_rows, plan.out_slots
-    flat = c.reshape(B * R, D).contiguous()
-    # Heads in fixed chunks of columns: the pools pad every head to the most classes resident, which
-    # grows as adapters come, and a product's kernel depends on its column count.
-    chunks = -(-pools.classes // blocks.classes)
-
-    def heads(rows: Tensor, slots: Tensor) -> Tensor:  # one (1, D) x (D, classes) product per chunk
-        n = rows.shape[0]
-        x = flat.index_select(0, rows)[:, None].expand(n, chunks, D).reshape(n * chunks, 1, D)
-        w = _pad(pools.head_weight.index_select(0, slots), 1, blocks.classes)  # (n, C', D)
-        b = _pad(pools.head_bias.index_select(0, slots), 1, blocks.classes)
-        w, b = w.reshape(n * chunks, blocks.classes, D), b.reshape(n * chunks, 1, blocks.classes)
-        return torch.baddbmm(b, x, w.transpose(1, 2)).reshape(n, -1)
-
-    logits = in_blocks(heads, blocks.thin, out_rows, out_slots)
-    return head(base, x_tokens, blocks), logits[:, : pools.classes]
-
-
 def features(
     base: VisionTransformer, x: Tensor, stack: AdapterStack | PlannedRows | None, blocks: InvariantBlocks
 ) -> tuple[Tensor, Tensor | None]:
@@ -192,7 +148,7 @@ def _rows(fn: Callable[[Tensor], Tensor], z: Tensor, blocks: InvariantBlocks) ->
 
 
 def invariant_block(
-    block: Block, z: Tensor, T: int, memory: LayerMemory | None, blocks: InvariantBlocks
+    block: Block, z: Tensor, T: int, memory: LayerMemory | SlotAttention | None, blocks: InvariantBlocks
 ) -> Tensor:
     """``merged_block`` (attention.py) with every call's shape fixed. z: [X ; C] (B, T+K, D)."""
     attn = block.attn
@@ -209,7 +165,11 @@ def invariant_block(
     q, k = attn.q_norm(q), attn.k_norm(k)  # (B, H, N, d); per-head norms work row by row
     k_x, v_x = k[:, :, :T], v[:, :, :T]
     o = in_blocks(lambda *t: base_attention(attn, *t), blocks.images, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
-    if N > T:
+    if N > T and isinstance(memory, SlotAttention):  # the Triton kernel: a row's result is its own
+        rows = z.new_empty(B, N, attn.num_heads, attn.head_dim)
+        memory.into(rows, attn, q, k, v, T)
+        o = torch.cat([o, rows[:, T:].transpose(1, 2)], dim=2)
+    elif N > T:
         o_c = adapter_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k_x, v_x, memory, blocks)
         o = torch.cat([o, o_c], dim=2)
     o = o.transpose(1, 2).reshape(B * N, D)

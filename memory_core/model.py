@@ -22,7 +22,7 @@ import torch
 from timm.data import resolve_data_config
 from torch import Tensor, nn
 
-from . import invariant, triton_kernels
+from . import invariant, invariant_planned, triton_kernels
 from .adapter_set import AdapterSet
 from .attention import merged_block, split_block
 from .base_model import BaseModel, create_base
@@ -204,9 +204,12 @@ class MemoryViT(AdapterPreparation, nn.Module):
                 x_tokens, _ = invariant.features(base, x.to(self.dtype), None, blocks)
                 return invariant.head(base, x_tokens, blocks), None
             return base.forward_head(base.norm(base.blocks(self.embed(x)))), None
-        if blocks is not None:
-            return invariant.planned(base, x.to(self.dtype), tensors, plan.shape, plan.pools, blocks)
         kernels = self.resolved_kernels
+        if blocks is not None:
+            x = x.to(self.dtype)
+            return invariant_planned.planned(
+                base, x, tensors, plan.shape, plan.pools, blocks, kernels=kernels
+            )
         return planned_forward(
             base, self.embed(x), tensors, plan.shape, plan.pools, kernels=kernels, path=path
         )

@@ -20,7 +20,10 @@ applies each output's head found by its slot (one gathered product, or the Trito
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor
 
@@ -58,7 +61,7 @@ def planned_forward(
         z = torch.cat([x, c], dim=1)  # (B, T+R, D)
         for i, block in enumerate(base.blocks):
             if kernels == "triton":
-                z = triton_block(block, z, T, pools, i, plan, shape)
+                z = triton_block(block, z, T, SlotAttention(pools, i, plan, shape))
             else:
                 z = merged_block(block, z, T, layer_memory(pools, i, plan, shape, bias, lineage))
         x, c = z[:, :T], z[:, T:]
@@ -106,9 +109,33 @@ def layer_memory(
     )
 
 
-def triton_block(
-    block: Block, z: Tensor, num_base: int, pools: SlotPools, layer: int, plan: PlanTensors, shape: PlanShape
-) -> Tensor:
+@dataclass(frozen=True)
+class SlotAttention:
+    """One layer's class-token attention by the Triton kernel, reading the slot pools in place."""
+
+    pools: SlotPools
+    layer: int
+    plan: PlanTensors
+    shape: PlanShape
+    block_rows: int | None = None  # rows per kernel program; None: by R (fixed in the invariant mode)
+
+    def into(self, o: Tensor, attn: Attention, q: Tensor, k: Tensor, v: Tensor, num_base: int) -> None:
+        """Write the rows' attention into ``o[:, T:]`` (B, T+R, H, d); q, k, v (B, H, T+R, d)."""
+        B = q.shape[0]
+        plan, shape = self.plan, self.shape
+        row_slots = plan.row_slots.expand(B, -1) if shape.shared else plan.row_slots  # stride 0 if shared
+        lineage = None
+        if shape.lineage > 1:
+            lineage = plan.lineage.expand(B, -1, -1) if shape.shared else plan.lineage
+        pools = self.pools
+        keys, values = pools.keys[self.layer], pools.values[self.layer]
+        triton_kernels.adapter_attention(
+            o, q, k, v, num_base, keys, values, pools.memory_length, row_slots, lineage, attn.scale,
+            block_rows=self.block_rows,
+        )  # fmt: skip
+
+
+def triton_block(block: Block, z: Tensor, num_base: int, attention: SlotAttention) -> Tensor:
     """``merged_block`` with the class-token rows' attention as one Triton kernel."""
     T = num_base
     attn = block.attn
@@ -117,23 +144,7 @@ def triton_block(
     B, H, N, d = q.shape
     o = z.new_empty(B, N, H, d)
     o[:, :T] = base_attention(attn, q[:, :, :T], k[:, :, :T], v[:, :, :T]).transpose(1, 2)
-    row_slots = plan.row_slots.expand(B, -1) if shape.shared else plan.row_slots  # stride 0 when shared
-    lineage = None
-    if shape.lineage > 1:
-        lineage = plan.lineage.expand(B, -1, -1) if shape.shared else plan.lineage
-    triton_kernels.adapter_attention(
-        o,
-        q,
-        k,
-        v,
-        T,
-        pools.keys[layer],
-        pools.values[layer],
-        pools.memory_length,
-        row_slots,
-        lineage,
-        attn.scale,
-    )
+    attention.into(o, attn, q, k, v, T)
     return _finish(block, z, h, o.view(B, N, H * d))
 
 

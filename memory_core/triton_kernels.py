@@ -54,9 +54,10 @@ if triton is not None:
         A: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
+        # Row tiles vary fastest, so the programs reading one image's keys run together (L2).
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         h = tl.program_id(1)
-        r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        b = tl.program_id(2)
         dd = tl.arange(0, BLOCK_D)
         rmask = r < R
         dmask = dd < d
@@ -73,7 +74,10 @@ if triton is not None:
             k = tl.load(
                 k_ptr + b * skb + h * skh + t[:, None] * skn + dd[None, :] * skd, mask=kv_mask, other=0.0
             )
-            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee")  # (BLOCK_R, BLOCK_T) fp32
+            if BLOCK_R >= 16:  # the tensor cores (tl.dot needs 16 rows)
+                s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision="ieee")  # (BLOCK_R, BLOCK_T) fp32
+            else:  # one row: each score is its own sum, in a fixed order (the batch-invariant mode)
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -82,7 +86,10 @@ if triton is not None:
             v = tl.load(
                 v_ptr + b * svb + h * svh + t[:, None] * svn + dd[None, :] * svd, mask=kv_mask, other=0.0
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            if BLOCK_R >= 16:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
             m_i = m_new
         # The class tokens of the row's lineage: itself first, then its ancestors (extension mode).
         for a in tl.static_range(A):
@@ -173,13 +180,18 @@ def adapter_attention(
     row_slots: Tensor,
     lineage: Tensor | None,
     scale: float,
+    *,
+    block_rows: int | None = None,
 ) -> None:
     """Write the class-token rows' attention output into ``o[:, T:]``.
 
     q, k, v: (B, H, T + R, d), any strides (views of the block's qkv projection); o: (B, T + R, H, d);
     memory_keys/values: one layer's pools (S, H, P, d); memory_length (S,); row_slots (B, R), a
     stride-0 view when every image has the same rows; lineage (B, R, A) row positions, -1 on padding,
-    or None for concatenation mode (each row's own key alone).
+    or None for concatenation mode (each row's own key alone). ``block_rows``: rows per program, 1
+    or 16 to 64; None picks by R. A tile of 16 or more scores its rows on the tensor cores, whose
+    rounding of a row need not be independent of its place in the tile; one row per program sums
+    every score in a fixed order of its own, which the batch-invariant mode relies on.
     """
     B, H, N, d = q.shape
     T = num_base
@@ -188,16 +200,17 @@ def adapter_attention(
         return
     A = 1 if lineage is None else lineage.shape[-1]
     lin = row_slots.unsqueeze(-1) if lineage is None else lineage  # unread when A == 1
-    BLOCK_R = min(max(_next_power_of_2(R), 16), 64)
+    BLOCK_R = block_rows or min(max(_next_power_of_2(R), 16), 64)
     BLOCK_D = max(_next_power_of_2(d), 16)
     BLOCK_P = 8 if BLOCK_D <= 64 else 4  # (BLOCK_R, BLOCK_P, BLOCK_D) memory tiles stay in registers
-    grid = (B, H, triton.cdiv(R, BLOCK_R))
+    BLOCK_T = 64 if BLOCK_R >= 16 else 32  # one row without tensor cores: (BLOCK_T, BLOCK_D) products
+    grid = (triton.cdiv(R, BLOCK_R), H, B)
     _launcher(_adapter_attention_kernel, q.device)[grid](
         q, k, v, o, memory_keys, memory_values, memory_length, row_slots, lin,
         T, R, d, scale,
         *q.stride(), *k.stride(), *v.stride(), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         *memory_keys.stride(), *memory_values.stride(), *row_slots.stride(), *lin.stride(),
-        A=A, BLOCK_R=BLOCK_R, BLOCK_T=64, BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D,
+        A=A, BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D,
     )  # fmt: skip
 
 

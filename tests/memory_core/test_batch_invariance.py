@@ -110,6 +110,30 @@ def test_routed_logits_do_not_depend_on_the_companions_tasks() -> None:
         assert_same(alone, engine(batch, loaded, tasks=tasks), at)
 
 
+def test_the_triton_kernels_hold_it_too() -> None:
+    """The invariant mode on the Triton kernels (the GPU's: here through Triton's interpreter): the
+    same bits alone, in batches with other tasks, and with more and longer adapters resident; and
+    the dense reference's logits."""
+    engine = invariant_engine()
+    engine.kernels = "triton"
+    adapters = mixed_adapters(engine)
+    others = [random_adapter("o0", engine, m=17), random_adapter("o1", engine, m=4, classes=9)]
+    few, many = engine.prepare_set(adapters), engine.prepare_set([others[0], *adapters, others[1]])
+    x = pool(engine, 3)  # the interpreter runs one program per image, head and row: keep it small
+    alone, routed = engine(x[:1], few), engine(x[:1], few, tasks=[["m1", "grandchild"]])
+    for name in routed.adapters:
+        assert torch.equal(routed.adapters[name], alone.adapters[name])  # routed = unrouted
+    rng = random.Random(3)
+    for batch, at in [(x[:2].flip(0), 1), (x, 0)]:
+        assert_same(alone, engine(batch, many), at)
+        tasks = [rng.sample(many.names, 2) for _ in range(len(batch))]
+        tasks[at] = ["m1", "grandchild"]
+        assert_same(routed, engine(batch, many, tasks=tasks), at)
+    _, reference = DenseMemoryViT(engine.base, adapters)(x[:1])
+    for a in adapters:
+        assert max_diff(alone.adapters[a.name], reference[a.name]) <= TOL
+
+
 def test_memory_keys_do_not_depend_on_what_was_prepared_alongside() -> None:
     engine = invariant_engine()
     adapters = mixed_adapters(engine)
