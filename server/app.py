@@ -56,11 +56,15 @@ def build_engine(settings: Settings) -> MemoryViT:
     if settings.uses_demo:
         from .demo import BASE_WEIGHTS
 
-        return MemoryViT.from_timm(weights=BASE_WEIGHTS, **like)
-    labels = None
-    if settings.labels_file is not None:
-        labels = tuple(line.strip() for line in settings.labels_file.read_text().splitlines() if line.strip())
-    return MemoryViT.from_timm(settings.model, weights=settings.weights, labels=labels, **like)
+        engine = MemoryViT.from_timm(weights=BASE_WEIGHTS, **like)
+    else:
+        labels = None
+        if settings.labels_file is not None:
+            lines = settings.labels_file.read_text().splitlines()
+            labels = tuple(line.strip() for line in lines if line.strip())
+        engine = MemoryViT.from_timm(settings.model, weights=settings.weights, labels=labels, **like)
+    engine.cuda_graphs, engine.kernels = settings.cuda_graphs, settings.kernels
+    return engine
 
 
 def preflight(settings: Settings) -> None:
@@ -74,7 +78,9 @@ def preflight(settings: Settings) -> None:
 
         if not BASE_WEIGHTS.is_file():
             raise ValueError(f"no model configured and the embedded demo is missing ({BASE_WEIGHTS})")
-    resolve_device(settings.device)
+    device = resolve_device(settings.device)
+    if settings.kernels == "triton" and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        raise ValueError("MEMVIT_KERNELS=triton needs a CUDA device; use auto or torch on this machine")
     check_credentials(settings)
     # Creates a directory, or fails if it cannot be written; lists a bucket, or fails if it cannot.
     try:

@@ -31,6 +31,13 @@ class Settings(BaseSettings):
         False, description="bit-identical logits per image, whatever shares its batch or is loaded"
     )
 
+    # The GPU engine (docs/design.md §2.10): passes replayed as CUDA graphs, and the class-token
+    # attention and heads as Triton kernels ("auto": Triton on CUDA, torch elsewhere).
+    cuda_graphs: bool = Field(True, description="on CUDA, replay each pass as a graph captured per shape")
+    kernels: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="class-token attention and heads: Triton (CUDA) or torch"
+    )
+
     adapter_store: str = Field(
         "adapter-store",
         description="a directory, or an object-store URL (s3://bucket/prefix, gs://..., az://...)",

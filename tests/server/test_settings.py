@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from memvit.server.settings import Settings
@@ -94,3 +95,21 @@ def test_the_resident_set_must_hold_one_request(monkeypatch) -> None:
         Settings(_env_file=None)
     monkeypatch.setenv("MEMVIT_MAX_TASKS_PER_REQUEST", "10")
     assert Settings(_env_file=None).resident_adapters == 10
+
+
+def test_the_gpu_engine_settings_reach_the_engine(monkeypatch, tiny_weights) -> None:
+    from memvit.server.app import build_engine, preflight
+
+    monkeypatch.setenv("MEMVIT_CUDA_GRAPHS", "false")
+    monkeypatch.setenv("MEMVIT_KERNELS", "torch")
+    engine = build_engine(Settings(_env_file=None, weights=tiny_weights))
+    assert engine.cuda_graphs is False and engine.kernels == "torch"
+    monkeypatch.setenv("MEMVIT_KERNELS", "cuda")
+    with pytest.raises(ValidationError, match="kernels"):
+        Settings(_env_file=None)
+    if torch.cuda.is_available():
+        return
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' interpreter does not count
+    triton = Settings(_env_file=None, weights=tiny_weights, kernels="triton", device="cpu")
+    with pytest.raises(ValueError, match="MEMVIT_KERNELS=triton needs a CUDA device"):
+        preflight(triton)
