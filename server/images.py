@@ -52,6 +52,11 @@ class ImageDecoder:
 
     def __call__(self, data: bytes, name: str = "image") -> Tensor:
         """Bytes of one upload -> (C, H, W) float tensor. Raises a ``ServiceError`` subclass."""
+        return self.decode(self.open(data, name), name)
+
+    def open(self, data: bytes, name: str = "image") -> Image.Image:
+        """Every check that needs no pixels: the byte cap, a known raster format, a readable header,
+        the pixel cap (decompression bombs). Returns the opened image, its pixels not yet decoded."""
         if not data:
             raise EmptyImageError(f"{name}: the file is empty", field=name)
         if len(data) > self.max_bytes:
@@ -82,6 +87,10 @@ class ImageDecoder:
                 f"is over the {self.max_pixels}-pixel limit",
                 field=name,
             )
+        return image
+
+    def decode(self, image: Image.Image, name: str = "image") -> Tensor:
+        """An image ``open`` passed -> (C, H, W) float tensor, decoded and preprocessed here."""
         try:
             rgb = load_rgb(image, shrink_to=self.shrink_to)
         except (OSError, ValueError, SyntaxError, EOFError) as exc:
