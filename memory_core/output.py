@@ -55,6 +55,27 @@ class FusedOutput:
         every = torch.arange(base.shape[0], device=base.device)
         return cls(base, adapters, dict.fromkeys(adapters, every), adapter_set)
 
+    @classmethod
+    def cat(cls, parts: list[FusedOutput]) -> FusedOutput:
+        """Outputs of consecutive runs of images (a batch run in parts) as one output, in their order.
+        Every part must come from the same adapter set."""
+        adapter_set = parts[0].adapter_set
+        if any(p.adapter_set is not adapter_set for p in parts):
+            raise ValueError("the parts of one output must come from the same adapter set")
+        if len(parts) == 1:
+            return parts[0]
+        offsets, start = [], 0
+        for part in parts:
+            offsets.append(start)
+            start += len(part)
+        names = [n for n in adapter_set.names if any(n in p.adapters for p in parts)]
+        adapters, images = {}, {}
+        for name in names:
+            present = [(p, at) for p, at in zip(parts, offsets, strict=True) if name in p.adapters]
+            adapters[name] = torch.cat([p.adapters[name] for p, _ in present])
+            images[name] = torch.cat([p.images[name].cpu() + at for p, at in present])
+        return cls(torch.cat([p.base for p in parts]), adapters, images, adapter_set)
+
     def __len__(self) -> int:
         return self.base.shape[0]
 

@@ -22,6 +22,7 @@ nvJPEG: docs/design.md §5 says why this one for now.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,7 @@ class DeviceDecoder:
         return (picture.float() / 255 - self.mean) / self.std
 
 
-def _steps(transform) -> tuple[Resize, CenterCrop, Normalize]:  # noqa: ANN001 - timm's Compose
+def _steps(transform: Callable) -> tuple[Resize, CenterCrop, Normalize]:
     """The resize, crop and normalisation of the base's eval transform, in that order (nothing else
     but the conversion to a tensor), so that the device path cannot drift from the CPU path."""
     steps = list(getattr(transform, "transforms", []))

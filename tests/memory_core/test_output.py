@@ -46,3 +46,18 @@ def test_every_image_builds_the_unrouted_shape(engine) -> None:
     out = FusedOutput.every_image(base, logits, engine.prepare_set([]))
     assert out.images["t"].tolist() == [0, 1, 2, 3]
     assert out[3:4].adapters["t"].tolist() == [[6.0, 7.0]] and out[3:4].images["t"].tolist() == [0]
+
+
+def test_parts_of_a_batch_join_into_the_whole_batchs_output(engine) -> None:
+    loaded = engine.prepare_set([random_adapter("a", engine, classes=3), random_adapter("b", engine, m=0)])
+    x = images(engine, batch=5)
+    tasks = [["a"], [], ["a", "b"], ["b"], ["a"]]
+    whole = engine(x, loaded, tasks=tasks)
+    joined = FusedOutput.cat([engine(x[:2], loaded, tasks=tasks[:2]), engine(x[2:], loaded, tasks=tasks[2:])])
+    assert torch.allclose(joined.base, whole.base, atol=1e-6)
+    assert list(joined.adapters) == list(whole.adapters) == ["a", "b"]
+    for name in ("a", "b"):
+        assert torch.equal(joined.images[name], whole.images[name])
+        assert torch.allclose(joined.adapters[name], whole.adapters[name], atol=1e-6)
+    with pytest.raises(ValueError, match="same adapter set"):
+        FusedOutput.cat([whole, engine(x, engine.prepare_set([]))])
