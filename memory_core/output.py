@@ -102,17 +102,30 @@ class FusedOutput:
         """Every task's logits by task name, the base task first."""
         return {BASE_TASK: self.base, **self.adapters}
 
-    def to(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> FusedOutput:
+    def to(
+        self,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        *,
+        non_blocking: bool = False,
+    ) -> FusedOutput:
+        """The output on ``device`` in ``dtype`` (cast where it is, then copied). ``non_blocking`` from a
+        GPU to the host: the copy is queued into pinned memory and the host goes on; it holds the
+        values once the device's stream has reached it (wait on an event recorded after this)."""
+
+        def move(t: Tensor) -> Tensor:
+            return t.to(dtype).to(device, non_blocking=non_blocking)
+
         moved: dict[int, Tensor] = {}  # keeps shared index tensors shared (see __getitem__)
         for who in self.images.values():
             if id(who) not in moved:
                 moved[id(who)] = who.to(device)
         images = {name: moved[id(who)] for name, who in self.images.items()}
-        base = self.base.to(device, dtype)
+        base = move(self.base)
         if self.flat is not None and self.spans is not None:  # one copy for every task
-            flat = self.flat.to(device, dtype)
+            flat = move(self.flat)
             return FusedOutput(base, _cut(flat, self.spans), images, self.adapter_set, flat, self.spans)
-        adapters = {name: t.to(device, dtype) for name, t in self.adapters.items()}
+        adapters = {name: move(t) for name, t in self.adapters.items()}
         return FusedOutput(base, adapters, images, self.adapter_set)
 
 

@@ -23,22 +23,39 @@ class PinnedStaging:
         self._next = 0
         self._lock = threading.Lock()
 
-    def copy(self, source: Tensor, target: Tensor) -> Tensor:
-        """Queue ``target.copy_(source)`` (``source`` on the host, ``target`` on a CUDA device) on the
-        current stream, through a pinned buffer; returns ``target``."""
-        n = source.numel()
+    def copy(self, source: Tensor, target: Tensor, *, stream: torch.cuda.Stream | None = None) -> Tensor:
+        """Queue ``target.copy_(source)`` (``source`` on the host, ``target`` on a CUDA device) on
+        ``stream`` (the current one by default), through a pinned buffer; returns ``target``."""
+        slot, staged = self.stage(source.shape, source.dtype)
+        staged.copy_(source)
+        return self.send(slot, staged, target, stream=stream)
+
+    def stage(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> tuple[int, Tensor]:
+        """The next pinned buffer, as a view of ``shape``: fill it, then ``send`` it. Waits (rarely) for
+        the copy that last read it."""
+        n = 1
+        for side in shape:
+            n *= side
         with self._lock:
             i = self._next
             self._next = (i + 1) % len(self._buffers)
             event = self._events[i]
             if event is not None:
                 event.synchronize()  # the copy that last read this buffer has run
+                self._events[i] = None
             buffer = self._buffers[i]
-            if buffer is None or buffer.dtype != source.dtype or buffer.numel() < n:
-                buffer = self._buffers[i] = torch.empty(max(n, 1024), dtype=source.dtype, pin_memory=True)
-            staged = buffer[:n].view(source.shape)
-            staged.copy_(source)
+            if buffer is None or buffer.dtype != dtype or buffer.numel() < n:
+                buffer = self._buffers[i] = torch.empty(max(n, 1024), dtype=dtype, pin_memory=True)
+        return i, buffer[:n].view(shape)
+
+    def send(
+        self, slot: int, staged: Tensor, target: Tensor, *, stream: torch.cuda.Stream | None = None
+    ) -> Tensor:
+        """Queue ``target.copy_(staged)`` on ``stream``, ``staged`` being buffer ``slot``'s view."""
+        stream = stream or torch.cuda.current_stream(target.device)
+        with torch.cuda.stream(stream):
             target.copy_(staged, non_blocking=True)
-            event = self._events[i] = torch.cuda.Event()
-            event.record()
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._events[slot] = event
         return target

@@ -152,6 +152,10 @@ class OverloadedError(RetryLaterError):
     pass
 
 
+class DeviceMemoryError(RetryLaterError):
+    """A pass did not fit in the device's memory, even for one image (server/device_runner.py)."""
+
+
 class ResidentSetFullError(RetryLaterError):
     """A cold load found every resident adapter pinned by queued requests: nothing could be evicted."""
 
