@@ -49,8 +49,8 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
         report.note(f"real DeiT-Tiny not found at {DEIT_TINY}: set MEMVIT_SHARED_DATA (docs/gpu.md)")
     if plan.device.type != "cuda":
         report.note("pytest -m cuda: not run (no CUDA device)")
-    elif budget.allows(300):
-        report.attempt("pytest -m cuda", {}, _pytest_cuda, min(240, budget.left() - 30))
+    elif budget.allows(plan.pytest_s + 30):
+        report.attempt("pytest -m cuda", {}, _pytest_cuda, min(plan.pytest_s, budget.left() - 30))
     else:
         report.note("pytest -m cuda: not run (budget spent); run it alone: python3 -m pytest -m cuda tests")
     return "done"

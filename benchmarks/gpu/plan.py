@@ -46,8 +46,13 @@ class Plan:
     variants: int = 8
     server_seconds: float = 20.0
     server_clients: tuple[int, ...] = (64,)
-    tries: tuple[str, ...] = ("sdpa", "compile", "cudagraph")  # engine variants tried, each reported
-    tries_on: str = "vit_base_patch16_224"  # the one shape they are tried on (a compile takes a minute)
+    server_models: tuple[str, ...] = ("deit_tiny_patch16_224", "vit_base_patch16_224")
+    # Engine variants tried against the default, each reported: SDPA backends of the base path, CUDA
+    # graphs on vs off, Triton vs torch kernels (engine.py); on these shapes, at the smallest batch.
+    tries: tuple[str, ...] = ("sdpa", "graphs", "kernels")
+    tries_on: tuple[str, ...] = ("deit_tiny_patch16_224", "vit_base_patch16_224")
+    profiled: int = 3  # passes recorded per profile row (profiling.py)
+    pytest_s: float = 240.0  # the longest ``pytest -m cuda`` may run (exactness.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -71,8 +76,10 @@ class Plan:
             variants=2,
             server_seconds=1.5,
             server_clients=(4,),
-            tries=("sdpa",),
-            tries_on="tiny",
+            server_models=("tiny",),
+            tries=("sdpa", "graphs", "kernels"),
+            tries_on=("tiny",),
+            profiled=1,
         )
 
     def narrowed(self, **fields: Any) -> Plan:

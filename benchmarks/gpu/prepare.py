@@ -1,53 +1,40 @@
 """Lay out what a lent GPU machine needs beyond the repository (it receives the repository alone).
 
     python -m benchmarks.gpu.prepare            # before asking for the machine (docs/gpu.md)
+    python -m benchmarks.gpu.prepare --dry-run  # what it would carry, and why
 
 - ``gpu-data/``: the shared data the suite reads, in the layout of ``../shared/data`` (the real
   DeiT-Tiny, the natural photos, the ImageNet labels; about 26 MB);
-- ``.whl/``: wheels, for the device image's Python 3.12, of the packages its image lacks or may hold
-  at another version: the server's (FastAPI, pydantic, uvicorn, obstore...) and timm, pinned to the
-  versions of this environment, so the GPU figures come from the same timm as the CPU ones; and
-  memvit's own, built from this checkout (the suite imports ``memvit.*``, which only an install
-  provides: the folders install under that name).
+- ``.whl/``: wheels for the device image's Python 3.12: memvit's installed requirement closure as
+  the device needs it (closure.py: markers evaluated for CPython 3.12 on x86-64 Linux, no extras),
+  pinned to this environment's versions, less the GPU stack and what the device image holds; timm
+  always (the GPU figures must come from the timm the CPU ones did); memvit's own wheel built from
+  this checkout (the suite imports ``memvit.*``, which only an install provides); and a manifest
+  that the device's import check holds them to (wheels.py).
 
 Both folders are ignored by git; name them in the run's ``carry``. Prints the command prefix that
-installs the wheels and points the suite at the data.
+installs the wheels, checks every import and points the suite at the data.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import argparse
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from benchmarks.common import REPO, SHARED_DATA
 
+from . import wheels
+from .closure import IMAGE_READ, Selection, installed_version, select
+
 DATA = ("deit_tiny", "photos/natural", "imagenet_labels")
-WHEELS = (
-    "timm",
-    "fastapi",
-    "starlette",
-    "pydantic",
-    "pydantic-core",
-    "pydantic-settings",
-    "python-dotenv",
-    "python-multipart",
-    "uvicorn",
-    "httptools",
-    "obstore",
-    "annotated-types",
-    "typing-inspection",
-    "typing-extensions",
-    "anyio",
-)
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64"]
 PREFIX = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
     "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD MEMVIT_SHARED_DATA=$PWD/gpu-data "
-    "PYTHONUNBUFFERED=1 || exit;"
+    "PYTHONUNBUFFERED=1 && python3 -m benchmarks.gpu.imports --cuda || exit;"
 )
+LIMIT_MIB = 64  # what a device call may carry, the working tree included
 
 
 def copy_data(target: Path) -> None:
@@ -59,24 +46,50 @@ def copy_data(target: Path) -> None:
         shutil.copytree(source, target / part, dirs_exist_ok=True)
 
 
-def download_wheels(target: Path) -> None:
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
-    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(target), *pins]
-    subprocess.run(command, check=True)
-    for old in target.glob("memvit-*.whl"):
-        old.unlink()  # one memvit wheel, this checkout's
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(target), str(REPO)], check=True
+def pins_of(selection: Selection) -> dict[str, str]:
+    """Each carried distribution at this environment's version; refuses one not installed here (the
+    closure cannot see its own requirements, so the selection would be incomplete)."""
+    if selection.closure.missing:
+        raise SystemExit(
+            f"needed on the device but not installed here: {sorted(selection.closure.missing)}; "
+            "install memvit's runtime dependencies in this environment (pip install -e .) and rerun"
+        )
+    return {name: installed_version(name) or "" for name in selection.carry}
+
+
+def describe(selection: Selection, pins: dict[str, str]) -> str:
+    reached = selection.closure.reached
+    lines = [f"carried ({len(pins)} + memvit):"]
+    for name, version in pins.items():
+        why = " (newer than the image may hold)" if name in selection.newer_than_image else ""
+        lines.append(f"  {name}=={version}  <- {reached[name].via}{why}")
+    lines.append(
+        f"left to the device image (KINDS.md, read {IMAGE_READ}): " + ", ".join(sorted(selection.from_image))
     )
+    return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu.prepare", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the selection; download nothing")
+    args = parser.parse_args(argv)
+    selection = select()
+    pins = pins_of(selection)
+    print(describe(selection, pins))
+    if args.dry_run:
+        return
+    target = REPO / ".whl"
+    target.mkdir(exist_ok=True)
     copy_data(REPO / "gpu-data")
-    download_wheels(REPO / ".whl")
+    wheels.download(target, pins)
+    for name in wheels.prune(target, pins):
+        print(f"  removed {name} (not in the selection)")
+    built = wheels.build_memvit(target)
+    wheels.write_manifest(target, pins, IMAGE_READ)
     size = sum(p.stat().st_size for d in ("gpu-data", ".whl") for p in (REPO / d).rglob("*") if p.is_file())
-    print(f"gpu-data/ and .whl/ ready ({size / 2**20:.0f} MiB; the working tree may carry 64 MiB in all)")
+    print(f"{built.name}; gpu-data/ and .whl/ ready ({size / 2**20:.0f} MiB; a call carries {LIMIT_MIB} MiB)")
     print(f'carry: ["gpu-data", ".whl"]\ncommand prefix: {PREFIX}')
 
 

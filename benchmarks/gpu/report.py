@@ -79,17 +79,36 @@ class Budget:
     def allows(self, seconds: float) -> bool:
         return self.left() > seconds
 
+    def keeping(self, seconds: float) -> Budget:
+        """A budget that ends ``seconds`` before this one: what a step may spend while the steps
+        after it keep their share."""
+        part = Budget(0.0)
+        part.deadline = self.deadline - seconds
+        return part
+
 
 class StepReport:
-    """One step's results: tables of rows, notes, status; ``<step>.json`` and ``<step>.md`` in ``out``."""
+    """One step's results: tables of rows, notes, status; ``<step>.json`` and ``<step>.md`` in ``out``,
+    or its part of a ``SuiteFile``."""
 
-    def __init__(self, out: Path, step: str, env: dict[str, Any], settings: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        out: Path,
+        step: str,
+        env: dict[str, Any],
+        settings: dict[str, Any],
+        suite: SuiteFile | None = None,
+    ) -> None:
         self.out, self.step, self.env, self.settings = out, step, env, settings
         self.tables: dict[str, list[dict[str, Any]]] = {}
         self.notes: list[str] = []
         self.status = "running"
         self.started = time.time()
+        self.ended: float | None = None  # set when the step finishes: a suite rewrites it later
         self.last_s = 0.0  # the last measurement's seconds: what the next one is expected to take
+        self.suite = suite
+        if suite is not None:
+            suite.steps.append(self)
         out.mkdir(parents=True, exist_ok=True)
         self.flush()
 
@@ -124,13 +143,14 @@ class StepReport:
 
     def finish(self, status: str = "done") -> None:
         self.status = status
+        self.ended = time.time()
         self.flush()
 
     def as_json(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "status": self.status,
-            "elapsed_s": round(time.time() - self.started, 1),
+            "elapsed_s": round((self.ended or time.time()) - self.started, 1),
             "env": self.env,
             "settings": self.settings,
             "tables": self.tables,
@@ -138,9 +158,37 @@ class StepReport:
         }
 
     def flush(self) -> None:
+        if self.suite is not None:
+            self.suite.flush()
+            return
         data = self.as_json()
         _write(self.out / f"{self.step}.json", json.dumps(data, indent=1, default=str) + "\n")
         _write(self.out / f"{self.step}.md", markdown(data))
+
+
+class SuiteFile:
+    """Several steps' reports in one ``<name>.json`` and one ``<name>.md`` (a lent machine returns at
+    most 8 files), rewritten after every row like a step's own."""
+
+    def __init__(self, out: Path, name: str, env: dict[str, Any], estimates: dict[str, float]) -> None:
+        self.out, self.name, self.env, self.estimates = out, name, env, estimates
+        self.steps: list[StepReport] = []
+        self.started = time.time()
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "suite": self.name,
+            "elapsed_s": round(time.time() - self.started, 1),
+            "env": self.env,
+            "estimates_s": self.estimates,
+            "steps": [report.as_json() for report in self.steps],
+        }
+
+    def flush(self) -> None:
+        data = self.as_json()
+        self.out.mkdir(parents=True, exist_ok=True)
+        _write(self.out / f"{self.name}.json", json.dumps(data, indent=1, default=str) + "\n")
+        _write(self.out / f"{self.name}.md", suite_markdown(data))
 
 
 def _write(path: Path, text: str) -> None:
@@ -149,24 +197,44 @@ def _write(path: Path, text: str) -> None:
     tmp.replace(path)  # a reader (or a cut-off command) never sees half a file
 
 
-def markdown(data: dict[str, Any]) -> str:
-    env = data["env"]
+def _environment_line(env: dict[str, Any]) -> str:
     device = env.get("gpu") or f"{env['cpu']} ({env['torch_threads']} threads)"
-    lines = [
-        f"# GPU suite: {data['step']} ({data['status']}, {data['elapsed_s']} s)",
-        "",
+    return (
         f"{device}; torch {env['torch']}, timm {env['timm']}, torchvision {env.get('torchvision')}"
         + (f", CUDA {env['cuda']}, cuDNN {env['cudnn']}" if env.get("cuda") else "")
-        + f"; commit {env.get('commit')}",
-        "",
-        "Settings: " + ", ".join(f"{k}={v}" for k, v in data["settings"].items()),
-    ]
+        + f"; commit {env.get('commit')}"
+    )
+
+
+def _step_body(data: dict[str, Any], level: str) -> list[str]:
+    """A step's settings, tables and notes, its headings at ``level`` ('##' alone, '###' in a suite)."""
+    lines = ["Settings: " + ", ".join(f"{k}={v}" for k, v in data["settings"].items())]
     for name, rows in data["tables"].items():
         columns = list(dict.fromkeys(k for row in rows for k in row))
-        lines += ["", f"## {name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["", f"{level} {name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     if data["notes"]:
-        lines += ["", "## Notes", "", *(f"- {n}" for n in data["notes"])]
+        lines += ["", f"{level} Notes", "", *(f"- {n}" for n in data["notes"])]
+    return lines
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lines = [f"# GPU suite: {data['step']} ({data['status']}, {data['elapsed_s']} s)", ""]
+    lines += [_environment_line(data["env"]), "", *_step_body(data, "##")]
+    return "\n".join(lines) + "\n"
+
+
+def suite_markdown(data: dict[str, Any]) -> str:
+    steps = data["steps"]
+    title = f"# GPU suite: every step ({data['elapsed_s']} s)"
+    lines = [title, "", _environment_line(data["env"]), ""]
+    lines += ["| step | status | s | planned s |", "|---|---|--:|--:|"]
+    for step in steps:
+        planned = data["estimates_s"].get(step["step"], "")
+        lines.append(f"| {step['step']} | {step['status']} | {step['elapsed_s']} | {planned} |")
+    for step in steps:
+        lines += ["", f"## {step['step']} ({step['status']}, {step['elapsed_s']} s)", ""]
+        lines += _step_body(step, "###")
     return "\n".join(lines) + "\n"
 
 

@@ -1,8 +1,11 @@
 """Steps ``routing`` and ``memory``: what many loaded adapters cost.
 
-``routing``: with 1,000 adapters loaded, each image asking for 1 random task (goal <= 1.10 R(1)) or
-8 (against R(8)), against the base alone. ``memory``: peak memory of the unrouted pass and of a routed
-one (1 task per image) with 1,000 and 10,000 adapters loaded, and what the loaded set itself holds.
+Loaded here means resident as a server holds them: prepared and installed (``LiveAdapters``), so each
+has its device slot (memory_core/slots.py) before the first pass. ``routing``: with 1,000 loaded, each
+image asking for 1 random task (goal <= 1.10 R(1)) or 8 (against R(8)), against the base alone.
+``memory``: peak memory of the base pass, a routed one (1 task per image) and the unrouted one with
+1,000 and 10,000 loaded, eager (what a pass itself needs), what the loaded set holds (prepared
+adapters and slot pools) and, on CUDA, what the three passes' captured graphs keep.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import random
 
 import torch
 
-from memvit.memory_core import flop_ratio, uniform_adapters
+from memvit.memory_core import LiveAdapters, flop_ratio, uniform_adapters
 
 from .plan import Plan, adapters, engine, images, peak_mib, rate, ratio, sync, timed_rounds
 from .report import Budget, StepReport, goal
@@ -33,7 +36,7 @@ def run_routing(plan: Plan, report: StepReport, budget: Budget) -> str:
 def _routed(arch: str, dtype: str, batch: int, weights: list, plan: Plan) -> dict:
     e = engine(arch, plan, dtype)
     x = images(e, batch)
-    loaded = e.prepare_set(weights)
+    loaded = LiveAdapters(e).install(e.prepare_set(weights))
     rng = random.Random(batch)
     one = [[rng.choice(loaded.names)] for _ in range(batch)]
     eight = [rng.sample(loaded.names, min(8, len(loaded))) for _ in range(batch)]
@@ -77,19 +80,27 @@ def _memory(arch: str, dtype: str, weights: list, plan: Plan) -> dict:
     x = images(e, plan.memory_batch)
     cuda = plan.device.type == "cuda"
     before = torch.cuda.memory_allocated(plan.device) if cuda else 0
-    loaded = e.prepare_set(weights)
-    loaded.stack  # noqa: B018 (builds the all-tasks stack: part of what the set holds while serving all)
+    loaded = LiveAdapters(e).install(e.prepare_set(weights))
     sync(plan.device)
     held = (torch.cuda.memory_allocated(plan.device) - before) / 2**20 if cuda else None
     rng = random.Random(0)
     one = [[rng.choice(loaded.names)] for _ in range(len(x))]
+    passes = {"base": lambda: e(x), "routed": lambda: e(x, loaded, tasks=one), "every": lambda: e(x, loaded)}
     with torch.inference_mode():
-        base = peak_mib(lambda: e(x), plan.device)
-        routed = peak_mib(lambda: e(x, loaded, tasks=one), plan.device)
-        every = peak_mib(lambda: e(x, loaded), plan.device)
-    row = {"set held MiB": held, "base pass MiB": base["peak_over_resident_mib"]}
-    row["routed, 1 task/image MiB"] = routed["peak_over_resident_mib"]
-    row["unrouted, all K MiB"] = every["peak_over_resident_mib"]
-    if cuda:
-        row["unrouted: device peak MiB"] = every["peak_mib"]
+        e.cuda_graphs = False  # what a pass needs while it runs, not what its graph keeps (below)
+        peaks = {name: peak_mib(fn, plan.device) for name, fn in passes.items()}
+        e.cuda_graphs = True
+        row = {"set held MiB": held, "slot pools MiB": e.slots.pools.nbytes / 2**20}
+        row["base pass MiB"] = peaks["base"]["peak_over_resident_mib"]
+        row["routed, 1 task/image MiB"] = peaks["routed"]["peak_over_resident_mib"]
+        row["unrouted, all K MiB"] = peaks["every"]["peak_over_resident_mib"]
+        if cuda:
+            row["unrouted: device peak MiB"] = peaks["every"]["peak_mib"]
+            # Captures each pass's graph into the engine's private pool (graphs.py), whose segments the
+            # allocator reserves for the graphs alone: what serving these shapes keeps on the device.
+            before = torch.cuda.memory_reserved(plan.device)
+            for fn in passes.values():
+                fn()
+            sync(plan.device)
+            row["3 graphs reserve MiB"] = (torch.cuda.memory_reserved(plan.device) - before) / 2**20
     return row

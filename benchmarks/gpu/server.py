@@ -41,7 +41,7 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
     except ImportError as exc:
         report.note(f"skipped: the server's dependencies are missing ({exc}); docs/gpu.md says what to carry")
         return "skipped"
-    models = ["tiny"] if plan.smoke else ["deit_tiny_patch16_224", "vit_base_patch16_224"]
+    models = plan.server_models
     photos = _jpegs(plan)
     report.note(f"{len(photos)} JPEG photos, {sum(map(len, photos)) // len(photos) // 1024} KiB on average")
     for arch in models:

@@ -1,0 +1,116 @@
+"""Step ``profile``: what one pass launches and waits for, with ``torch.profiler``.
+
+Per base shape (the plan's first dtype and batch: DeiT-Tiny, then ViT-B/16 while the budget allows)
+and pass (the base alone; fused K = 8; routed, 1 and 8 tasks per image of ``Plan.loaded`` resident),
+with CUDA graphs on and off: kernels, launch calls, host synchronisations and copies per pass
+(trace.py says what each counts), wall ms per pass (median of synced calls, profiler off) against
+GPU-busy ms (union of the kernels' intervals, profiler on).
+
+With graphs on, the host makes one ``cudaGraphLaunch`` per replay: the launch calls show that, and
+the kernels column shows the graph's kernels where the profiler (CUPTI) reports them. On CPU there
+are no kernels nor graphs: the pass runs eager, leaf aten ops stand in for kernels and the aten ops
+that would make a GPU wait for the host stand in for host syncs. The first shape's routed pass of 8
+tasks is kept as a gzipped Chrome trace beside the report (chrome://tracing, Perfetto).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from memvit.memory_core import AdapterSet, LiveAdapters, MemoryViT
+
+from .plan import Plan, adapters, engine, images, sync, timed_rounds
+from .report import Budget, StepReport
+from .trace import summarize
+
+SYNC_MARK = "benchmark: sync after the recorded passes"
+TABLE = "one pass, profiled"
+
+
+def run(plan: Plan, report: StepReport, budget: Budget) -> str:
+    cuda = plan.device.type == "cuda"
+    dtype, batch = plan.dtypes[0], plan.batches[0]
+    report.note(
+        "kernels, launch calls, graph launches, copies and host syncs per pass from torch.profiler "
+        "(benchmarks/gpu/trace.py); wall ms: median synced call with the profiler off; GPU busy ms: "
+        "union of kernel intervals with it on"
+        + (
+            ""
+            if cuda
+            else "; on CPU: leaf aten ops stand in for kernels, syncing aten ops for host syncs, eager only"
+        )
+    )
+    for index, arch in enumerate(plan.archs):
+        if not report.room(budget, 45):
+            report.note(f"budget spent: stopped before {arch}")
+            return "partial"
+        e = engine(arch, plan, dtype)
+        passes = _passes(e, images(e, batch), plan)
+        with torch.inference_mode():
+            for graphs in (True, False) if cuda else (False,):
+                e.cuda_graphs = graphs
+                for name, fn in passes.items():
+                    if not report.room(budget, 15):
+                        report.note(f"budget spent: stopped before {arch} {name}")
+                        return "partial"
+                    keep = None
+                    if index == 0 and name.startswith("routed, 8"):
+                        keep = report.out / f"trace-{arch}-routed8-graphs-{'on' if graphs else 'off'}.json.gz"
+                    what = {
+                        "arch": arch,
+                        "dtype": dtype,
+                        "batch": batch,
+                        "CUDA graphs": e.graphed,
+                        "pass": name,
+                    }
+                    report.attempt(TABLE, what, _profiled, fn, plan, keep)
+    return "done"
+
+
+def _passes(e: MemoryViT, x: torch.Tensor, plan: Plan) -> dict[str, Callable[[], object]]:
+    """The four passes profiled, with ``plan.loaded`` adapters resident (installed in their slots)."""
+    batch = len(x)
+    loaded = LiveAdapters(e).install(e.prepare_set(adapters(e, plan.loaded, 1, plan.classes)))
+    rng = random.Random(batch)
+    one = [[rng.choice(loaded.names)] for _ in range(batch)]
+    eight = [rng.sample(loaded.names, min(8, len(loaded))) for _ in range(batch)]
+    fused = AdapterSet(loaded.adapters[:8])  # the same prepared adapters: their slots are shared
+    n = f"{len(loaded):,}"
+    return {
+        "base only": lambda: e(x),
+        "fused, K = 8": lambda: e(x, fused),
+        f"routed, 1 of {n} per image": lambda: e(x, loaded, tasks=one),
+        f"routed, 8 of {n} per image": lambda: e(x, loaded, tasks=eight),
+    }
+
+
+def _profiled(fn: Callable[[], object], plan: Plan, keep: Path | None) -> dict:
+    cuda = plan.device.type == "cuda"
+    times = timed_rounds({"pass": fn}, plan.device, plan.rounds)  # warms up (and captures) first
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as recorded:
+        for _ in range(plan.profiled):
+            fn()
+        with record_function(SYNC_MARK):
+            sync(plan.device)
+    with tempfile.TemporaryDirectory(prefix="memvit-profile-") as tmp:
+        path = Path(tmp) / "trace.json"
+        recorded.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+        if keep is not None:
+            with path.open("rb") as source, gzip.open(keep, "wb") as target:
+                shutil.copyfileobj(source, target)
+    counts = summarize(events, plan.profiled, exclude=SYNC_MARK, gpu=cuda)
+    wall = statistics.median(times["pass"]) * 1e3
+    busy = counts["GPU busy ms"]
+    return {"wall ms": wall, **counts, "GPU busy / wall": None if busy is None else busy / wall}

@@ -1,0 +1,69 @@
+"""What ``python -m benchmarks.gpu --all`` runs: every step, in one command of a lent GPU.
+
+A device command may run 10 minutes and a session has about 15 minutes of device time, the
+machine's start included, so ``--all`` is sized to end inside 9 minutes with the install and import
+check before it. Estimates come from the H200 run of 2026-11-26 (each step's rows took 0.1-3 s, its
+start-up and adapters a few seconds more), plus what the new engine adds: Triton compiling its
+kernels once per specialisation (about 1-3 s each) and a CUDA graph captured per shape and pool
+generation (two warm-up passes and the capture).
+
+Order: exactness first (numbers that are wrong need no timing), then the figures the engine's goals
+are judged by (fused and routed against their FLOP floors, the batch-invariant mode, the profile),
+then memory, training and the server. Each step may spend what is left of the budget less the
+reserves of the steps after it, so an overrun shortens the step that overran (it ends ``partial``),
+not the ones after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEIT, B16 = "deit_tiny_patch16_224", "vit_base_patch16_224"
+BOTH = (DEIT, B16)
+BUDGET_S = 480.0  # the suite's; the install and import check before it take about 20 s
+
+
+@dataclass(frozen=True)
+class Part:
+    step: str
+    overrides: dict[str, Any] = field(default_factory=dict)  # on the GPU plan (plan.py)
+    estimate_s: float = 0.0  # expected on an H100 or H200
+    reserve_s: float = 0.0  # kept for it while the steps before it run
+
+
+ALL: tuple[Part, ...] = (
+    # 2 shapes x 2 dtypes x (base, fused, routed, dense) at batch 4, the real DeiT-Tiny, then
+    # ``pytest -m cuda`` (Triton compiles for the tests' shapes), capped at 90 s.
+    Part("exactness", {"archs": BOTH, "dtypes": ("fp32", "bf16"), "pytest_s": 90.0}, 75, 20),
+    # 2 shapes x bf16 x batch 64, 256: base vs timm, fused K = 8, 64, 1000 (m = 1), dense K = 64
+    # (20 rows, 0.2-3 s each on the H200, a capture per shape and K); tries at batch 64: 4 SDPA
+    # backends, graphs on/off and Triton/torch for fused K = 64 and routed 1 of 1,000 (1,000 adapters
+    # prepared per shape).
+    Part(
+        "engine",
+        {
+            "archs": BOTH,
+            "large": (),
+            "dtypes": ("bf16",),
+            "batches": (64, 256),
+            "ks": (8, 64, 1000),
+            "ms": (1,),
+            "tries_on": BOTH,
+        },
+        100,
+        45,
+    ),
+    # 2 shapes x batch 64, 256, 1,000 resident, 1 and 8 tasks per image (2-4 s a row on the H200).
+    Part("routing", {"archs": BOTH, "dtypes": ("bf16",), "batches": (64, 256)}, 35, 20),
+    # The op probe, then 2 shapes x bf16, fp32 at batch 64 (21 s on the H200) and 2 block sizes each.
+    Part("invariance", {"archs": BOTH, "dtypes": ("bf16", "fp32"), "batches": (64,)}, 45, 20),
+    # 2 shapes x 4 passes x graphs on/off, 3 recorded passes each, bf16 batch 64.
+    Part("profile", {"archs": BOTH, "dtypes": ("bf16",), "batches": (64,)}, 35, 20),
+    # ViT-B/16 bf16 with 1,000 and 10,000 resident (10,000 random adapters made on the host).
+    Part("memory", {"archs": (B16,), "dtypes": ("bf16",)}, 30, 15),
+    # 2 shapes x batch 64, 256, fp32 (12 s on the H200).
+    Part("training", {"archs": BOTH, "train_batches": (64, 256)}, 20, 10),
+    # The real DeiT-Tiny alone, 6 s of load: the bounds (~10 s), the server's start and its load.
+    Part("server", {"server_models": (DEIT,), "server_seconds": 6.0}, 45, 45),
+)

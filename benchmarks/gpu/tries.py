@@ -1,0 +1,131 @@
+"""The engine step's tries: variants of the pass against the default, each reported with its gain.
+
+- ``sdpa``: each SDPA backend for the base path, memvit against timm under it and whether memvit stays
+  bitwise timm's. Eager, both: a CUDA graph replays the kernels of the backend it was captured under.
+- ``graphs``: what CUDA graphs gain, ``engine.cuda_graphs`` on against off, for the fused pass at
+  K = 64 and a routed pass (1 task per image of ``Plan.loaded`` resident);
+- ``kernels``: the Triton kernels against the torch ones for the same two passes, graphed as served,
+  and the largest difference between their logits.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from memvit.memory_core import AdapterSet, FusedOutput, LiveAdapters, MemoryViT
+
+from .plan import Plan, rate, ratio, timed_rounds
+from .report import Budget, StepReport
+
+FUSED_K = 64
+
+
+def run(
+    e: MemoryViT, x: torch.Tensor, weights: list, plan: Plan, report: StepReport, budget: Budget, what: dict
+) -> None:
+    loaded = e.prepare_set(weights[: plan.loaded])
+    LiveAdapters(e).install(loaded)  # every adapter resident in a slot, as a server holds them
+    rng = random.Random(len(x))
+    one = [[rng.choice(loaded.names)] for _ in range(len(x))]
+    fused = AdapterSet(loaded.adapters[:FUSED_K])  # the same prepared adapters: their slots are shared
+    passes: dict[str, Callable[[], FusedOutput]] = {
+        f"fused K={len(fused)}": lambda: e(x, fused),
+        f"routed 1 of {len(loaded)}": lambda: e(x, loaded, tasks=one),
+    }
+    for name in plan.tries:
+        if not budget.allows(60):
+            report.note(f"budget spent: try {name} not run on {what}")
+            return
+        if name == "sdpa":
+            for backend in _sdpa_backends(plan.device):
+                row = {**what, "backend": backend.name}
+                report.attempt("try: SDPA backend, base path", row, _sdpa, e, x, backend, plan)
+        elif name in ("graphs", "kernels"):
+            table = "try: CUDA graphs on vs off" if name == "graphs" else "try: Triton vs torch kernels"
+            measure = _graphs if name == "graphs" else _kernels
+            for label, fn in passes.items():
+                report.attempt(table, {**what, "pass": label}, measure, e, fn, len(x), plan)
+        else:
+            report.note(f"unknown try {name!r}: known are sdpa, graphs, kernels")
+
+
+@contextmanager
+def _setting(e: MemoryViT, **values: Any) -> Iterator[None]:
+    """The engine with ``values`` set for the block, restored after."""
+    before = {name: getattr(e, name) for name in values}
+    for name, value in values.items():
+        setattr(e, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(e, name, value)
+
+
+def _with(e: MemoryViT, fn: Callable[[], FusedOutput], **values: Any) -> Callable[[], FusedOutput]:
+    def call() -> FusedOutput:
+        with _setting(e, **values):
+            return fn()
+
+    return call
+
+
+def _sdpa_backends(device: torch.device) -> list:
+    from torch.nn.attention import SDPBackend
+
+    if device.type != "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    return [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ]
+
+
+def _sdpa(e: MemoryViT, x: torch.Tensor, backend, plan: Plan) -> dict:
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([backend]), _setting(e, cuda_graphs=False):
+        times = timed_rounds({"timm": lambda: e.base(x), "memvit": lambda: e(x)}, plan.device, plan.rounds)
+        same = torch.equal(e(x).base, e.base(x))
+    return {
+        "memvit_img_s": rate(times["memvit"], len(x)),
+        "memvit/timm": ratio(times, "timm", "memvit"),
+        "bitwise vs timm": same,
+    }
+
+
+def _graphs(e: MemoryViT, fn: Callable[[], FusedOutput], batch: int, plan: Plan) -> dict:
+    captured = e._graphs().captures if e.graphed else 0
+    times = timed_rounds(
+        {"off": _with(e, fn, cuda_graphs=False), "on": _with(e, fn, cuda_graphs=True)},
+        plan.device,
+        plan.rounds,
+    )
+    return {
+        "graphed": e.graphed,  # False off CUDA: both columns then run the same eager pass
+        "off_img_s": rate(times["off"], batch),
+        "on_img_s": rate(times["on"], batch),
+        "on/off img/s": ratio(times, "off", "on"),
+        "captures": (e._graphs().captures - captured) if e.graphed else 0,
+    }
+
+
+def _kernels(e: MemoryViT, fn: Callable[[], FusedOutput], batch: int, plan: Plan) -> dict:
+    torch_fn, triton_fn = _with(e, fn, kernels="torch"), _with(e, fn, kernels="triton")
+    times = timed_rounds({"torch": torch_fn, "triton": triton_fn}, plan.device, plan.rounds)
+    a, b = torch_fn(), triton_fn()
+    diff = max((a.adapters[n].float() - b.adapters[n].float()).abs().max().item() for n in a.adapters)
+    return {
+        "graphed": e.graphed,
+        "torch_img_s": rate(times["torch"], batch),
+        "triton_img_s": rate(times["triton"], batch),
+        "torch/triton time": ratio(times, "torch", "triton"),
+        "max diff": diff,
+    }
