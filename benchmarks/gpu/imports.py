@@ -57,7 +57,7 @@ MODULES = (
     "uvicorn",
     "httptools",
     "uvloop",
-    "multipart",
+    "python_multipart",
     "obstore",
     "prometheus_client",
     "opentelemetry",

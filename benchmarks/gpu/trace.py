@@ -9,8 +9,9 @@
   on CPU the ops that would make a GPU wait for the host stand in for host syncs;
 - GPU busy: the union of the kernels' intervals (overlapping kernels count once).
 
-Calls inside a ``user_annotation`` named ``exclude`` (the benchmark's own synchronisation at the end
-of the recorded passes) are not counted.
+Host calls and aten ops count only inside the ``user_annotation``s named ``mark`` (one around each
+recorded pass), so neither the benchmark's own synchronisation after the passes nor the profiler's
+own calls are counted; device events (kernels, copies) run after their launch and count all.
 """
 
 from __future__ import annotations
@@ -90,14 +91,15 @@ def leaf_ops(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return leaves
 
 
-def summarize(events: list[dict[str, Any]], passes: int, *, exclude: str, gpu: bool) -> dict[str, Any]:
-    """Per-pass figures of ``passes`` passes recorded in ``events`` (a Chrome trace's ``traceEvents``).
-    ``gpu``: whether the device columns apply (None in them otherwise)."""
+def summarize(events: list[dict[str, Any]], passes: int, *, mark: str, gpu: bool) -> dict[str, Any]:
+    """Per-pass figures of ``passes`` passes recorded in ``events`` (a Chrome trace's ``traceEvents``),
+    each inside an annotation named ``mark``. ``gpu``: whether the device columns apply (None in
+    them otherwise)."""
     complete = [e for e in events if e.get("ph") == "X"]
-    excluded = _spans(e for e in complete if e.get("cat") == "user_annotation" and e.get("name") == exclude)
+    marked = _spans(e for e in complete if e.get("cat") == "user_annotation" and e.get("name") == mark)
 
     def counted(e: dict[str, Any]) -> bool:
-        return not any(start <= e["ts"] <= stop for start, stop in excluded)
+        return any(start <= e["ts"] <= stop for start, stop in marked)
 
     host = [e for e in complete if e.get("cat") in HOST_CALLS and counted(e)]
     aten = [e for e in complete if e.get("cat") == "cpu_op" and e["name"].startswith("aten::") and counted(e)]
