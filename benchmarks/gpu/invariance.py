@@ -31,7 +31,7 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
         name = spec.pop("arch", arch)
         for dtype in plan.dtypes:
             for batch in plan.batches:
-                if not budget.allows(60):
+                if not budget.allows(30):
                     report.note(f"budget spent: stopped before {arch} {dtype} batch {batch}")
                     return "partial"
                 what = {"arch": arch, "dtype": dtype, "batch": batch}
@@ -58,7 +58,7 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
                     report.add("invariant vs default", {**what, "error": repr(exc)[:500]})
         if plan.device.type == "cuda":
             for blocks in TRIED:
-                if budget.allows(60):
+                if budget.allows(30):
                     report.attempt(
                         "try: block sizes",
                         {"arch": arch, "blocks": str(blocks)},

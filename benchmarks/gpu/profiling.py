@@ -51,7 +51,7 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
         )
     )
     for index, arch in enumerate(plan.archs):
-        if not report.room(budget, 45):
+        if not report.room(budget, 30):
             report.note(f"budget spent: stopped before {arch}")
             return "partial"
         e = engine(arch, plan, dtype)

@@ -25,7 +25,7 @@ def run_routing(plan: Plan, report: StepReport, budget: Budget) -> str:
         weights = adapters(engine(arch, plan), plan.loaded, 1, plan.classes)
         for dtype in plan.dtypes:
             for batch in plan.batches:
-                if not report.room(budget, 45):
+                if not report.room(budget, 20):
                     report.note(f"budget spent: stopped before {arch} {dtype} batch {batch}")
                     return "partial"
                 what = {"arch": arch, "dtype": dtype, "batch": batch, "loaded": plan.loaded}
@@ -67,7 +67,7 @@ def run_memory(plan: Plan, report: StepReport, budget: Budget) -> str:
     weights = adapters(engine(arch, plan), max(plan.memory_ks), 1, plan.classes)
     for dtype in plan.dtypes[:2]:
         for k in plan.memory_ks:
-            if not report.room(budget, 60):
+            if not report.room(budget, 45):
                 report.note(f"budget spent: stopped before {dtype} K={k}")
                 return "partial"
             what = {"arch": arch, "dtype": dtype, "K": k, "batch": plan.memory_batch}

@@ -11,7 +11,8 @@ Order: exactness first (numbers that are wrong need no timing), then the figures
 are judged by (fused and routed against their FLOP floors, the batch-invariant mode, the profile),
 then memory, training and the server. Each step may spend what is left of the budget less the
 reserves of the steps after it, so an overrun shortens the step that overran (it ends ``partial``),
-not the ones after it.
+not the ones after it. A reserve is what the step asks to have left before its first measurement
+(its own check), so that a step that gets only its reserve still measures something.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ class Part:
     step: str
     overrides: dict[str, Any] = field(default_factory=dict)  # on the GPU plan (plan.py)
     estimate_s: float = 0.0  # expected on an H100 or H200
-    reserve_s: float = 0.0  # kept for it while the steps before it run
+    reserve_s: float = 0.0  # kept for it while the steps before it run: its first check's seconds
 
 
 ALL: tuple[Part, ...] = (
     # Python, CUDA and cuBLAS start-up (~10 s); 2 shapes x 2 dtypes x (base, fused, routed, dense)
     # at batch 4 with Triton's first compiles (~25 s); the real DeiT-Tiny; ``pytest -m cuda`` (the
     # graph and kernel tests on the device; Triton compiles for the tests' shapes), cut at 60 s.
-    Part("exactness", {"archs": BOTH, "dtypes": ("fp32", "bf16"), "pytest_s": 60.0}, 95, 20),
+    Part("exactness", {"archs": BOTH, "dtypes": ("fp32", "bf16"), "pytest_s": 60.0}, 95, 30),
     # 2 shapes x bf16 x batch 64, 256: base vs timm, fused K = 8, 64, 1000 (m = 1), dense K = 64
     # (20 rows, 0.2-3 s each on the H200, a capture per shape and K: ~45 s with the engines and
     # 1,000 adapters per shape); tries at batch 64, ~15 s a shape: 4 SDPA backends, graphs on/off and
@@ -53,19 +54,20 @@ ALL: tuple[Part, ...] = (
             "tries_on": BOTH,
         },
         80,
-        45,
+        60,
     ),
     # 2 shapes x batch 64, 256, 1,000 resident, 1 and 8 tasks per image (2-4 s a row on the H200).
     Part("routing", {"archs": BOTH, "dtypes": ("bf16",), "batches": (64, 256)}, 30, 20),
     # The op probe, then 2 shapes x bf16, fp32 at batch 64 (21 s on the H200) and 2 block sizes each.
-    Part("invariance", {"archs": BOTH, "dtypes": ("bf16", "fp32"), "batches": (64,)}, 45, 20),
+    Part("invariance", {"archs": BOTH, "dtypes": ("bf16", "fp32"), "batches": (64,)}, 45, 30),
     # 2 shapes x 4 passes x graphs on/off, 3 recorded passes each, bf16 batch 64 (~1 s a row).
-    Part("profile", {"archs": BOTH, "dtypes": ("bf16",), "batches": (64,)}, 30, 20),
+    Part("profile", {"archs": BOTH, "dtypes": ("bf16",), "batches": (64,)}, 30, 30),
     # ViT-B/16 bf16 with 1,000 and 10,000 resident: 10,000 random adapters made on the host (~5 s),
     # each pass eager then graphed (the unrouted one at 10,000 rows per image: ~0.3 s a pass).
-    Part("memory", {"archs": (B16,), "dtypes": ("bf16",)}, 30, 15),
+    Part("memory", {"archs": (B16,), "dtypes": ("bf16",)}, 30, 45),
     # 2 shapes x batch 64, 256, fp32 (12 s on the H200).
-    Part("training", {"archs": BOTH, "train_batches": (64, 256)}, 20, 10),
-    # The real DeiT-Tiny alone, 6 s of load: the bounds (~10 s), the server's start and its load.
-    Part("server", {"server_models": (DEIT,), "server_seconds": 6.0}, 45, 45),
+    Part("training", {"archs": BOTH, "train_batches": (64, 256)}, 20, 30),
+    # The real DeiT-Tiny alone, 6 s of load: the bounds (~10 s), the server's start and its load; it
+    # starts a model with 3 x 6 + 60 s left.
+    Part("server", {"server_models": (DEIT,), "server_seconds": 6.0}, 45, 80),
 )

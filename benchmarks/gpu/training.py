@@ -23,7 +23,7 @@ CLASSES = 10
 def run(plan: Plan, report: StepReport, budget: Budget) -> str:
     for arch in plan.archs:
         for batch in plan.train_batches:
-            if not report.room(budget, 60):
+            if not report.room(budget, 30):
                 report.note(f"budget spent: stopped before {arch} batch {batch}")
                 return "partial"
             what = {"arch": arch, "dtype": "fp32", "batch": batch}

@@ -38,7 +38,7 @@ def run(
         f"routed 1 of {len(loaded)}": lambda: e(x, loaded, tasks=one),
     }
     for name in plan.tries:
-        if not budget.allows(60):
+        if not budget.allows(30):
             report.note(f"budget spent: try {name} not run on {what}")
             return
         if name == "sdpa":
