@@ -34,6 +34,8 @@ PREFIX = (
     "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD MEMVIT_SHARED_DATA=$PWD/gpu-data "
     "PYTHONUNBUFFERED=1 && python3 -m benchmarks.gpu.imports --cuda || exit;"
 )
+# The whole suite in one device command (docs/gpu.md), its log beside the reports in $OUT.
+COMMAND = PREFIX + " set -o pipefail; python3 -m benchmarks.gpu --all 2>&1 | tee $OUT/suite.log"
 LIMIT_MIB = 64  # what a device call may carry, the working tree included
 
 
@@ -90,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     wheels.write_manifest(target, pins, IMAGE_READ)
     size = sum(p.stat().st_size for d in ("gpu-data", ".whl") for p in (REPO / d).rglob("*") if p.is_file())
     print(f"{built.name}; gpu-data/ and .whl/ ready ({size / 2**20:.0f} MiB; a call carries {LIMIT_MIB} MiB)")
-    print(f'carry: ["gpu-data", ".whl"]\ncommand prefix: {PREFIX}')
+    print(
+        f'carry: ["gpu-data", ".whl"]\ncommand prefix: {PREFIX}\nthe whole suite (timeout_s 600): {COMMAND}'
+    )
 
 
 if __name__ == "__main__":

@@ -166,8 +166,21 @@ def test_import_check_holds_the_install_to_the_manifest() -> None:
     assert len(failed) == 2 and "fastapi" in failed[0] and "rerun benchmarks.gpu.prepare" in failed[1]
 
 
-def test_import_check_runs_first_in_the_printed_prefix() -> None:
-    from benchmarks.gpu.prepare import PREFIX
+def test_import_check_warns_of_unmet_requirements() -> None:
+    assert imports.check_requirements() == []
+    old = {"fastapi": "0.1.0", "opentelemetry-api": None}
+    unmet = imports.check_requirements(lambda name: old.get(name, imports.installed_version(name)))
+    assert any(line.startswith("memvit needs fastapi") and "found 0.1.0" in line for line in unmet)
+    assert any(line.startswith("fastapi needs opentelemetry-api") and "nothing" in line for line in unmet)
 
-    assert "python3 -m benchmarks.gpu.imports --cuda || exit;" in PREFIX
+
+def test_import_check_runs_first_in_the_printed_command() -> None:
+    from benchmarks.common import REPO
+    from benchmarks.gpu.prepare import COMMAND, PREFIX
+
+    assert "python3 -m benchmarks.gpu.imports --cuda || exit;" in PREFIX and COMMAND.startswith(PREFIX)
     assert PREFIX.index("pip install") < PREFIX.index("benchmarks.gpu.imports")
+    assert COMMAND.endswith("python3 -m benchmarks.gpu --all 2>&1 | tee $OUT/suite.log")
+    assert len(COMMAND) <= 2000  # what a device command may be
+    docs = (REPO / "docs" / "gpu.md").read_text()
+    assert f"\n{COMMAND}\n" in docs and 'carry: ["gpu-data", ".whl"]' in docs
