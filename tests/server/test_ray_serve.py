@@ -131,12 +131,18 @@ class Cluster:
         self.registered[name] = hashlib.sha256(self.bundles[name]).hexdigest()
 
     def describe(self, want: int = 2, tries: int = 40) -> dict[str, dict]:
-        """Each running replica's own account (through a Serve handle: Serve picks the replica)."""
+        """Each running replica's own account, through a Serve handle.
+
+        Each call carries its own routing key, so the router (server/ray_router.py) sends it to that
+        key's home, a replica drawn by the hash: ``tries`` calls miss one of two replicas with
+        odds of 2**-tries. Unkeyed, Serve would send every call to the replica with the shorter
+        queue: never to one holding a test's requests (``_hold``) while the other holds none."""
         handle = serve.get_deployment_handle(DEPLOYMENT, app_name=APP)
         found: dict[str, dict] = {}
         try:
-            for _ in range(tries):
-                info = handle.describe.remote().result(timeout_s=30)
+            for i in range(tries):
+                keyed = handle.options(multiplexed_model_id=f"describe-{i}")
+                info = keyed.describe.remote().result(timeout_s=30)
                 found[info["replica"]] = info
                 if len(found) >= want:
                     break
@@ -148,11 +154,15 @@ class Cluster:
         return found
 
     def both_replicas(self) -> dict[str, dict]:
-        """The two replicas, once Serve runs two (after a failed test left one, say)."""
+        """The two replicas, once Serve runs two (after a failed test left one, say) and a handle
+        reaches both (Serve may count a replica running before this process routes to it)."""
 
         def two() -> dict[str, dict] | None:
             states = serve.status().applications[APP].deployments[DEPLOYMENT].replica_states
-            return self.describe() if states.get("RUNNING", 0) == 2 else None
+            if states.get("RUNNING", 0) != 2:
+                return None
+            found = self.describe()
+            return found if len(found) == 2 else None
 
         found = _wait(two, 120, "two replicas running", 0.5)
         assert len(found) == 2, found
