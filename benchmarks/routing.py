@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from memvit.memory_core import MemoryViT, flop_ratio, uniform_adapters
+from memvit.memory_core import LiveAdapters, MemoryViT, flop_ratio, uniform_adapters
 from tests.factories import random_adapter
 
 from .common import (
@@ -125,9 +125,11 @@ def main(argv: list[str] | None = None) -> None:
         engine.base.load_state_dict(plain.base.state_dict())
         x = torch.randn(args.batch, 3, *engine.spec.img_size)
         for count in args.counts:
-            loaded = engine.prepare_set(
+            live = LiveAdapters(engine)  # installed, as a server holds them: each in its device slot
+            live.replace_all(
                 random_adapter(f"a{i}", engine, m=args.memory, classes=args.classes) for i in range(count)
             )
+            loaded = live.current
             names = list(loaded.names)
             rng = random.Random(count)
             one = [[rng.choice(names)] for _ in range(args.batch)]
