@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +38,15 @@ from .attention import project_memory as _project_memory
 from .planned import SlotAttention
 from .stack import AdapterStack
 
-if TYPE_CHECKING:
-    from .invariant_planned import PlannedRows
+
+@dataclass(frozen=True)
+class PlannedRows:
+    """A plan's class-token rows with their memory gathered from the slot pools, per image."""
+
+    cls: Tensor  # (B, R, D)
+    # Per block: the rows' memory (keys (R, H, P, d) shared or (B, R, H, P, d) routed), or the kernel.
+    layers: tuple[LayerMemory | SlotAttention, ...]
+
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,12 @@ row, whose every sum runs over its own inputs in a fixed order (docs/design.md Â
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor
 
 from . import triton_kernels
-from .attention import LayerMemory
-from .invariant import InvariantBlocks, _pad, features, head, in_blocks
+from .invariant import InvariantBlocks, PlannedRows, _pad, features, head, in_blocks
 from .plan import PlanShape, PlanTensors
 from .planned import SlotAttention, layer_memory, lineage_of, rows_of
 from .slots import SlotPools
@@ -23,15 +20,6 @@ from .slots import SlotPools
 # The Triton kernel's rows per program: one, so that each row's sums are its own, in a fixed order,
 # wherever the row sits among the pass's (a tile's matrix product need not round rows alike).
 ROWS_PER_PROGRAM = 1
-
-
-@dataclass(frozen=True)
-class PlannedRows:
-    """A plan's class-token rows with their memory gathered from the slot pools, per image."""
-
-    cls: Tensor  # (B, R, D)
-    # Per block: the rows' memory (keys (R, H, P, d) shared or (B, R, H, P, d) routed), or the kernel.
-    layers: tuple[LayerMemory | SlotAttention, ...]
 
 
 def planned(

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .adapter_set import AdapterSet
 from .errors import InputError
-from .slots import NULL_SLOT, AdapterSlots, SlotPools
+from .slots import NULL_SLOT, AdapterSlots, SlotPools, widths
 from .staging import PinnedStaging
 
 
@@ -43,6 +43,8 @@ class PlanShape:
     lineage: int  # A, class tokens each row attends to (itself first); 1 in concatenation mode
     shared: bool  # one row list for every image
     outputs: int  # N, output rows of a routed plan (0 when shared: the outputs are (R, B))
+    memory: int  # P, memory entries each row reads (a power of two: slots.widths)
+    classes: int  # C, head columns computed (a power of two)
 
     @property
     def lengths(self) -> tuple[int, int, int, int]:
@@ -91,7 +93,7 @@ class PassPlan:
     batch: int  # images given (shape.images may pad them)
     host: Tensor  # int64 (sum of shape.lengths,): the packed plan, on the host
     tasks: tuple[TaskRows, ...]  # in the set's order
-    pools: SlotPools  # the pools the slots are valid in
+    pools: SlotPools  # the pools the slots are valid in, narrowed to (shape.memory, shape.classes)
     adapter_set: AdapterSet
 
     def tensors(self, device: torch.device, staging: PinnedStaging | None = None) -> PlanTensors:
@@ -144,7 +146,12 @@ def plan_pass(
     R = rows(R) if rows is not None else R
     A = max(len(chain) for chain in lineages.values())
     A = rows(A) if rows is not None and A > 1 else A
-    layout = _Layout(adapter_set, lineages, slot_of, batch, B, R, A, pools)
+    # The pass reads the pools only as wide as its own adapters need: its operations, and so its
+    # rounding, are the same whatever else is resident (docs/design.md §2.10).
+    memory = max(sum(adapters[j].memory_keys.shape[2] for j in chain) for chain in lineages.values())
+    classes = max(adapters[k].head_weight.shape[0] for ks in asked for k in ks)
+    P, C = widths(memory, classes)
+    layout = _Layout(adapter_set, lineages, slot_of, batch, B, R, A, P, C, pools.narrowed(P, C))
     if all(rows_b == needed[0] for rows_b in needed) and all(ks == asked[0] for ks in asked):
         return layout.shared(needed[0], asked[0])
     return layout.routed(needed, asked, pad_outputs)
@@ -176,6 +183,8 @@ class _Layout:
     B: int
     R: int
     A: int
+    P: int
+    C: int
     pools: SlotPools
 
     def row_slots(self, rows: list[int]) -> list[int]:
@@ -200,7 +209,7 @@ class _Layout:
 
     def shared(self, rows: list[int], asked: list[int]) -> PassPlan:
         """Every image the same rows: outputs are (R, B), row r's B images from r * B."""
-        shape = PlanShape(images=self.B, rows=self.R, lineage=self.A, shared=True, outputs=0)
+        shape = PlanShape(self.B, self.R, self.A, shared=True, outputs=0, memory=self.P, classes=self.C)
         every = torch.arange(self.batch)
         tasks = []
         for k in asked:
@@ -229,6 +238,6 @@ class _Layout:
         N = self.B * self.R if pad_outputs else len(out_rows)
         out_rows += [0] * (N - len(out_rows))  # padding outputs: row 0's null head, never read
         out_slots += [NULL_SLOT] * (N - len(out_slots))
-        shape = PlanShape(images=self.B, rows=self.R, lineage=self.A, shared=False, outputs=N)
+        shape = PlanShape(self.B, self.R, self.A, shared=False, outputs=N, memory=self.P, classes=self.C)
         host = torch.tensor(row_slots + lineage + out_rows + out_slots, dtype=torch.long)
         return PassPlan(shape, self.batch, host, tuple(tasks), self.pools, self.adapter_set)

@@ -68,6 +68,24 @@ class SlotPools:
     def classes(self) -> int:
         return self.head_weight.shape[1]
 
+    def narrowed(self, memory: int, classes: int) -> SlotPools:
+        """Views of the pools with P = ``memory`` and C = ``classes``: what one pass reads.
+
+        A pass is as wide as its own adapters need, not as wide as the widest resident one, so
+        that its operations, and so its float rounding, do not depend on what else is loaded."""
+        if memory > self.memory or classes > self.classes:
+            raise ValueError(f"P={memory}, C={classes} exceed the pools' P={self.memory}, C={self.classes}")
+        return SlotPools(
+            keys=self.keys[..., :memory, :],
+            values=self.values[..., :memory, :],
+            memory_bias=self.memory_bias[:, :memory],
+            memory_length=self.memory_length,
+            cls=self.cls,
+            head_weight=self.head_weight[:, :classes],
+            head_bias=self.head_bias[:, :classes],
+            generation=self.generation,
+        )
+
     @property
     def nbytes(self) -> int:
         tensors = (self.keys, self.values, self.memory_bias, self.memory_length, self.cls)
@@ -149,7 +167,9 @@ class AdapterSlots:
             self._grow(memory=memory, classes=classes)
         slot = self._free.pop()
         p = self.pools
-        with torch.no_grad():
+        # Pools are normal tensors written outside autograd, whether or not the caller runs in
+        # inference mode (a pass assigns slots inside one, a server's install outside it).
+        with torch.inference_mode(False), torch.no_grad():
             if memory:
                 p.keys[:, slot, :, :memory] = torch.cat([a.memory_keys for a in chain], dim=2)
                 p.values[:, slot, :, :memory] = torch.cat([a.memory_values for a in chain], dim=2)
@@ -182,12 +202,14 @@ class AdapterSlots:
     def _grow(self, *, memory: int, classes: int) -> None:
         old = self.pools
         capacity = old.capacity * 2 if not self._free else old.capacity
-        # Memory rounds up to a power of two, so adapters of m = 1, 2, 3, 5 grow the pools twice,
-        # not four times; padding costs the Triton kernel nothing (it stops at each slot's length).
-        memory, classes = max(_power_of_2(memory), old.memory), max(classes, old.classes)
+        # Memory and classes round up to powers of two: adapters of m = 1, 2, 3, 5 grow the pools
+        # twice, not four times, and a pass narrowed to its own adapters' widths (``widths``)
+        # always fits. Padding costs the Triton kernel nothing (it stops at each slot's length).
+        memory = max(_power_of_2(memory), old.memory)
+        classes = max(_power_of_2(classes), old.classes)
         new = self._allocate(capacity, memory=memory, classes=classes, generation=old.generation + 1)
         S, P, C = old.capacity, old.memory, old.classes
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():
             new.keys[:, :S, :, :P] = old.keys
             new.values[:, :S, :, :P] = old.values
             new.memory_bias[:S, :P] = old.memory_bias
@@ -202,20 +224,27 @@ class AdapterSlots:
         s = self.spec
         like = {"device": self.device, "dtype": self.dtype}
         memory_shape = (s.depth, capacity, s.num_heads, memory, s.head_dim)
-        return SlotPools(
-            keys=torch.zeros(memory_shape, **like),
-            values=torch.zeros(memory_shape, **like),
-            memory_bias=torch.full((capacity, memory), float("-inf"), **like),
-            memory_length=torch.zeros(capacity, device=self.device, dtype=torch.int32),
-            cls=torch.zeros(capacity, s.width, **like),
-            head_weight=torch.zeros(capacity, classes, s.width, **like),
-            head_bias=torch.zeros(capacity, classes, **like),
-            generation=generation,
-        )
+        with torch.inference_mode(False):  # normal tensors, writable outside inference mode too
+            return SlotPools(
+                keys=torch.zeros(memory_shape, **like),
+                values=torch.zeros(memory_shape, **like),
+                memory_bias=torch.full((capacity, memory), float("-inf"), **like),
+                memory_length=torch.zeros(capacity, device=self.device, dtype=torch.int32),
+                cls=torch.zeros(capacity, s.width, **like),
+                head_weight=torch.zeros(capacity, classes, s.width, **like),
+                head_bias=torch.zeros(capacity, classes, **like),
+                generation=generation,
+            )
 
 
 def _key(chain: tuple[PreparedAdapter, ...]) -> tuple[int, ...]:
     return tuple(id(a) for a in chain)
+
+
+def widths(memory: int, classes: int) -> tuple[int, int]:
+    """The (P, C) a pass reads for adapters of at most ``memory`` memory entries and ``classes``
+    classes: powers of two, a function of those adapters alone (the pools always hold them)."""
+    return _power_of_2(memory), _power_of_2(classes)
 
 
 def _power_of_2(n: int) -> int:
