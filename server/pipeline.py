@@ -9,7 +9,9 @@ together:
 - the images are announced to the batcher while they decode, so a forming batch waits for them;
 - the batch's snapshot answers or refuses the tasks (an adapter removed meanwhile gives a 422 naming
   it, never a wrong or missing answer: server/batching.py);
-- the response is built from the one snapshot that computed every logit in it.
+- the response is built from the one snapshot that computed every logit in it;
+- what was computed is counted for the key that asked (usage per key and task, server/usage.py;
+  bounded metrics, server/metrics.py), whichever protocol asked.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import torch
 from fastapi import UploadFile
@@ -32,6 +35,18 @@ from .images import ImageDecoder
 from .metrics import Metrics
 from .registry import AdapterRegistry, Pin
 from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
+from .usage import UsageMeter
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Whose request it is: a key's id (``admin``, ``anonymous``), its weight in the fair queue."""
+
+    id: str = "anonymous"
+    weight: float = 1.0
+
+
+ANONYMOUS = Tenant()
 
 
 class ClassifyPipeline:
@@ -44,6 +59,7 @@ class ClassifyPipeline:
         *,
         max_image_bytes: int,
         metrics: Metrics | None = None,
+        usage: UsageMeter | None = None,
     ) -> None:
         self.registry = registry
         self.engine = registry.engine
@@ -52,22 +68,27 @@ class ClassifyPipeline:
         self.decode_pool = decode_pool
         self.max_image_bytes = max_image_bytes
         self.metrics = metrics
+        self.usage = usage
 
     async def __call__(
-        self, uploads: Sequence[UploadFile], *, tasks: list[str] | None, top_k: int, logits: bool
+        self,
+        uploads: Sequence[UploadFile],
+        *,
+        tasks: list[str] | None,
+        top_k: int,
+        logits: bool,
+        tenant: Tenant = ANONYMOUS,
     ) -> ClassifyResponse:
         """``tasks``: checked (``deps.classify_input``); None asks for every task."""
         names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
-        out = await self.run(self._uploads(uploads, names), len(names), tasks)
-        response = self.respond(out, names, tasks, top_k=top_k, logits=logits)
-        if self.metrics is not None:
-            for task in response.results[0].tasks if response.results else ():
-                self.metrics.task_requests.labels(task).inc()
-                self.metrics.task_images.labels(task).inc(len(names))
-        return response
+        out = await self.run(self._uploads(uploads, names), len(names), tasks, tenant)
+        return self.respond(out, names, tasks, top_k=top_k, logits=logits)
 
-    async def run(self, images: Awaitable[Tensor], count: int, tasks: list[str] | None) -> FusedOutput:
-        """``count`` images (decoding, or already preprocessed) through one batched fused pass.
+    async def run(
+        self, images: Awaitable[Tensor], count: int, tasks: list[str] | None, tenant: Tenant = ANONYMOUS
+    ) -> FusedOutput:
+        """``count`` images (decoding, or already preprocessed) through one batched fused pass, queued
+        as ``tenant``'s (its share of the passes by its weight), and counted as its usage.
 
         Routed: these images pay for the adapters asked for, not for every one resident. Their adapters
         are made resident and pinned while the images decode, and stay pinned until the batch has run.
@@ -83,9 +104,16 @@ class ClassifyPipeline:
             return decoded
 
         try:
-            return await self.batcher.run(count, ready(), adapters)
+            out = await self.batcher.run(count, ready(), adapters, flow=tenant.id, weight=tenant.weight)
         finally:
             await _unpin(pinning)
+        computed = [BASE_TASK, *out.adapters]  # what the pass computed for these images, no more
+        if self.usage is not None:
+            self.usage.record(tenant.id, count, computed)
+        if self.metrics is not None:  # per task asked (base too, when asked), and per key
+            asked = computed if tasks is None else [t for t in dict.fromkeys(tasks) if t in out.logits()]
+            self.metrics.answered(tenant.id, count, asked, rows=count * len(out.adapters))
+        return out
 
     async def _uploads(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
         """Every upload read, each with its byte cap, then decoded."""
