@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from .errors import OverloadedError
+
 J = TypeVar("J")
 
 ONE_FLOW = "*"  # fairness off: every job in one line, first come first served
@@ -67,15 +69,20 @@ class FairQueue(Generic[J]):
         mine = active[flow].waiting if flow in active else 0
         return mine + images <= limit * weight / total
 
-    def put(self, flow: str, job: J, images: int, weight: float = 1.0) -> None:
-        """Queue ``job`` (``images`` of work) for ``flow``, whose weight is ``weight`` (> 0)."""
+    def _line(self, flow: str, weight: float) -> _Flow[J]:
         line = self._flows.get(flow)
         if line is None:
             line = self._flows[flow] = _Flow()
         line.weight = weight  # the keys file may have changed it since the flow's last job
-        if not line.jobs:  # the flow starts waiting: lift it to the others (no banked idle time)
+        if not line.jobs:  # the flow is not waiting: lift it to the others (no banked idle time)
             floor = min((f.counter for f in self._active.values()), default=self._last_served)
             line.counter = max(line.counter, floor)
+        return line
+
+    def put(self, flow: str, job: J, images: int, weight: float = 1.0) -> None:
+        """Queue ``job`` (``images`` of work) for ``flow``, whose weight is ``weight`` (> 0)."""
+        line = self._line(flow, weight)
+        if not line.jobs:
             self._active[flow] = line
         line.jobs.append((next(self._arrivals), job, images))
         line.waiting += images
@@ -91,6 +98,13 @@ class FairQueue(Generic[J]):
         """The images of the job ``pop`` would return, or None when nothing waits."""
         chosen = self._next()
         return None if chosen is None else chosen[1].jobs[0][2]
+
+    def charge(self, flow: str, images: float, weight: float = 1.0) -> None:
+        """Count service ``flow`` received outside the queue (taken without waiting, or a correction
+        once a request's size is known): its counter grows as if a job of ``images`` was popped."""
+        line = self._line(flow, weight)
+        line.counter += images / weight
+        self._last_served = line.counter
 
     def pop(self) -> J:
         """The next job (IndexError when nothing waits); its flow is charged for its images."""
@@ -120,3 +134,56 @@ class FairQueue(Generic[J]):
     def waiting_by_flow(self) -> Iterator[tuple[str, int]]:
         """(flow, images waiting) for each flow with jobs waiting."""
         return ((name, flow.waiting) for name, flow in self._active.items())
+
+
+class FairGate:
+    """At most ``slots`` requests at once past the gate; the others wait in per-flow lines and are let
+    in by the service their flow received (a ``FairQueue`` of waiters), one as each slot frees.
+
+    The batcher's queue orders work that waits for the model; this orders work that waits for the
+    CPU before it (reading, parsing and decoding a request), where the event loop would otherwise
+    share itself among every request of every key alike. ``max_waiting`` bounds the waiters as the
+    batcher bounds its queue (``FairQueue.admits``): past it, ``OverloadedError`` (503).
+    """
+
+    def __init__(self, slots: int, max_waiting: int) -> None:
+        self.slots, self.max_waiting = slots, max_waiting
+        self.busy = 0
+        self._waiters: FairQueue[asyncio.Future[None]] = FairQueue()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiters.waiting
+
+    async def enter(self, flow: str, weight: float = 1.0, cost: int = 1) -> None:
+        """Until ``flow`` holds a slot (``cost``: its provisional size, corrected by ``charge``)."""
+        if self.busy < self.slots and not self._waiters.waiting:
+            self.busy += 1
+            self._waiters.charge(flow, cost, weight)
+            return
+        if not self._waiters.admits(flow, cost, self.max_waiting, weight):
+            raise OverloadedError(
+                f"server busy: {self._waiters.waiting} requests waiting to be read "
+                f"(limit {self.max_waiting}); retry shortly"
+            )
+        turn = asyncio.get_running_loop().create_future()
+        self._waiters.put(flow, turn, cost, weight)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # handed the slot as it gave up: pass it on
+                self.leave()
+            raise
+
+    def charge(self, flow: str, images: float, weight: float = 1.0) -> None:
+        """Correct ``flow``'s service once its request's size is known (``images`` more, or fewer)."""
+        self._waiters.charge(flow, images, weight)
+
+    def leave(self) -> None:
+        """Give a slot back: to the next waiter, if one is still there."""
+        while self._waiters.waiting:
+            turn = self._waiters.pop()
+            if not turn.done():  # a waiter that went away was cancelled: skip it
+                turn.set_result(None)  # the slot passes on: ``busy`` stays
+                return
+        self.busy -= 1

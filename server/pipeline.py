@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from fastapi import UploadFile
@@ -40,10 +40,12 @@ from .usage import UsageMeter
 
 @dataclass(frozen=True)
 class Tenant:
-    """Whose request it is: a key's id (``admin``, ``anonymous``), its weight in the fair queue."""
+    """Whose request it is: a key's id (``admin``, ``anonymous``), its weight in the fair queue, and
+    what to call once its images are decoded (the guard's gate lets the next request in)."""
 
     id: str = "anonymous"
     weight: float = 1.0
+    prepared: Callable[[], None] | None = field(default=None, compare=False)
 
 
 ANONYMOUS = Tenant()
@@ -101,6 +103,8 @@ class ClassifyPipeline:
         async def ready() -> Tensor:
             decoded = await images
             await pinning  # resident and pinned before the images are queued
+            if tenant.prepared is not None:
+                tenant.prepared()
             return decoded
 
         try:
