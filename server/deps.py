@@ -69,7 +69,7 @@ def charge(ticket: Ticket, images: int) -> Tenant:
     """Counts a request's ``images`` against its key's limits (413/429); the tenant its work is
     queued and counted as."""
     ticket.charge(images)
-    return Tenant(ticket.tenant, ticket.weight, ticket.prepared)
+    return Tenant(ticket.tenant, ticket.weight)
 
 
 def get_audit(request: Request) -> AuditEntry:

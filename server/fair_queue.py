@@ -24,9 +24,10 @@ below its weight's share of that limit, so a key that fills the queue cannot loc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -137,16 +138,17 @@ class FairQueue(Generic[J]):
 
 
 class FairGate:
-    """At most ``slots`` requests at once past the gate; the others wait in per-flow lines and are let
-    in by the service their flow received (a ``FairQueue`` of waiters), one as each slot frees.
+    """At most ``slots`` holders at once; the others wait in per-flow lines and are let in by the
+    service their flow received (a ``FairQueue`` of waiters), one as each slot frees.
 
-    The batcher's queue orders work that waits for the model; this orders work that waits for the
-    CPU before it (reading, parsing and decoding a request), where the event loop would otherwise
-    share itself among every request of every key alike. ``max_waiting`` bounds the waiters as the
-    batcher bounds its queue (``FairQueue.admits``): past it, ``OverloadedError`` (503).
+    The batcher's queue orders work waiting for the model; a gate orders work waiting for the CPU
+    before it: the decoders (server/pipeline.py), which a thread pool would otherwise serve first
+    come, so that one key's 32 uploads in flight do not queue another key's one image behind them.
+    ``max_waiting`` (None: no bound) bounds the waiters as ``FairQueue.admits`` bounds a queue: past
+    it, ``OverloadedError`` (503).
     """
 
-    def __init__(self, slots: int, max_waiting: int) -> None:
+    def __init__(self, slots: int, max_waiting: int | None = None) -> None:
         self.slots, self.max_waiting = slots, max_waiting
         self.busy = 0
         self._waiters: FairQueue[asyncio.Future[None]] = FairQueue()
@@ -155,16 +157,24 @@ class FairGate:
     def waiting(self) -> int:
         return self._waiters.waiting
 
+    @contextlib.asynccontextmanager
+    async def turn(self, flow: str, weight: float = 1.0, cost: int = 1) -> AsyncIterator[None]:
+        """Holds a slot for ``flow`` (whose work costs ``cost``) for the ``async with`` block."""
+        await self.enter(flow, weight, cost)
+        try:
+            yield
+        finally:
+            self.leave()
+
     async def enter(self, flow: str, weight: float = 1.0, cost: int = 1) -> None:
-        """Until ``flow`` holds a slot (``cost``: its provisional size, corrected by ``charge``)."""
+        """Until ``flow`` holds a slot; its flow is charged ``cost``."""
         if self.busy < self.slots and not self._waiters.waiting:
             self.busy += 1
             self._waiters.charge(flow, cost, weight)
             return
-        if not self._waiters.admits(flow, cost, self.max_waiting, weight):
+        if self.max_waiting is not None and not self._waiters.admits(flow, cost, self.max_waiting, weight):
             raise OverloadedError(
-                f"server busy: {self._waiters.waiting} requests waiting to be read "
-                f"(limit {self.max_waiting}); retry shortly"
+                f"server busy: {self._waiters.waiting} waiting (limit {self.max_waiting}); retry shortly"
             )
         turn = asyncio.get_running_loop().create_future()
         self._waiters.put(flow, turn, cost, weight)
@@ -174,10 +184,6 @@ class FairGate:
             if turn.done() and not turn.cancelled():  # handed the slot as it gave up: pass it on
                 self.leave()
             raise
-
-    def charge(self, flow: str, images: float, weight: float = 1.0) -> None:
-        """Correct ``flow``'s service once its request's size is known (``images`` more, or fewer)."""
-        self._waiters.charge(flow, images, weight)
 
     def leave(self) -> None:
         """Give a slot back: to the next waiter, if one is still there."""

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import RateLimitedError, TooManyImagesError
-from .fair_queue import FairGate
 from .metrics import Metrics
 from .policy import Limits, Policy
 
@@ -68,33 +67,18 @@ class Ticket:
     tenant: str
     policy: Policy
     released: bool = False
-    _gate: FairGate | None = None  # the slot it holds while its images are read and decoded
 
     @property
     def weight(self) -> float:
         return self.policy.weight
 
-    async def enter(self, gate: FairGate) -> None:
-        """Wait for this request's turn to be read and decoded (server/fair_queue.py's ``FairGate``)."""
-        await gate.enter(self.tenant, self.weight)
-        self._gate = gate
-
     def charge(self, images: int) -> None:
         """Counts the request's ``images`` against the key's limits: 413 over its largest request,
         429 when its bucket holds fewer tokens (none are taken then)."""
         self.limiter.charge(self.tenant, self.policy.limits, images)
-        if self._gate is not None:  # the gate charged one image on entry; now it knows
-            self._gate.charge(self.tenant, images - 1, self.weight)
-
-    def prepared(self) -> None:
-        """The request's images are decoded and queued for the model: its gate slot goes to the next."""
-        gate, self._gate = self._gate, None
-        if gate is not None:
-            gate.leave()
 
     def release(self) -> None:
-        """The request is done (answered or refused): its slots go back."""
-        self.prepared()
+        """The request is done (answered or refused): its in-flight slot goes back."""
         if not self.released:
             self.released = True
             self.limiter.release(self.tenant)

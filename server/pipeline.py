@@ -3,7 +3,8 @@
 One object owns the whole path from checked input (``deps.classify_input``: the image count, and the
 tasks against the registry, before anything is decoded) to the response, so that its rules live
 together:
-- each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop;
+- each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop,
+  each key's images taken in turn by the service the key received (``FairGate``), not first come;
 - while they decode, the adapters asked for are made resident (loaded from the store if they are
   not) and pinned until the batch has run, so no other request's cold load evicts them;
 - the images are announced to the batcher while they decode, so a forming batch waits for them;
@@ -18,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from fastapi import UploadFile
@@ -31,6 +32,7 @@ from memvit.memory_core import BASE_TASK, FusedOutput
 from .batching import DynamicBatcher
 from .edge.body import read_upload
 from .errors import ImageTooLargeError, NonFiniteOutputError
+from .fair_queue import FairGate
 from .images import ImageDecoder
 from .metrics import Metrics
 from .registry import AdapterRegistry, Pin
@@ -40,12 +42,10 @@ from .usage import UsageMeter
 
 @dataclass(frozen=True)
 class Tenant:
-    """Whose request it is: a key's id (``admin``, ``anonymous``), its weight in the fair queue, and
-    what to call once its images are decoded (the guard's gate lets the next request in)."""
+    """Whose request it is: a key's id (``admin``, ``anonymous``) and its weight in the fair queues."""
 
     id: str = "anonymous"
     weight: float = 1.0
-    prepared: Callable[[], None] | None = field(default=None, compare=False)
 
 
 ANONYMOUS = Tenant()
@@ -60,6 +60,7 @@ class ClassifyPipeline:
         decode_pool: Executor,
         *,
         max_image_bytes: int,
+        decode_gate: FairGate | None = None,
         metrics: Metrics | None = None,
         usage: UsageMeter | None = None,
     ) -> None:
@@ -68,6 +69,7 @@ class ClassifyPipeline:
         self.decoder = decoder
         self.batcher = batcher
         self.decode_pool = decode_pool
+        self.decode_gate = decode_gate  # one slot per decode thread; None: first come, first decoded
         self.max_image_bytes = max_image_bytes
         self.metrics = metrics
         self.usage = usage
@@ -83,7 +85,7 @@ class ClassifyPipeline:
     ) -> ClassifyResponse:
         """``tasks``: checked (``deps.classify_input``); None asks for every task."""
         names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
-        out = await self.run(self._uploads(uploads, names), len(names), tasks, tenant)
+        out = await self.run(self._uploads(uploads, names, tenant), len(names), tasks, tenant)
         return self.respond(out, names, tasks, top_k=top_k, logits=logits)
 
     async def run(
@@ -103,8 +105,6 @@ class ClassifyPipeline:
         async def ready() -> Tensor:
             decoded = await images
             await pinning  # resident and pinned before the images are queued
-            if tenant.prepared is not None:
-                tenant.prepared()
             return decoded
 
         try:
@@ -119,23 +119,29 @@ class ClassifyPipeline:
             self.metrics.answered(tenant.id, count, asked, rows=count * len(out.adapters))
         return out
 
-    async def _uploads(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
+    async def _uploads(self, uploads: Sequence[UploadFile], names: list[str], tenant: Tenant) -> Tensor:
         """Every upload read, each with its byte cap, then decoded."""
         blobs = []
         limit = self.max_image_bytes
         for upload, name in zip(uploads, names, strict=True):
             too_large = ImageTooLargeError(f"{name}: over the {limit}-byte upload limit", field=name)
             blobs.append(await read_upload(upload, limit, too_large))
-        return await self.decode(blobs, names)
+        return await self.decode(blobs, names, tenant)
 
-    async def decode(self, blobs: Sequence[bytes], names: Sequence[str]) -> Tensor:
-        """Encoded images decoded in the pool -> (n, C, H, W)."""
+    async def decode(
+        self, blobs: Sequence[bytes], names: Sequence[str], tenant: Tenant = ANONYMOUS
+    ) -> Tensor:
+        """Encoded images decoded in the pool, in ``tenant``'s turn -> (n, C, H, W)."""
         loop = asyncio.get_running_loop()
+
+        async def one(data: bytes, name: str) -> Tensor:
+            if self.decode_gate is None:
+                return await loop.run_in_executor(self.decode_pool, self.decoder, data, name)
+            async with self.decode_gate.turn(tenant.id, tenant.weight):
+                return await loop.run_in_executor(self.decode_pool, self.decoder, data, name)
+
         decoded = await asyncio.gather(
-            *(
-                loop.run_in_executor(self.decode_pool, self.decoder, data, name)
-                for data, name in zip(blobs, names, strict=True)
-            ),
+            *(one(data, name) for data, name in zip(blobs, names, strict=True)),
             return_exceptions=True,  # wait for all, so no decode is left running unobserved
         )
         for result in decoded:

@@ -60,14 +60,9 @@ class Settings(BaseSettings):
         "exact", description="exact: every pixel; fast: large JPEGs shrunk in the decoder (RESULTS)"
     )
     max_images_per_request: int = Field(16, ge=1)
-    # Requests are taken by the service each key has received, by its weight (server/fair_queue.py);
-    # false: by arrival, as before keys had shares.
-    fair_batching: bool = Field(True, description="share the fused passes between keys by their weights")
-    # With fair batching, this many requests are read and decoded at once and the others wait, each
-    # key's in its own line (server/fair_queue.py's FairGate): the CPU before the model is shared fairly too.
-    preparing_requests: int | None = Field(
-        None, ge=1, description="requests read and decoded at once (default: 2 per decode thread)"
-    )
+    # Images are decoded and fused passes filled by the service each key has received, by its weight
+    # (server/fair_queue.py); false: by arrival, as before keys had shares.
+    fair_batching: bool = Field(True, description="share passes and decoders between keys by weight")
 
     max_image_bytes: int = Field(20 * 1024 * 1024, ge=1, description="upload cap per image")
     max_image_pixels: int = Field(40_000_000, ge=1, description="decompression-bomb guard")
@@ -166,11 +161,6 @@ class Settings(BaseSettings):
             return max(1, len(os.sched_getaffinity(0)))
         except AttributeError:  # not on Linux
             return max(1, os.cpu_count() or 1)
-
-    @property
-    def preparing_slots(self) -> int:
-        """``preparing_requests``, or two per decode thread (one decoding, one being read or parsed)."""
-        return self.preparing_requests or 2 * self.decode_threads
 
     @property
     def anonymous_admin(self) -> bool:

@@ -8,7 +8,7 @@ For each request, in order, from its headers alone:
 5. for a route that runs images (``metered``), the caller's limits (server/limits.py): at its
    requests-in-flight limit or with an empty token bucket, 429 with ``Retry-After``; admitted, a
    ticket in ``scope["state"]`` that the route charges once it has counted the images, and that
-   holds the request's slot until the app is done;
+   holds the request's in-flight slot until the app is done;
 6. the body cap: a Content-Length over it is answered 413 at once;
 7. then the app runs with ``receive``/``send`` wrapped once (body.py): the body's deadline (408) and
    the cap again while the body streams (413), for chunked bodies and lying Content-Lengths.
@@ -29,7 +29,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..audit import AuditEntry, action_of, record
 from ..errors import ServiceError, status_of
-from ..fair_queue import FairGate
 from ..limits import Limiter, Ticket
 from ..metrics import Metrics
 from ..settings import Settings
@@ -54,8 +53,6 @@ class GuardMiddleware:
         self.origins = OriginPolicy(settings)
         self.credentials = Credentials(settings)  # reads the keys file: a bad one fails at start-up
         self.limiter = Limiter(metrics)
-        # Requests read and decoded at once; the others wait their key's turn (None: first come).
-        self.gate = FairGate(settings.preparing_slots, settings.max_queue) if settings.fair_batching else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -111,12 +108,6 @@ class GuardMiddleware:
             if row.metered:  # last: a request refused for any other reason takes no slot
                 ticket = self.limiter.admit(principal.id, self.credentials.policy(principal))
                 scope["state"]["ticket"] = ticket
-                if self.gate is not None:  # its turn, by its key's service; the body waits unread
-                    try:
-                        await ticket.enter(self.gate)
-                    except BaseException:  # refused (below) or the client left: give the slot back
-                        ticket.release()
-                        raise
         except ServiceError as exc:
             if route is not None:
                 # Metrics label requests by route template; the router never saw this one, and without
@@ -128,9 +119,8 @@ class GuardMiddleware:
         async def refuse(error: ServiceError) -> None:
             await _refuse(scope, send, error)
 
+        body = BodyLimits(receive, send, seconds=row.deadline, cap=row.cap, refuse=refuse)
         try:
-            # The body's deadline starts now: time spent waiting for its turn was the server's.
-            body = BodyLimits(receive, send, seconds=row.deadline, cap=row.cap, refuse=refuse)
             await self.app(scope, body.receive, body.send)
         finally:
             if ticket is not None:

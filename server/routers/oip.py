@@ -25,6 +25,7 @@ from ..oip.protocol import (
     parse_infer_request,
 )
 from ..openapi import protocol_errors
+from ..pipeline import Tenant
 from ..state import Service
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
@@ -109,7 +110,7 @@ async def infer(
     count = _count(parsed, settings.max_images_per_request)  # 413 over the server's cap, first
     tenant = charge(ticket, count)  # then the key's limits (413, 429), before any other work
     tasks, names = await _outputs(model, parsed, service, principal)
-    images = _images(parsed, service, settings)
+    images = _images(parsed, service, settings, tenant)
     out = await service.pipeline.run(images, count, tasks, tenant)
     logits = out.logits()
     names = names if names is not None else {task: task for task in logits}
@@ -169,7 +170,9 @@ def _count(parsed: InferRequest, limit: int) -> int:
     return int(count)
 
 
-def _images(parsed: InferRequest, service: Service, settings: SettingsDep) -> Awaitable[torch.Tensor]:
+def _images(
+    parsed: InferRequest, service: Service, settings: SettingsDep, tenant: Tenant
+) -> Awaitable[torch.Tensor]:
     """The request's one input (counted by ``_count``) -> an awaitable of (n, C, H, W)."""
     if models.IMAGE in parsed.inputs:
         blobs = list(parsed.inputs[models.IMAGE].reshape(-1))
@@ -177,7 +180,7 @@ def _images(parsed: InferRequest, service: Service, settings: SettingsDep) -> Aw
             if len(blob) > settings.max_image_bytes:
                 raise ImageTooLargeError(f"image {i}: over the {settings.max_image_bytes}-byte limit")
         names = [f"image-{i}" for i in range(len(blobs))]
-        return service.pipeline.decode(blobs, names)
+        return service.pipeline.decode(blobs, names, tenant)
     pixels = parsed.inputs[models.PIXELS]
     expected = (service.engine.base.patch_embed.proj.in_channels, *service.engine.spec.img_size)
     if pixels.ndim != 4 or tuple(pixels.shape[1:]) != expected:
