@@ -84,7 +84,7 @@ class LocalUsageLog(UsageLog):
             fsync_dir(folder.parent.parent)
         path = folder / f"{record['replica']}.jsonl"
         data = encode(record)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)  # read: its last byte
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn line (this replica's, killed)

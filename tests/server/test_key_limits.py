@@ -22,7 +22,7 @@ from memvit.server.policy import Limits, Policy
 from memvit.server.settings import Settings
 from tests.server.conftest import TOKEN, free_port, running_server
 from tests.server.test_api import jpeg, post_image
-from tests.server.test_guard import exchange, request_head
+from tests.server.test_guard import exchange, multipart, request_head
 
 RELOAD = 0.2
 SLOW = 0.01  # images per second: no bucket refills noticeably during a test
@@ -115,20 +115,21 @@ def test_a_request_larger_than_the_tokens_left_is_refused_after_its_body(limited
 def test_requests_in_flight_are_limited_per_key(limited) -> None:
     # One request of "single" held open: its body never finishes arriving.
     holder = socket.create_connection(("127.0.0.1", limited.port), timeout=10)
-    holder.sendall(request_head("/classify", length=10_000, token=limited.keys["single"]) + b"--x")
+    part = next(multipart("image", 10))  # the start of a valid form: the parser waits for the rest
+    holder.sendall(request_head("/classify", length=10_000, token=limited.keys["single"]) + part)
     try:
-        deadline = time.monotonic() + 10
-        while True:  # until the server has admitted it (it is read as it arrives)
-            answer = exchange(
-                limited.port, request_head("/classify", length=10_000_000, token=limited.keys["single"])
-            )
-            if answer.status == 429 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert (answer.status, answer.sent) == (429, 0), answer
+        with limited.client("single") as single:  # until the server has admitted it
+            deadline = time.monotonic() + 10
+            while (r := post_image(single, jpeg())).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
         assert (
-            answer.error["message"] == "key 'single' has 1 requests in flight, its limit (requests_in_flight)"
+            r.json()["error"]["message"]
+            == "key 'single' has 1 requests in flight, its limit (requests_in_flight)"
         )
+        # From the headers alone: 10 MB announced, not a byte of it read.
+        head = request_head("/classify", length=10_000_000, token=limited.keys["single"])
+        answer = exchange(limited.port, head, timeout=10)
+        assert (answer.status, answer.sent, answer.headers["retry-after"]) == (429, 0, "1"), answer
         with limited.client("free") as free:
             assert post_image(free, jpeg()).status_code == 200
     finally:
