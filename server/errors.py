@@ -111,6 +111,12 @@ class NotAuthenticatedError(ServiceError):
         return {"WWW-Authenticate": "Bearer"}
 
 
+class InvalidParameterError(ServiceError):
+    """A parameter of the right shape with a value that means nothing (a day like 2026-13-01)."""
+
+    status = 422
+
+
 class NotRecordedError(ServiceError):
     """Something asked for is not kept on this server (usage, with the usage log off)."""
 

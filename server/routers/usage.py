@@ -16,19 +16,29 @@ from fastapi import APIRouter, Query
 
 from ..deps import PrincipalDep, SettingsDep, StateDep, get_service
 from ..edge.principal import Kind
-from ..errors import ForbiddenError, NotRecordedError, ServiceError
+from ..errors import ForbiddenError, InvalidParameterError, NotRecordedError, ServiceError
 from ..openapi import errors
 from ..schemas import UsageEntry, UsageReport
 from ..usage import summarize
 
 router = APIRouter(tags=["usage"])
-Day = Annotated[datetime.date | None, Query(description="a UTC day, YYYY-MM-DD (default: today)")]
+# A string, not a date: pydantic would take "0" for 1970-01-01.
+Day = Annotated[
+    str | None, Query(pattern=r"^\d{4}-\d{2}-\d{2}$", description="a UTC day, YYYY-MM-DD (default: today)")
+]
+
+
+def _day(value: str | None, name: str) -> datetime.date | None:
+    try:
+        return None if value is None else datetime.date.fromisoformat(value)
+    except ValueError:
+        raise InvalidParameterError(f"{name}: {value!r} is not a day (YYYY-MM-DD)", field=name) from None
 
 
 @router.get(
     "/usage",
     response_model=UsageReport,
-    responses=errors(400, 401, 403, 404, 503),
+    responses=errors(400, 401, 403, 404, 422, 503),
     summary="Usage per key, task and day",
 )
 async def usage(
@@ -47,17 +57,17 @@ async def usage(
             raise ForbiddenError(f"this key may read only its own usage ({principal.id!r})", field="key")
         key = principal.id
     today = datetime.datetime.now(datetime.timezone.utc).date()
-    until = until or today
-    since = since or min(until, today)
+    last = _day(until, "until") or today
+    first = _day(since, "since") or min(last, today)
     try:
         rows = await asyncio.to_thread(
-            summarize, service.usage.log, since, until, None if key is None else key.__eq__
+            summarize, service.usage.log, first, last, None if key is None else key.__eq__
         )
-    except ValueError as exc:
+    except ValueError as exc:  # the range: reversed, or too long
         raise ServiceError(str(exc), field="since") from None
     return UsageReport(
-        since=since.isoformat(),
-        until=until.isoformat(),
+        since=first.isoformat(),
+        until=last.isoformat(),
         written_every_seconds=settings.usage_interval_seconds,
         usage=[UsageEntry(**dataclasses.asdict(row)) for row in rows],
     )
