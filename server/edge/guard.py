@@ -5,11 +5,11 @@ For each request, in order, from its headers alone:
 2. who is calling (principal.py), stored in ``scope["state"]`` for the routes;
 3. for a route that changes state, that no other site's page sent it (origin.py; 403);
 4. who may call the route (access.py): a refusal (401/403) is sent before a byte of the body is read;
-5. for a route that runs images (``metered``), the caller's limits (server/limits.py): at its
+5. the body cap: a Content-Length over it is answered 413 at once;
+6. for a route that runs images (``metered``), the caller's limits (server/limits.py): at its
    requests-in-flight limit or with an empty token bucket, 429 with ``Retry-After``; admitted, a
    ticket in ``scope["state"]`` that the route charges once it has counted the images, and that
    holds the request's in-flight slot until the app is done;
-6. the body cap: a Content-Length over it is answered 413 at once;
 7. then the app runs with ``receive``/``send`` wrapped once (body.py): the body's deadline (408) and
    the cap again while the body streams (413), for chunked bodies and lying Content-Lengths.
 
