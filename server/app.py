@@ -26,7 +26,7 @@ from .edge.guard import GuardMiddleware
 from .edge.principal import check_credentials
 from .edge.routes import missing_routes, route_table
 from .errors import install_error_handlers
-from .fair_queue import FairGate
+from .fair_queue import FairPool
 from .images import ImageDecoder
 from .metrics import Metrics, MetricsMiddleware
 from .oip.errors import ProtocolErrorShape
@@ -152,8 +152,7 @@ async def _start(state: AppState) -> None:
         batcher,
         decode_pool,
         max_image_bytes=settings.max_image_bytes,
-        # One slot per decode thread, so the pool's own queue stays empty and the gate decides the order.
-        decode_gate=FairGate(settings.decode_threads) if settings.fair_batching else None,
+        decode_order=FairPool(decode_pool) if settings.fair_batching else None,
         metrics=state.metrics,
         usage=meter,
     )

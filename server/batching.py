@@ -59,6 +59,7 @@ class DynamicBatcher:
         self.metrics = metrics
         self.fair = fair
         self._queue: FairQueue[_Job] = FairQueue()
+        self._queued = asyncio.Event()  # set while a job waits in the queue
         self._waiting = 0  # images queued or in the pass running
         self._expected = 0  # images still decoding that will be queued soon
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused-pass")
@@ -120,14 +121,21 @@ class DynamicBatcher:
         self._waiting += n
         self.metrics.queue_depth.set(self._waiting)
         self._queue.put(flow, _Job(images, future, tasks), n, weight)
+        self._queued.set()
         return future
+
+    def _pop(self) -> _Job:
+        job = self._queue.pop()
+        if self._queue.peek() is None:
+            self._queued.clear()
+        return job
 
     async def _gather_forever(self) -> None:
         loop = asyncio.get_running_loop()
         queue = self._queue
         while True:
-            await queue.wait()
-            batch = [queue.pop()]
+            await self._queued.wait()
+            batch = [self._pop()]
             size = batch[0].images.shape[0]
             deadline = loop.time() + self.max_wait
             while size < self.max_batch:
@@ -137,13 +145,13 @@ class DynamicBatcher:
                     if remaining <= 0 or self._expected == 0:  # nothing is on its way
                         break
                     try:
-                        await asyncio.wait_for(queue.wait(), remaining)
+                        await asyncio.wait_for(self._queued.wait(), remaining)
                     except TimeoutError:
                         break
                     continue
                 if size + head > self.max_batch:  # it starts a later batch (the next, unless another
                     break  # key is owed more by then)
-                batch.append(queue.pop())
+                batch.append(self._pop())
                 size += head
             await self._run(batch, size, loop)
 

@@ -1,4 +1,4 @@
-"""The batcher's queue: jobs taken by the service each key has received, not by arrival.
+"""The fair queues: work taken by the service each key has received, not by arrival.
 
 A first-come queue lets a key that sends 30 requests at once take every fused pass from a key that
 sends one. This queue keeps one line per *flow* (a key's id; the anonymous caller and the admin
@@ -18,20 +18,23 @@ one job's worth per flow (the paper's bound, with a job's images for a request's
 
 Bounded: ``admits`` refuses a job when the images waiting would pass the limit, unless the flow is
 below its weight's share of that limit, so a key that fills the queue cannot lock the others out
-(the total stays below twice the limit). Not thread-safe: the event loop owns it.
+(the total stays below twice the limit). ``FairQueue`` is not thread-safe: its owner serialises it
+(the batcher: the event loop; ``FairPool``: a lock).
+
+Two users: the batcher, which fills fused passes from a ``FairQueue``, and the decoders, whose
+thread pool runs each key's images in turn through a ``FairPool``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
+import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
-
-from .errors import OverloadedError
+from typing import Any, Generic, TypeVar
 
 J = TypeVar("J")
 
@@ -54,7 +57,6 @@ class FairQueue(Generic[J]):
         self._active: dict[str, _Flow[J]] = {}  # flows with jobs waiting
         self._arrivals = itertools.count()
         self._last_served = 0.0  # the counter of the flow served last: where a returning flow starts
-        self._nonempty = asyncio.Event()
         self.waiting = 0  # images waiting, every flow
 
     def __len__(self) -> int:
@@ -88,7 +90,6 @@ class FairQueue(Generic[J]):
         line.jobs.append((next(self._arrivals), job, images))
         line.waiting += images
         self.waiting += images
-        self._nonempty.set()
 
     def _next(self) -> tuple[str, _Flow[J]] | None:
         if not self._active:
@@ -120,13 +121,7 @@ class FairQueue(Generic[J]):
         self._last_served = line.counter
         if not line.jobs:
             del self._active[name]
-            if not self._active:
-                self._nonempty.clear()
         return job
-
-    async def wait(self) -> None:
-        """Until a job waits."""
-        await self._nonempty.wait()
 
     def counters(self) -> dict[str, float]:
         """Each flow's service received, in images / weight (for tests and the curious)."""
@@ -137,59 +132,54 @@ class FairQueue(Generic[J]):
         return ((name, flow.waiting) for name, flow in self._active.items())
 
 
-class FairGate:
-    """At most ``slots`` holders at once; the others wait in per-flow lines and are let in by the
-    service their flow received (a ``FairQueue`` of waiters), one as each slot frees.
+class FairPool:
+    """An executor's calls run in the order of a ``FairQueue``, chosen by the thread that runs them.
 
-    The batcher's queue orders work waiting for the model; a gate orders work waiting for the CPU
-    before it: the decoders (server/pipeline.py), which a thread pool would otherwise serve first
-    come, so that one key's 32 uploads in flight do not queue another key's one image behind them.
-    ``max_waiting`` (None: no bound) bounds the waiters as ``FairQueue.admits`` bounds a queue: past
-    it, ``OverloadedError`` (503).
+    A thread pool serves its calls first come: one key's 32 photos in flight would queue another
+    key's one photo behind ~32 decodes. Here each call waits in its flow's line, and every submission
+    to the executor runs "the next call in the fair order", picked when a thread is free: the order
+    is the fair queue's, and a free thread never waits for the event loop to hand it work. A call
+    whose caller has gone away (its future cancelled) is skipped.
     """
 
-    def __init__(self, slots: int, max_waiting: int | None = None) -> None:
-        self.slots, self.max_waiting = slots, max_waiting
-        self.busy = 0
-        self._waiters: FairQueue[asyncio.Future[None]] = FairQueue()
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self._queue: FairQueue[tuple[Callable[..., Any], tuple, asyncio.Future, asyncio.AbstractEventLoop]]
+        self._queue = FairQueue()
+        self._lock = threading.Lock()
 
     @property
     def waiting(self) -> int:
-        return self._waiters.waiting
+        """Calls submitted and not yet started."""
+        with self._lock:
+            return self._queue.waiting
 
-    @contextlib.asynccontextmanager
-    async def turn(self, flow: str, weight: float = 1.0, cost: int = 1) -> AsyncIterator[None]:
-        """Holds a slot for ``flow`` (whose work costs ``cost``) for the ``async with`` block."""
-        await self.enter(flow, weight, cost)
-        try:
-            yield
-        finally:
-            self.leave()
+    def submit(self, flow: str, weight: float, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """``fn(*args)`` in ``flow``'s turn (one unit of its service); its result as an asyncio future."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._queue.put(flow, (fn, args, future, loop), 1, weight)
+        self.executor.submit(self._run_next)
+        return future
 
-    async def enter(self, flow: str, weight: float = 1.0, cost: int = 1) -> None:
-        """Until ``flow`` holds a slot; its flow is charged ``cost``."""
-        if self.busy < self.slots and not self._waiters.waiting:
-            self.busy += 1
-            self._waiters.charge(flow, cost, weight)
+    def _run_next(self) -> None:
+        with self._lock:
+            fn, args, future, loop = self._queue.pop()
+        if future.cancelled():
             return
-        if self.max_waiting is not None and not self._waiters.admits(flow, cost, self.max_waiting, weight):
-            raise OverloadedError(
-                f"server busy: {self._waiters.waiting} waiting (limit {self.max_waiting}); retry shortly"
-            )
-        turn = asyncio.get_running_loop().create_future()
-        self._waiters.put(flow, turn, cost, weight)
         try:
-            await turn
-        except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():  # handed the slot as it gave up: pass it on
-                self.leave()
-            raise
+            result = fn(*args)
+        except BaseException as exc:  # handed to the caller, as run_in_executor would
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
 
-    def leave(self) -> None:
-        """Give a slot back: to the next waiter, if one is still there."""
-        while self._waiters.waiting:
-            turn = self._waiters.pop()
-            if not turn.done():  # a waiter that went away was cancelled: skip it
-                turn.set_result(None)  # the slot passes on: ``busy`` stays
-                return
-        self.busy -= 1
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

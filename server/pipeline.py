@@ -4,7 +4,7 @@ One object owns the whole path from checked input (``deps.classify_input``: the 
 tasks against the registry, before anything is decoded) to the response, so that its rules live
 together:
 - each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop,
-  each key's images taken in turn by the service the key received (``FairGate``), not first come;
+  each key's images taken in turn by the service the key received (``FairPool``), not first come;
 - while they decode, the adapters asked for are made resident (loaded from the store if they are
   not) and pinned until the batch has run, so no other request's cold load evicts them;
 - the images are announced to the batcher while they decode, so a forming batch waits for them;
@@ -32,7 +32,7 @@ from memvit.memory_core import BASE_TASK, FusedOutput
 from .batching import DynamicBatcher
 from .edge.body import read_upload
 from .errors import ImageTooLargeError, NonFiniteOutputError
-from .fair_queue import FairGate
+from .fair_queue import FairPool
 from .images import ImageDecoder
 from .metrics import Metrics
 from .registry import AdapterRegistry, Pin
@@ -60,7 +60,7 @@ class ClassifyPipeline:
         decode_pool: Executor,
         *,
         max_image_bytes: int,
-        decode_gate: FairGate | None = None,
+        decode_order: FairPool | None = None,
         metrics: Metrics | None = None,
         usage: UsageMeter | None = None,
     ) -> None:
@@ -69,7 +69,7 @@ class ClassifyPipeline:
         self.decoder = decoder
         self.batcher = batcher
         self.decode_pool = decode_pool
-        self.decode_gate = decode_gate  # one slot per decode thread; None: first come, first decoded
+        self.decode_order = decode_order  # each key's images in turn on ``decode_pool``; None: first come
         self.max_image_bytes = max_image_bytes
         self.metrics = metrics
         self.usage = usage
@@ -134,11 +134,10 @@ class ClassifyPipeline:
         """Encoded images decoded in the pool, in ``tenant``'s turn -> (n, C, H, W)."""
         loop = asyncio.get_running_loop()
 
-        async def one(data: bytes, name: str) -> Tensor:
-            if self.decode_gate is None:
-                return await loop.run_in_executor(self.decode_pool, self.decoder, data, name)
-            async with self.decode_gate.turn(tenant.id, tenant.weight):
-                return await loop.run_in_executor(self.decode_pool, self.decoder, data, name)
+        def one(data: bytes, name: str) -> asyncio.Future[Tensor]:
+            if self.decode_order is None:
+                return loop.run_in_executor(self.decode_pool, self.decoder, data, name)
+            return self.decode_order.submit(tenant.id, tenant.weight, self.decoder, data, name)
 
         decoded = await asyncio.gather(
             *(one(data, name) for data, name in zip(blobs, names, strict=True)),

@@ -64,12 +64,12 @@ class UsageMeter:
     ) -> None:
         self.log, self.replica, self.interval = usage_log, replica, interval
         self._clock = clock
-        self._lock = threading.Lock()  # record() on the loop, flush() in a worker thread
+        self._lock = threading.Lock()  # the counts and the records: the loop and a writer thread
         self._counts: dict[str, dict[str, list[int]]] = {}
         self._start = clock()
         self._seq = 0
-        self._unwritten: list[dict] = []  # records a failed write left, oldest first
-        self._flushing = threading.Lock()
+        self._unwritten: list[dict] = []  # closed intervals not written yet (a failed write's too)
+        self._writing = threading.Lock()
 
     def record(self, key: str, images: int, tasks: Iterable[str]) -> None:
         """One request of ``key`` answered: ``images`` images for each of ``tasks`` (base included)."""
@@ -80,16 +80,12 @@ class UsageMeter:
                 tally[0] += 1
                 tally[1] += images
 
-    def flush(self) -> int:
-        """Write what was counted since the last record (and any record a failed write left); returns
-        the records written. Raises (keeping them for the next try) when the log cannot be written."""
-        if self.log is None:
-            return 0
-        with self._flushing:  # the interval's flush and the stop's never interleave
-            now = self._clock()
-            with self._lock:
-                counts, self._counts = self._counts, {}
-                start, self._start = self._start, now
+    def close_interval(self) -> None:
+        """End the interval now: what was counted becomes a record to write (none if nothing was)."""
+        now = self._clock()
+        with self._lock:
+            counts, self._counts = self._counts, {}
+            start, self._start = self._start, now
             if counts:
                 self._seq += 1
                 day = datetime.datetime.fromtimestamp(now, datetime.timezone.utc).date().isoformat()
@@ -97,20 +93,43 @@ class UsageMeter:
                     {"format": FORMAT, "replica": self.replica, "seq": self._seq, "day": day,
                      "start": _iso(start), "end": _iso(now), "usage": counts}
                 )  # fmt: skip
-            written = 0
-            while self._unwritten:
-                self.log.append(self._unwritten[0])
-                self._unwritten.pop(0)
+
+    def write(self) -> int:
+        """Write the records not yet written, oldest first; returns how many. Raises (keeping the rest
+        for the next try) when the log cannot be written. Blocking: run it in a thread."""
+        if self.log is None:
+            return 0
+        written = 0
+        with self._writing:  # one writer at a time: the interval's and the stop's never interleave
+            while True:
+                with self._lock:
+                    if not self._unwritten:
+                        return written
+                    record = self._unwritten[0]
+                self.log.append(record)
+                with self._lock:
+                    self._unwritten.pop(0)
                 written += 1
-            return written
+
+    def flush(self) -> int:
+        """End the interval and write everything (a stop; tests)."""
+        self.close_interval()
+        return self.write()
 
     async def run_forever(self) -> None:
+        """Every ``interval`` on the clock (not ``interval`` after the last write ended, which would
+        drift later under load): close the interval on the event loop, write it in a thread."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(self.interval)
+            due += self.interval
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            self.close_interval()
             try:
-                await asyncio.to_thread(self.flush)
+                await asyncio.to_thread(self.write)
             except Exception as exc:  # the store is unreachable: keep the records, try next interval
                 log.warning("usage could not be written to %s (%s); trying again", self.log.location, exc)
+            due = max(due, loop.time() - self.interval)  # after a long stall, no burst of catch-ups
 
 
 @dataclass(frozen=True)

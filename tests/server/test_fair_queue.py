@@ -1,16 +1,17 @@
-"""The fair queue (Virtual Token Counter) and the gate built on it, on their own: who goes next, by
+"""The fair queue (Virtual Token Counter) and the pool built on it, on their own: who goes next, by
 how much service each flow received and its weight; work-conserving; no idle time banked; bounded."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from memvit.server.errors import OverloadedError
-from memvit.server.fair_queue import FairGate, FairQueue
+from memvit.server.fair_queue import FairPool, FairQueue
 
 
 def drain(queue: FairQueue, n: int | None = None) -> list:
@@ -115,48 +116,37 @@ def test_a_flow_below_its_share_is_admitted_past_the_limit() -> None:
     assert queue.admits("heavier", 3, limit=10, weight=2)  # 2/(1+1+2) of 10 = 5: room for 3
 
 
-def test_the_gate_lets_waiters_in_by_service_and_skips_those_gone() -> None:
-    async def main() -> list[str]:
-        gate = FairGate(slots=1)
-        order: list[str] = []
+def test_the_pool_runs_calls_in_fair_order_and_skips_those_gone() -> None:
+    """One thread, held by the first call: the calls waiting run by their flow's service, a call
+    whose caller went away is not run at all, and an error reaches its caller."""
+    ran: list[str] = []
+    held = threading.Event()
 
-        async def work(flow: str, name: str) -> None:
-            async with gate.turn(flow):
-                order.append(name)
-                await asyncio.sleep(0)
+    def call(name: str) -> str:
+        ran.append(name)
+        if name == "h0":
+            held.wait(10)
+        if name == "bad":
+            raise ValueError("broken image")
+        return name
 
-        await gate.enter("heavy")  # the slot is taken: everyone below waits
-        heavy = [asyncio.create_task(work("heavy", f"h{i}")) for i in range(5)]
-        await asyncio.sleep(0)
-        gone = asyncio.create_task(work("gone", "g0"))
-        await asyncio.sleep(0)
-        light = asyncio.create_task(work("light", "l0"))
-        await asyncio.sleep(0)
-        gone.cancel()  # a client that went away while waiting
-        await asyncio.sleep(0)
-        assert gate.busy == 1 and not order
-        gate.leave()
-        await asyncio.gather(*heavy, light)
-        assert gate.busy == 0 and gate.waiting == 0
-        return order
+    async def main() -> list:
+        with ThreadPoolExecutor(1) as executor:
+            pool = FairPool(executor)
+            first = pool.submit("heavy", 1.0, call, "h0")
+            while not ran:
+                await asyncio.sleep(0.001)
+            heavy = [pool.submit("heavy", 1.0, call, f"h{i}") for i in range(1, 6)]
+            gone = pool.submit("gone", 1.0, call, "g0")
+            light = pool.submit("light", 1.0, call, "l0")
+            bad = pool.submit("light", 1.0, call, "bad")
+            gone.cancel()
+            assert pool.waiting == 8
+            held.set()
+            return await asyncio.gather(first, *heavy, light, bad, return_exceptions=True)
 
-    order = asyncio.run(main())
-    assert "g0" not in order
-    assert order.index("l0") <= 1, order  # not behind heavy's five
-
-
-def test_a_bounded_gate_refuses_a_flow_over_its_share() -> None:
-    async def main() -> None:
-        gate = FairGate(slots=1, max_waiting=2)
-        await gate.enter("a")
-        waiting = [asyncio.create_task(gate.enter("a")) for _ in range(2)]
-        await asyncio.sleep(0)
-        with pytest.raises(OverloadedError):
-            await gate.enter("a")
-        other = asyncio.create_task(gate.enter("b"))  # below its share of the waiting room: let in
-        await asyncio.sleep(0)
-        assert gate.waiting == 3
-        for task in (*waiting, other):
-            task.cancel()
-
-    asyncio.run(main())
+    results = asyncio.run(main())
+    assert "g0" not in ran
+    assert ran.index("l0") == 2, ran  # after the one running and heavy's next (level, heavy older)
+    assert results[:7] == ["h0", "h1", "h2", "h3", "h4", "h5", "l0"]
+    assert isinstance(results[7], ValueError) and str(results[7]) == "broken image"

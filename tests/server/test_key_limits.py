@@ -276,7 +276,7 @@ def test_a_keys_images_are_decoded_in_turn(tiny_weights, store, tmp_path, fair) 
         pipeline.decoder = recording
 
         def waiting() -> int:  # decodes not yet started
-            return pipeline.decode_gate.waiting if fair else pipeline.decode_pool._work_queue.qsize()
+            return pipeline.decode_order.waiting if fair else pipeline.decode_pool._work_queue.qsize()
 
         async def clients() -> None:
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
