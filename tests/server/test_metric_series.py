@@ -102,3 +102,19 @@ def test_a_server_with_hundreds_of_adapters_exposes_a_bounded_few(
     assert first == {"t239": 1.0, OTHER: adapters - 1 - 4 + 3 * 4}  # the first four: own series, gone
     assert set(second) == {"t239", *hot, OTHER}  # base was never asked for by name
     assert {t: second[t] for t in hot} == dict.fromkeys(hot, 2.0)  # counted since they took a slot
+
+
+def test_a_task_keeps_its_series_until_another_is_asked_clearly_more() -> None:
+    """Two tasks level at rank N do not swap series at every scrape: a challenger must be asked 10%
+    more often than the holder to take its slot."""
+    metrics = Metrics(TaskLabels(top=1))
+    for _ in range(10):
+        metrics.answered("k", 1, ["z"], rows=1)  # z holds the one slot
+    for _ in range(10):
+        metrics.answered("k", 1, ["y"], rows=1)  # level with z (and first by name)
+    assert set(task_series(metrics.render().decode())) == {"z", OTHER}
+    for _ in range(2):
+        metrics.answered("k", 1, ["y"], rows=1)  # 12: more than 10% over z's 10
+    assert set(task_series(metrics.render().decode())) == {OTHER}  # z's series is gone...
+    metrics.answered("k", 1, ["y"], rows=1)
+    assert task_series(metrics.render().decode()) == {"y": 1.0, OTHER: 12.0}  # ...and y counts from now
