@@ -16,11 +16,11 @@ over ``--rounds`` rounds, and reports medians.
    ``--share-seconds``: each key's share of the images answered against its weight's share.
 3. Limits: key L (20 images/s, burst 10) sends as fast as 4 clients can while key F (no limit)
    does too: L's 429s, its images admitted over every window against 20 x T + 10, F's errors.
-4. Cost: throughput of 32 clients (two keys) with fairness, limits (set, never reached) and usage
-   on, against the server as it was before them (``--baseline``: a git revision of this repository,
-   run from its own files; or the same code with all three off), in ``--cost-rounds`` back-to-back
-   pairs: the median of the pairs' ratios, and the servers' CPU per image (which the machine's other
-   load moves much less than their throughput).
+4. Cost: throughput of 32 clients (two keys, 16 each) with fairness, weights, limits (set, never
+   reached) and usage on, against the server as it was before them, with the same keys
+   (``--baseline``: a git revision of this repository, run from its own files; or the same code
+   with all three off), in ``--cost-rounds`` back-to-back pairs: the median of the pairs' ratios,
+   and the servers' CPU per image (which the machine's other load moves much less).
 5. Usage: ``--usage-requests`` requests from 3 keys over 2 replicas sharing one store, one replica
    SIGKILLed and restarted part-way: the usage written against the requests answered; what is
    missing must be no more than what the killed replica answered in its last interval.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import os
 import re
@@ -47,7 +48,7 @@ import httpx
 from benchmarks.common import REPO, argument_parser, environment
 from benchmarks.loadgen import BOUNDARY, RawHttpClient
 from benchmarks.serve import process_cpu
-from memvit.server.keys import add_key
+from memvit.server.keys import add_key, load_or_empty, write_ring
 from memvit.server.policy import Limits, Policy
 from memvit.server.usage import summarize
 from memvit.server.usage_log import LocalUsageLog
@@ -137,8 +138,9 @@ class Servers:
     running: list[ServerProcess] = field(default_factory=list)
 
     def start(self, name: str, *, keys: bool = True, **env: str) -> ServerProcess:
-        settings = {"MEMVIT_LOG_LEVEL": "warning", "MEMVIT_ADMIN_TOKEN": "bench-admin", **env}
+        settings = {"MEMVIT_LOG_LEVEL": "warning", "MEMVIT_ADMIN_TOKEN": "bench-admin"}
         settings["MEMVIT_API_KEYS_FILE"] = str(self.keys_file) if keys else ""
+        settings.update(env)
         server = ServerProcess(None, self.tmp / f"store-{name}", stderr=None, **settings)
         self.running.append(server.start(timeout=180))
         return server
@@ -231,7 +233,7 @@ def limits(servers: Servers, fair: ServerProcess, args) -> dict:
 
 
 def cost(servers: Servers, args) -> float:
-    print("\n## 4. Throughput, 32 clients (two keys x 16), with fairness, limits and usage on\n")
+    print("\n## 4. Throughput, 32 clients (two keys x 16), with fairness, weights, limits and usage on\n")
     baseline_env = {"MEMVIT_FAIR_BATCHING": "false", "MEMVIT_USAGE_LOG": "false"}
     label = "the same code, fairness, limits and usage off"
     if args.baseline:
@@ -242,15 +244,18 @@ def cost(servers: Servers, args) -> float:
             label = f"revision {args.baseline} (its own files)"
         except (OSError, subprocess.CalledProcessError) as exc:
             print(f"(cannot check out {args.baseline}: {exc}; comparing against the features off)")
-    today = servers.start("today", keys=False, **baseline_env)
+    # The same keys for both; the baseline's file without weights and limits, which it would refuse.
+    plain = servers.tmp / "keys-plain.json"
+    ring = load_or_empty(servers.keys_file)
+    write_ring(plain, ring.replace(keys=tuple(dataclasses.replace(k, policy=Policy()) for k in ring.keys)))
+    today = servers.start("today", keys=False, MEMVIT_API_KEYS_FILE=str(plain), **baseline_env)
     on = servers.start("on")
     rates: dict[str, list[float]] = {"today": [], "on": []}
     cpu: dict[str, list[float]] = {"today": [], "on": []}  # the server's CPU ms per image
     for r in range(args.cost_rounds):
         order = (("today", today), ("on", on)) if r % 2 == 0 else (("on", on), ("today", today))
         for name, server in order:
-            keys = (servers.keys["a"], servers.keys["b"]) if name == "on" else (None, None)
-            groups = {k or str(i): Group(classify_request(server.port, k), 16) for i, k in enumerate(keys)}
+            groups = {k: Group(classify_request(server.port, servers.keys[k]), 16) for k in ("a", "b")}
             cpu0 = process_cpu(server.pid)
             since = drive(server.port, groups, args.cost_seconds)
             cpu1 = process_cpu(server.pid)

@@ -57,8 +57,9 @@ def get_principal(request: Request) -> Principal:
     return principal
 
 
-def get_ticket(request: Request) -> Ticket:
-    """The guard's admission of this request to a metered route (server/limits.py)."""
+async def get_ticket(request: Request) -> Ticket:
+    """The guard's admission of this request to a metered route (server/limits.py). A coroutine:
+    FastAPI runs a plain function dependency in a worker thread, a hop per request for a lookup."""
     ticket = getattr(request.state, "ticket", None)
     if ticket is None:  # a metered route served without the guard: fail closed
         raise RuntimeError("no ticket on the request: is GuardMiddleware installed and the route metered?")

@@ -89,6 +89,8 @@ class Metrics:
             ["action", "result"],
             registry=r,
         )
+        self._key_metrics = (self.key_requests, self.key_images, self.key_adapter_rows)
+        self._per_key: dict[str, tuple] = {}
         self.ready = Gauge("memvit_ready", "1 once the model and the adapter store are loaded", registry=r)
 
     def answered(self, key: str, images: int, tasks: Iterable[str], rows: int) -> None:
@@ -100,9 +102,13 @@ class Metrics:
             label = self.task_labels.label(task)
             self.task_requests.labels(label).inc()
             self.task_images.labels(label).inc(images)
-        self.key_requests.labels(key).inc()
-        self.key_images.labels(key).inc(images)
-        self.key_adapter_rows.labels(key).inc(rows)
+        counters = self._per_key.get(key)
+        if counters is None:  # a label lookup takes a lock: once per key, not per request
+            counters = self._per_key[key] = tuple(m.labels(key) for m in self._key_metrics)
+        requests, answered_images, adapter_rows = counters
+        requests.inc()
+        answered_images.inc(images)
+        adapter_rows.inc(rows)
 
     def render(self) -> bytes:
         self.task_labels.refresh(self._drop_task)

@@ -132,8 +132,13 @@ def two_replicas(tiny_weights, store, tmp_path, make_bundle) -> Iterator[tuple[l
                 usage_interval_seconds=0.2,
             )  # fmt: skip
             urls.append(stack.enter_context(running_server(settings)))
-        with httpx.Client(base_url=urls[0], headers={"Authorization": f"Bearer {TOKEN}"}) as admin:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        with httpx.Client(base_url=urls[0], headers=auth) as admin:
             assert register(admin, make_bundle("acme-cats").to_bytes()).status_code == 201
+        deadline = time.monotonic() + 10  # until the other replica's poll has seen it
+        while "acme-cats" not in httpx.get(f"{urls[1]}/adapters", headers=auth).text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         yield urls, keys
 
 
