@@ -115,7 +115,7 @@ class ClassifyPipeline:
         if self.usage is not None:
             self.usage.record(tenant.id, count, computed)
         if self.metrics is not None:  # per task asked (base too, when asked), and per key
-            asked = computed if tasks is None else [t for t in dict.fromkeys(tasks) if t in out.logits()]
+            asked = computed if tasks is None else [t for t in dict.fromkeys(tasks) if t in computed]
             self.metrics.answered(tenant.id, count, asked, rows=count * len(out.adapters))
         return out
 

@@ -19,6 +19,7 @@ server/limits.py.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields
 
@@ -36,14 +37,14 @@ class Limits:
     requests_in_flight: int | None = None
     images_per_request: int | None = None
 
-    @property
+    @functools.cached_property
     def bucket(self) -> tuple[float, int] | None:
         """(rate, capacity) of the key's token bucket; None without a rate."""
         if self.images_per_second is None:
             return None
         return self.images_per_second, self.burst or max(1, math.ceil(self.images_per_second))
 
-    @property
+    @functools.cached_property
     def largest_request(self) -> int | None:
         """The most images one request may hold: the per-request cap, and never more than the bucket
         holds (such a request could never be served)."""
