@@ -1,6 +1,6 @@
 """Many tenants on one server: fair shares, per-key limits, their cost, and usage across replicas.
 
-    python -m benchmarks.tenants                       # ~12 minutes on 2 cores
+    python -m benchmarks.tenants                       # ~15 minutes on 2 cores
     python -m benchmarks.tenants --seconds 10 --share-seconds 30 --usage-requests 3000   # a quick look
 
 The embedded demo model serves (``memvit serve`` as a child process, its small samples as uploads),
