@@ -31,7 +31,7 @@ import asyncio
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -58,9 +58,6 @@ class FairQueue(Generic[J]):
         self._arrivals = itertools.count()
         self._last_served = 0.0  # the counter of the flow served last: where a returning flow starts
         self.waiting = 0  # images waiting, every flow
-
-    def __len__(self) -> int:
-        return sum(len(flow.jobs) for flow in self._active.values())
 
     def admits(self, flow: str, images: int, limit: int, weight: float = 1.0) -> bool:
         """May ``flow`` queue ``images`` more? Yes while the total stays within ``limit``, and always
@@ -126,10 +123,6 @@ class FairQueue(Generic[J]):
     def counters(self) -> dict[str, float]:
         """Each flow's service received, in images / weight (for tests and the curious)."""
         return {name: flow.counter for name, flow in self._flows.items()}
-
-    def waiting_by_flow(self) -> Iterator[tuple[str, int]]:
-        """(flow, images waiting) for each flow with jobs waiting."""
-        return ((name, flow.waiting) for name, flow in self._active.items())
 
 
 class FairPool:
