@@ -26,16 +26,20 @@ from .edge.guard import GuardMiddleware
 from .edge.principal import check_credentials
 from .edge.routes import missing_routes, route_table
 from .errors import install_error_handlers
+from .fair_queue import FairPool
 from .images import ImageDecoder
 from .metrics import Metrics, MetricsMiddleware
 from .oip.errors import ProtocolErrorShape
 from .openapi import customise as customise_openapi
 from .pipeline import ClassifyPipeline
 from .registry import AdapterRegistry
-from .routers import adapters, classify, health, oip, ui
+from .routers import adapters, classify, health, oip, ui, usage
 from .settings import Settings, get_settings
 from .state import AppState, Service
 from .store import StoreUnavailableError, open_store
+from .task_labels import TaskLabels
+from .usage import UsageMeter, replica_name
+from .usage_log import usage_log_for
 
 log = logging.getLogger("memvit.server")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,6 +134,7 @@ async def _start(state: AppState) -> None:
         max_wait=settings.max_wait_ms / 1000,
         max_queue=settings.max_queue,
         metrics=state.metrics,
+        fair=settings.fair_batching,
     )
     await batcher.start()
     decode_pool = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="decode")
@@ -139,18 +144,24 @@ async def _start(state: AppState) -> None:
         max_pixels=settings.max_image_pixels,
         decode=settings.decode,
     )
+    usage_log = usage_log_for(registry.store) if settings.usage_log else None
+    meter = UsageMeter(usage_log, replica_name(settings.replica_name), settings.usage_interval_seconds)
     pipeline = ClassifyPipeline(
         registry,
         decoder,
         batcher,
         decode_pool,
         max_image_bytes=settings.max_image_bytes,
+        decode_order=FairPool(decode_pool) if settings.fair_batching else None,
         metrics=state.metrics,
+        usage=meter,
     )
-    state.service = Service(engine, live, registry, pipeline, batcher, decode_pool)
+    state.service = Service(engine, live, registry, pipeline, batcher, decode_pool, meter)
     state.tasks.append(
         asyncio.create_task(_poll_store(state.service, settings, state.metrics), name="store-poller")
     )
+    if usage_log is not None:
+        state.tasks.append(asyncio.create_task(meter.run_forever(), name="usage-writer"))
     # Off the start-up path: a local store walks a directory per adapter (100,000 of them), and a
     # stale temp file is garbage, never a registration.
     state.tasks.append(asyncio.create_task(asyncio.to_thread(registry.store.clean_temp_files), name="clean"))
@@ -184,7 +195,8 @@ def _update_gauges(service: Service, metrics: Metrics) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
-    state = AppState(settings=settings, metrics=Metrics())
+    labels = TaskLabels(settings.metrics_tasks, settings.metrics_top_tasks)
+    state = AppState(settings=settings, metrics=Metrics(labels))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -209,6 +221,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await task
         if state.service is not None:
             await state.service.close()
+            try:  # what was counted since the last record: a stop loses nothing
+                await asyncio.to_thread(state.service.usage.flush)
+            except Exception as exc:
+                log.error("usage since the last record could not be written: %s", exc)
 
     app = FastAPI(
         title="memvit",
@@ -229,6 +245,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(adapters.router)
     app.include_router(health.router)
     app.include_router(oip.router)  # the Open Inference Protocol (KServe v2 / Triton HTTP)
+    app.include_router(usage.router)  # usage per key, read back from the store
     app.include_router(ui.router)  # the page at /: a client of the routes above
     # A route without a row in the guard's table would get the fallback (public, uncapped): refuse to
     # build such an app rather than serve it.

@@ -2,10 +2,12 @@
 
 A request's images wait in a queue; one gatherer task takes the first waiting request, then more
 until ``max_batch`` images or ``max_wait`` seconds, and hands the batch to a single inference
-thread. It only waits for requests that are on their way (announced by ``run`` while their images
-decode): a lone request runs at once instead of sitting out ``max_wait`` for nobody. Each batch
-reads the live adapter set once, so every request in it is answered by that one snapshot.
-A full queue refuses new work at once (503 + Retry-After) instead of growing.
+thread. Which request is next is the fair queue's choice (server/fair_queue.py): the key that has
+received the least service, by weight, so one key's backlog never holds up another's requests.
+It only waits for requests that are on their way (announced by ``run`` while their images decode):
+a lone request runs at once instead of sitting out ``max_wait`` for nobody. Each batch reads the
+live adapter set once, so every request in it is answered by that one snapshot. A full queue
+refuses new work at once (503 + Retry-After) instead of growing, but never a key below its share.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import Tensor
 from memvit.memory_core import AdapterSet, FusedOutput, LiveAdapters
 
 from .errors import OverloadedError
+from .fair_queue import ONE_FLOW, FairQueue
 from .metrics import Metrics
 from .tasks import unknown_tasks_error
 
@@ -38,16 +41,26 @@ class _Job:
 
 
 class DynamicBatcher:
+    """``fair``: requests are taken by the service each key has received (False: by arrival)."""
+
     def __init__(
-        self, live: LiveAdapters, *, max_batch: int, max_wait: float, max_queue: int, metrics: Metrics
+        self,
+        live: LiveAdapters,
+        *,
+        max_batch: int,
+        max_wait: float,
+        max_queue: int,
+        metrics: Metrics,
+        fair: bool = True,
     ) -> None:
         self.live = live
         self.engine = live.engine
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.metrics = metrics
-        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self._waiting = 0  # images queued, not yet in a pass
-        self._carry: _Job | None = None  # a job that did not fit the previous batch
+        self.fair = fair
+        self._queue: FairQueue[_Job] = FairQueue()
+        self._queued = asyncio.Event()  # set while a job waits in the queue
+        self._waiting = 0  # images queued or in the pass running
         self._expected = 0  # images still decoding that will be queued soon
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fused-pass")
         self._task: asyncio.Task | None = None
@@ -63,7 +76,13 @@ class DynamicBatcher:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def run(
-        self, n: int, images: Awaitable[Tensor], tasks: Collection[str] | None = None
+        self,
+        n: int,
+        images: Awaitable[Tensor],
+        tasks: Collection[str] | None = None,
+        *,
+        flow: str = ONE_FLOW,
+        weight: float = 1.0,
     ) -> FusedOutput:
         """Announce ``n`` images, await them (``images`` decodes them), then queue them for the next
         pass and return their share of its output.
@@ -71,7 +90,8 @@ class DynamicBatcher:
         ``tasks``: the adapters these images ask for (None: every one loaded). Requests with
         different tasks share one pass, routed so each image pays only for what it asks
         (memory_core/routing.py); an adapter the batch's snapshot no longer has fails this request
-        alone, with ``UnknownTaskError``.
+        alone, with ``UnknownTaskError``. ``flow``: whose request it is (a key's id), and ``weight``
+        that key's share of the passes while others wait too.
 
         While ``images`` is awaited a forming batch may wait for these ``n`` images. Leaving that
         announcement and queueing the job happen with no await in between, so the gatherer always
@@ -83,11 +103,16 @@ class DynamicBatcher:
         finally:
             self._expected -= n
         wanted = None if tasks is None else frozenset(tasks)
-        return await self._enqueue(batch, wanted)  # _enqueue queues synchronously, then we wait on it
+        # _enqueue queues synchronously, then we wait on it
+        return await self._enqueue(batch, wanted, flow if self.fair else ONE_FLOW, weight)
 
-    def _enqueue(self, images: Tensor, tasks: frozenset[str] | None = None) -> asyncio.Future[FusedOutput]:
+    def _enqueue(
+        self, images: Tensor, tasks: frozenset[str] | None, flow: str, weight: float
+    ) -> asyncio.Future[FusedOutput]:
         n = images.shape[0]
-        if self._waiting + n > self.max_queue:
+        # The limit counts the pass running too; a key below its share of it is let in regardless, so
+        # another key's backlog cannot lock it out (the fair queue's rule).
+        if not self._queue.admits(flow, n, self.max_queue - (self._waiting - self._queue.waiting), weight):
             self.metrics.rejected.inc()
             raise OverloadedError(
                 f"server busy: {self._waiting} images already queued (limit {self.max_queue}); retry shortly"
@@ -95,32 +120,39 @@ class DynamicBatcher:
         future = asyncio.get_running_loop().create_future()
         self._waiting += n
         self.metrics.queue_depth.set(self._waiting)
-        self._queue.put_nowait(_Job(images, future, tasks))
+        self._queue.put(flow, _Job(images, future, tasks), n, weight)
+        self._queued.set()
         return future
+
+    def _pop(self) -> _Job:
+        job = self._queue.pop()
+        if self._queue.peek() is None:
+            self._queued.clear()
+        return job
 
     async def _gather_forever(self) -> None:
         loop = asyncio.get_running_loop()
+        queue = self._queue
         while True:
-            batch = [self._carry or await self._queue.get()]
-            self._carry = None
+            await self._queued.wait()
+            batch = [self._pop()]
             size = batch[0].images.shape[0]
             deadline = loop.time() + self.max_wait
             while size < self.max_batch:
-                try:
-                    job = self._queue.get_nowait()
-                except asyncio.QueueEmpty:
+                head = queue.peek()
+                if head is None:
                     remaining = deadline - loop.time()
                     if remaining <= 0 or self._expected == 0:  # nothing is on its way
                         break
                     try:
-                        job = await asyncio.wait_for(self._queue.get(), remaining)
+                        await asyncio.wait_for(self._queued.wait(), remaining)
                     except TimeoutError:
                         break
-                if size + job.images.shape[0] > self.max_batch:
-                    self._carry = job
-                    break
-                batch.append(job)
-                size += job.images.shape[0]
+                    continue
+                if size + head > self.max_batch:  # it starts a later batch (the next, unless another
+                    break  # key is owed more by then)
+                batch.append(self._pop())
+                size += head
             await self._run(batch, size, loop)
 
     async def _run(self, batch: list[_Job], size: int, loop: asyncio.AbstractEventLoop) -> None:

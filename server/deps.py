@@ -18,7 +18,8 @@ from .audit import AuditEntry
 from .edge.access import name_refused
 from .edge.principal import Principal
 from .errors import NotReadyError, TooManyImagesError, UnsupportedMediaTypeError
-from .pipeline import ClassifyPipeline
+from .limits import Ticket
+from .pipeline import ClassifyPipeline, Tenant
 from .registry import AdapterRegistry
 from .settings import Settings
 from .state import AppState, Service
@@ -56,6 +57,22 @@ def get_principal(request: Request) -> Principal:
     return principal
 
 
+async def get_ticket(request: Request) -> Ticket:
+    """The guard's admission of this request to a metered route (server/limits.py). A coroutine:
+    FastAPI runs a plain function dependency in a worker thread, a hop per request for a lookup."""
+    ticket = getattr(request.state, "ticket", None)
+    if ticket is None:  # a metered route served without the guard: fail closed
+        raise RuntimeError("no ticket on the request: is GuardMiddleware installed and the route metered?")
+    return ticket
+
+
+def charge(ticket: Ticket, images: int) -> Tenant:
+    """Counts a request's ``images`` against its key's limits (413/429); the tenant its work is
+    queued and counted as."""
+    ticket.charge(images)
+    return Tenant(ticket.tenant, ticket.weight)
+
+
 def get_audit(request: Request) -> AuditEntry:
     """The audit entry the guard opened for this state-changing request (server/audit.py)."""
     return request.state.audit
@@ -80,6 +97,7 @@ RegistryDep = Annotated[AdapterRegistry, Depends(get_registry)]
 PipelineDep = Annotated[ClassifyPipeline, Depends(get_pipeline)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 AuditDep = Annotated[AuditEntry, Depends(get_audit)]
+TicketDep = Annotated[Ticket, Depends(get_ticket)]
 
 
 @dataclass(frozen=True)
@@ -92,12 +110,14 @@ class ClassifyInput:
     tasks: list[str] | None
     top_k: int
     logits: bool
+    tenant: Tenant  # whose request: queued by its weight, counted as its usage
 
 
 async def classify_input(
     registry: RegistryDep,
     settings: SettingsDep,
     principal: PrincipalDep,
+    ticket: TicketDep,
     image: Annotated[list[UploadFile], File(description="one or more images (repeat the field for a batch)")],
     top_k: Annotated[int, Query(ge=1, le=1000, description="labels per task")] = 5,
     tasks: Annotated[
@@ -106,15 +126,16 @@ async def classify_input(
     logits: Annotated[bool, Query(description="also return raw logits")] = False,
 ) -> ClassifyInput:
     """Runs only once every parameter is valid (FastAPI answers 422 for those first); then the image
-    count (413), then the tasks against the key (403, before whether they exist), then against the
-    registry (400, 413, 422), before anything is decoded."""
+    count (413), the key's limits on it (413, 429), then the tasks against the key (403, before
+    whether they exist), then against the registry (400, 413, 422), before anything is decoded."""
     if len(image) > settings.max_images_per_request:
         raise TooManyImagesError(
             f"{len(image)} images in one request; the limit is {settings.max_images_per_request}",
             field="image",
         )
+    tenant = charge(ticket, len(image))
     wanted = await resolve_tasks(parse_tasks(tasks), principal, registry)  # before decoding anything
-    return ClassifyInput(image, wanted, top_k, logits)
+    return ClassifyInput(image, wanted, top_k, logits, tenant)
 
 
 async def resolve_tasks(

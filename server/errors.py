@@ -9,6 +9,7 @@ a request that fails validation to 422 with the field, anything else to a logged
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 
 from fastapi import FastAPI, Request
@@ -110,6 +111,18 @@ class NotAuthenticatedError(ServiceError):
         return {"WWW-Authenticate": "Bearer"}
 
 
+class InvalidParameterError(ServiceError):
+    """A parameter of the right shape with a value that means nothing (a day like 2026-13-01)."""
+
+    status = 422
+
+
+class NotRecordedError(ServiceError):
+    """Something asked for is not kept on this server (usage, with the usage log off)."""
+
+    status = 404
+
+
 class ForbiddenError(ServiceError):
     status = 403
 
@@ -132,6 +145,21 @@ class RequestTooLargeError(ServiceError):
     """The whole request body is over its route's cap (server/edge/guard.py), before any part is parsed."""
 
     status = 413
+
+
+class RateLimitedError(ServiceError):
+    """A key is past one of its limits (server/limits.py): 429, and ``Retry-After`` says when its
+    request could pass (whole seconds, at least 1, as the header allows no fraction)."""
+
+    status = 429  # a 4xx: its message is shown; not logged per refusal (a limit refuses a lot)
+
+    def __init__(self, message: str, *, retry_after: float, limit: str) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.limit = limit  # which one: images_per_second or requests_in_flight
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
 class RetryLaterError(ServiceError):

@@ -6,7 +6,13 @@ change them, or both. Keys live in one JSON file (``MEMVIT_API_KEYS_FILE``), has
 
     {"format": "memvit.keys/1",
      "keys": [{"id": "acme", "sha256": "<hex sha256 of the key>", "names": "acme-*",
-               "read": true, "write": true, "created": "2026-11-25T10:00:00+00:00"}]}
+               "read": true, "write": true, "created": "2026-11-25T10:00:00+00:00",
+               "weight": 2, "limits": {"images_per_second": 20, "requests_in_flight": 8}}],
+     "anonymous": {"limits": {"images_per_second": 5}},
+     "admin": {"weight": 1}}
+
+``weight`` and ``limits`` (optional, on a key and on the ``anonymous`` and ``admin`` callers) are its
+share of the fused passes and its limits: server/policy.py.
 
 The key itself is shown once, by ``memvit keys add``, and never stored, logged or returned: a request
 is matched by the sha256 of the bearer value it sends. ``KeyFile`` re-reads the file when it changes
@@ -16,6 +22,7 @@ that turns malformed keeps the last good keys and says why in the log, never ope
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fnmatch
 import hashlib
@@ -32,11 +39,16 @@ from pathlib import Path
 
 from memvit.adapters.files import write_atomic
 
+from .policy import DEFAULT, Policy, PolicyError, parse_policy
+
 log = logging.getLogger("memvit.server.keys")
 FORMAT = "memvit.keys/1"
 KEY_PREFIX = "mvk_"
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# The callers that are not keys but are shared out, limited and metered like keys, by these ids.
+RESERVED_IDS = ("admin", "anonymous")
+_ENTRY_FIELDS = {"id", "sha256", "names", "read", "write", "created", "weight", "limits"}
 
 
 class KeysFileError(ValueError):
@@ -63,6 +75,7 @@ class ApiKey:
     read: bool = True
     write: bool = False
     created: str = ""
+    policy: Policy = DEFAULT  # its weight and limits
 
     def covers(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.names)
@@ -74,16 +87,18 @@ class ApiKey:
         return self.write and self.covers(name)
 
     def to_json(self) -> dict:
-        entry = asdict(self)
+        entry = {k: v for k, v in asdict(self).items() if k != "policy"}
         entry["names"] = self.names[0] if len(self.names) == 1 else list(self.names)
-        return entry
+        return {**entry, **self.policy.to_json()}
 
 
 @dataclass(frozen=True)
 class KeyRing:
-    """The keys of one version of the file, looked up by hash."""
+    """The keys of one version of the file, looked up by hash; the policies of the callers without one."""
 
     keys: tuple[ApiKey, ...] = ()
+    anonymous: Policy = DEFAULT
+    admin: Policy = DEFAULT
     _by_hash: dict[str, ApiKey] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,10 +123,13 @@ class KeyRing:
             raise KeysFileError(f"{where}: not JSON ({exc})") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise KeysFileError(f'{where}: expected an object with "format": "{FORMAT}"')
+        if unknown := set(doc) - {"format", "keys", *RESERVED_IDS}:
+            raise KeysFileError(f"{where}: unknown field(s) {sorted(unknown)}")
         entries = doc.get("keys")
         if not isinstance(entries, list):
             raise KeysFileError(f"{where}: 'keys' must be a list")
         keys = [_parse_entry(entry, f"{where}: keys[{i}]") for i, entry in enumerate(entries)]
+        callers = {name: _parse_caller(doc.get(name, {}), f"{where}: {name}") for name in RESERVED_IDS}
         for what in ("id", "sha256"):
             seen: set[str] = set()
             for key in keys:
@@ -121,21 +139,48 @@ class KeyRing:
                         f"{where}: two keys share the {what} {value if what == 'id' else '…'}"
                     )
                 seen.add(value)
-        return cls(tuple(keys))
+        return cls(tuple(keys), **callers)
+
+    def policy_of(self, caller: str) -> Policy:
+        """The policy of ``anonymous`` or ``admin``."""
+        return self.admin if caller == "admin" else self.anonymous
+
+    def replace(self, **changes: object) -> KeyRing:
+        """This ring with some of ``keys``, ``anonymous`` and ``admin`` replaced."""
+        current = {"keys": self.keys, "anonymous": self.anonymous, "admin": self.admin}
+        return KeyRing(**{**current, **changes})
 
     def dumps(self) -> str:
-        return json.dumps({"format": FORMAT, "keys": [k.to_json() for k in self.keys]}, indent=2) + "\n"
+        doc: dict = {"format": FORMAT, "keys": [k.to_json() for k in self.keys]}
+        for name in RESERVED_IDS:
+            if policy := self.policy_of(name).to_json():
+                doc[name] = policy
+        return json.dumps(doc, indent=2) + "\n"
+
+
+def _parse_caller(entry: object, where: str) -> Policy:
+    if not isinstance(entry, dict) or set(entry) - {"weight", "limits"}:
+        raise KeysFileError(f"{where}: an object with 'weight' and/or 'limits'")
+    try:
+        return parse_policy(entry, where)
+    except PolicyError as exc:
+        raise KeysFileError(str(exc)) from None
 
 
 def _parse_entry(entry: object, where: str) -> ApiKey:
     if not isinstance(entry, dict):
         raise KeysFileError(f"{where}: must be an object")
-    unknown = set(entry) - {"id", "sha256", "names", "read", "write", "created"}
+    unknown = set(entry) - _ENTRY_FIELDS
     if unknown:
         raise KeysFileError(f"{where}: unknown field(s) {sorted(unknown)}")
     key_id, digest, names = entry.get("id"), entry.get("sha256"), entry.get("names")
     if not isinstance(key_id, str) or not _ID.match(key_id):
         raise KeysFileError(f"{where}.id: 1-64 letters, digits, '.', '_' or '-', got {key_id!r}")
+    if key_id in RESERVED_IDS:
+        raise KeysFileError(
+            f"{where}.id: {key_id!r} names the {key_id} caller (its weight and limits are the file's "
+            f"{key_id!r} object); pick another id"
+        )
     if not isinstance(digest, str) or not _HEX64.match(digest):
         raise KeysFileError(f"{where}.sha256: the lower-case hex sha256 of the key (64 characters)")
     patterns = [names] if isinstance(names, str) else names
@@ -150,7 +195,11 @@ def _parse_entry(entry: object, where: str) -> ApiKey:
     created = entry.get("created", "")
     if not isinstance(created, str):
         raise KeysFileError(f"{where}.created: a string")
-    return ApiKey(key_id, digest, tuple(patterns), flags["read"], flags["write"], created)
+    try:
+        policy = parse_policy(entry, where)
+    except PolicyError as exc:
+        raise KeysFileError(str(exc)) from None
+    return ApiKey(key_id, digest, tuple(patterns), flags["read"], flags["write"], created, policy)
 
 
 class KeyFile:
@@ -224,8 +273,11 @@ def write_ring(path: Path, ring: KeyRing) -> None:
     write_atomic(path, ring.dumps().encode(), mode=0o600)
 
 
-def add_key(path: Path, key_id: str, names: Iterable[str], *, read: bool, write: bool) -> str:
-    """Adds a key to the file and returns it (the only time it is ever seen)."""
+def add_key(
+    path: Path, key_id: str, names: Iterable[str], *, read: bool, write: bool, policy: Policy = DEFAULT
+) -> str:
+    """Adds a key (with ``policy``: its weight and limits) to the file and returns it (the only time
+    it is ever seen)."""
     ring = load_or_empty(path)
     if ring.by_id(key_id) is not None:
         raise KeysFileError(f"a key with id {key_id!r} exists already; revoke it first or pick another id")
@@ -233,10 +285,10 @@ def add_key(path: Path, key_id: str, names: Iterable[str], *, read: bool, write:
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     entry = _parse_entry(
         {"id": key_id, "sha256": hash_key(key), "names": list(names), "read": read, "write": write,
-         "created": created},
+         "created": created, **policy.to_json()},
         f"new key {key_id!r}",
     )  # fmt: skip
-    write_ring(path, KeyRing((*ring.keys, entry)))
+    write_ring(path, ring.replace(keys=(*ring.keys, entry)))
     return key
 
 
@@ -245,5 +297,19 @@ def revoke_key(path: Path, key_id: str) -> ApiKey:
     gone = ring.by_id(key_id)
     if gone is None:
         raise KeysFileError(f"no key with id {key_id!r} in {path}")
-    write_ring(path, KeyRing(tuple(k for k in ring.keys if k.id != key_id)))
+    write_ring(path, ring.replace(keys=tuple(k for k in ring.keys if k.id != key_id)))
     return gone
+
+
+def set_policy(path: Path, who: str, policy: Policy) -> None:
+    """Give key ``who`` (or the ``anonymous`` or ``admin`` caller) ``policy``; a running server
+    applies it within one reload interval, as it does a revocation."""
+    ring = load_or_empty(path)
+    checked = _parse_caller(policy.to_json(), f"the policy for {who!r}")  # the file's own rules
+    if who in RESERVED_IDS:
+        write_ring(path, ring.replace(**{who: checked}))
+        return
+    if ring.by_id(who) is None:
+        raise KeysFileError(f"no key with id {who!r} in {path}")
+    keys = tuple(dataclasses.replace(k, policy=checked) if k.id == who else k for k in ring.keys)
+    write_ring(path, ring.replace(keys=keys))

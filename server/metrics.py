@@ -1,17 +1,27 @@
-"""Prometheus metrics, one registry per app (so several apps in one process never collide)."""
+"""Prometheus metrics, one registry per app (so several apps in one process never collide).
+
+Every label's values are bounded: routes by template, tasks by ``TaskLabels`` (base, a configured
+list, the N most asked and ``other``: server/task_labels.py), keys by the keys file's ids (plus
+``admin`` and ``anonymous``), whatever the registry holds.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .task_labels import TaskLabels
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, task_labels: TaskLabels | None = None) -> None:
+        self.task_labels = task_labels if task_labels is not None else TaskLabels()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -50,12 +60,27 @@ class Metrics:
         )
         self.resident_adapters = Gauge("memvit_resident_adapters", "adapters resident in memory", registry=r)
         self.resident_bytes = Gauge("memvit_resident_bytes", "bytes of the resident adapters", registry=r)
-        # Label values are task names: "base" and live adapter names (validated, bounded by the set).
+        # Label values: base, the configured tasks, the N most asked, and "other" (task_labels.py).
         self.task_requests = Counter(
-            "memvit_task_requests_total", "classify requests answered, per task asked", ["task"], registry=r
+            "memvit_task_requests_total", "requests answered, per task asked", ["task"], registry=r
         )
         self.task_images = Counter(
             "memvit_task_images_total", "images answered, per task", ["task"], registry=r
+        )
+        # Label values: key ids of the keys file, "admin" and "anonymous" (bounded by the file).
+        self.key_requests = Counter(
+            "memvit_key_requests_total", "requests answered, per key", ["key"], registry=r
+        )
+        self.key_images = Counter("memvit_key_images_total", "images answered, per key", ["key"], registry=r)
+        self.key_adapter_rows = Counter(
+            "memvit_key_adapter_rows_total", "adapter rows computed (images x adapters), per key", ["key"],
+            registry=r,
+        )  # fmt: skip
+        self.key_limited = Counter(
+            "memvit_key_limited_total",
+            "requests refused by a key's limit (images_per_second, requests_in_flight, images_per_request)",
+            ["key", "limit"],
+            registry=r,
         )
         # server/audit.py: every attempt to change the adapter set, by action and the status answered.
         self.adapter_changes = Counter(
@@ -64,10 +89,35 @@ class Metrics:
             ["action", "result"],
             registry=r,
         )
+        self._key_metrics = (self.key_requests, self.key_images, self.key_adapter_rows)
+        self._per_key: dict[str, tuple] = {}
         self.ready = Gauge("memvit_ready", "1 once the model and the adapter store are loaded", registry=r)
 
+    def answered(self, key: str, images: int, tasks: Iterable[str], rows: int) -> None:
+        """One request of ``key`` answered: ``images`` images for each of the ``tasks`` it asked for,
+        ``rows`` adapter rows computed."""
+        tasks = list(tasks)
+        self.task_labels.asked(tasks)
+        for task in tasks:
+            label = self.task_labels.label(task)
+            self.task_requests.labels(label).inc()
+            self.task_images.labels(label).inc(images)
+        counters = self._per_key.get(key)
+        if counters is None:  # a label lookup takes a lock: once per key, not per request
+            counters = self._per_key[key] = tuple(m.labels(key) for m in self._key_metrics)
+        requests, answered_images, adapter_rows = counters
+        requests.inc()
+        answered_images.inc(images)
+        adapter_rows.inc(rows)
+
     def render(self) -> bytes:
+        self.task_labels.refresh(self._drop_task)
         return generate_latest(self.registry)
+
+    def _drop_task(self, task: str) -> None:
+        for counter in (self.task_requests, self.task_images):
+            with contextlib.suppress(KeyError):  # never counted under its own label
+                counter.remove(task)
 
 
 class MetricsMiddleware:

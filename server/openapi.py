@@ -28,11 +28,14 @@ DESCRIPTIONS = {
     404: "no such adapter",
     408: "the request's body did not arrive in time",
     409: "conflicts with the registry: the name is taken, the parent is missing, or adapters extend it",
-    413: "over a size cap: the request body, an image, a bundle, the number of images, or more adapters "
-    "than one request may ask for or this server can hold resident at once",
+    413: "over a size cap: the request body, an image, a bundle, the number of images (the server's, or "
+    "the key's largest request), or more adapters than one request may ask for or this server can hold "
+    "resident at once",
     415: "not multipart/form-data, or a file that is not an image in an accepted format",
     422: "a parameter, bundle or task name that fails validation, or an adapter that cannot be served "
     "here (the message names the field)",
+    429: "the key is over one of its limits (images per second, requests in flight); Retry-After says "
+    "when to try again",
     503: "not ready yet, overloaded or every resident adapter in use (see Retry-After), or the adapter "
     "store is unavailable (an adapter could not be loaded)",
 }

@@ -3,13 +3,16 @@
 One object owns the whole path from checked input (``deps.classify_input``: the image count, and the
 tasks against the registry, before anything is decoded) to the response, so that its rules live
 together:
-- each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop;
+- each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop,
+  each key's images taken in turn by the service the key received (``FairPool``), not first come;
 - while they decode, the adapters asked for are made resident (loaded from the store if they are
   not) and pinned until the batch has run, so no other request's cold load evicts them;
 - the images are announced to the batcher while they decode, so a forming batch waits for them;
 - the batch's snapshot answers or refuses the tasks (an adapter removed meanwhile gives a 422 naming
   it, never a wrong or missing answer: server/batching.py);
-- the response is built from the one snapshot that computed every logit in it.
+- the response is built from the one snapshot that computed every logit in it;
+- what was computed is counted for the key that asked (usage per key and task, server/usage.py;
+  bounded metrics, server/metrics.py), whichever protocol asked.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import torch
 from fastapi import UploadFile
@@ -28,10 +32,23 @@ from memvit.memory_core import BASE_TASK, FusedOutput
 from .batching import DynamicBatcher
 from .edge.body import read_upload
 from .errors import ImageTooLargeError, NonFiniteOutputError
+from .fair_queue import FairPool
 from .images import ImageDecoder
 from .metrics import Metrics
 from .registry import AdapterRegistry, Pin
 from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
+from .usage import UsageMeter
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Whose request it is: a key's id (``admin``, ``anonymous``) and its weight in the fair queues."""
+
+    id: str = "anonymous"
+    weight: float = 1.0
+
+
+ANONYMOUS = Tenant()
 
 
 class ClassifyPipeline:
@@ -43,31 +60,39 @@ class ClassifyPipeline:
         decode_pool: Executor,
         *,
         max_image_bytes: int,
+        decode_order: FairPool | None = None,
         metrics: Metrics | None = None,
+        usage: UsageMeter | None = None,
     ) -> None:
         self.registry = registry
         self.engine = registry.engine
         self.decoder = decoder
         self.batcher = batcher
         self.decode_pool = decode_pool
+        self.decode_order = decode_order  # each key's images in turn on ``decode_pool``; None: first come
         self.max_image_bytes = max_image_bytes
         self.metrics = metrics
+        self.usage = usage
 
     async def __call__(
-        self, uploads: Sequence[UploadFile], *, tasks: list[str] | None, top_k: int, logits: bool
+        self,
+        uploads: Sequence[UploadFile],
+        *,
+        tasks: list[str] | None,
+        top_k: int,
+        logits: bool,
+        tenant: Tenant = ANONYMOUS,
     ) -> ClassifyResponse:
         """``tasks``: checked (``deps.classify_input``); None asks for every task."""
         names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
-        out = await self.run(self._uploads(uploads, names), len(names), tasks)
-        response = self.respond(out, names, tasks, top_k=top_k, logits=logits)
-        if self.metrics is not None:
-            for task in response.results[0].tasks if response.results else ():
-                self.metrics.task_requests.labels(task).inc()
-                self.metrics.task_images.labels(task).inc(len(names))
-        return response
+        out = await self.run(self._uploads(uploads, names, tenant), len(names), tasks, tenant)
+        return self.respond(out, names, tasks, top_k=top_k, logits=logits)
 
-    async def run(self, images: Awaitable[Tensor], count: int, tasks: list[str] | None) -> FusedOutput:
-        """``count`` images (decoding, or already preprocessed) through one batched fused pass.
+    async def run(
+        self, images: Awaitable[Tensor], count: int, tasks: list[str] | None, tenant: Tenant = ANONYMOUS
+    ) -> FusedOutput:
+        """``count`` images (decoding, or already preprocessed) through one batched fused pass, queued
+        as ``tenant``'s (its share of the passes by its weight), and counted as its usage.
 
         Routed: these images pay for the adapters asked for, not for every one resident. Their adapters
         are made resident and pinned while the images decode, and stay pinned until the batch has run.
@@ -83,27 +108,39 @@ class ClassifyPipeline:
             return decoded
 
         try:
-            return await self.batcher.run(count, ready(), adapters)
+            out = await self.batcher.run(count, ready(), adapters, flow=tenant.id, weight=tenant.weight)
         finally:
             await _unpin(pinning)
+        computed = [BASE_TASK, *out.adapters]  # what the pass computed for these images, no more
+        if self.usage is not None:
+            self.usage.record(tenant.id, count, computed)
+        if self.metrics is not None:  # per task asked (base too, when asked), and per key
+            asked = computed if tasks is None else [t for t in dict.fromkeys(tasks) if t in computed]
+            self.metrics.answered(tenant.id, count, asked, rows=count * len(out.adapters))
+        return out
 
-    async def _uploads(self, uploads: Sequence[UploadFile], names: list[str]) -> Tensor:
+    async def _uploads(self, uploads: Sequence[UploadFile], names: list[str], tenant: Tenant) -> Tensor:
         """Every upload read, each with its byte cap, then decoded."""
         blobs = []
         limit = self.max_image_bytes
         for upload, name in zip(uploads, names, strict=True):
             too_large = ImageTooLargeError(f"{name}: over the {limit}-byte upload limit", field=name)
             blobs.append(await read_upload(upload, limit, too_large))
-        return await self.decode(blobs, names)
+        return await self.decode(blobs, names, tenant)
 
-    async def decode(self, blobs: Sequence[bytes], names: Sequence[str]) -> Tensor:
-        """Encoded images decoded in the pool -> (n, C, H, W)."""
+    async def decode(
+        self, blobs: Sequence[bytes], names: Sequence[str], tenant: Tenant = ANONYMOUS
+    ) -> Tensor:
+        """Encoded images decoded in the pool, in ``tenant``'s turn -> (n, C, H, W)."""
         loop = asyncio.get_running_loop()
+
+        def one(data: bytes, name: str) -> asyncio.Future[Tensor]:
+            if self.decode_order is None:
+                return loop.run_in_executor(self.decode_pool, self.decoder, data, name)
+            return self.decode_order.submit(tenant.id, tenant.weight, self.decoder, data, name)
+
         decoded = await asyncio.gather(
-            *(
-                loop.run_in_executor(self.decode_pool, self.decoder, data, name)
-                for data, name in zip(blobs, names, strict=True)
-            ),
+            *(one(data, name) for data, name in zip(blobs, names, strict=True)),
             return_exceptions=True,  # wait for all, so no decode is left running unobserved
         )
         for result in decoded:

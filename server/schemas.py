@@ -95,3 +95,18 @@ class ProtocolErrorResponse(BaseModel):
     """The Open Inference Protocol's error body, for every refusal under /v2."""
 
     error: str
+
+
+class UsageEntry(BaseModel):
+    day: str = Field(description="UTC day (YYYY-MM-DD) the usage was written in")
+    key: str = Field(description="the key's id; `admin` and `anonymous` for the callers without a key")
+    task: str = Field(description="`base`: every request of the key; an adapter: the requests asking for it")
+    requests: int
+    images: int = Field(description="images answered (`base`), or rows the adapter computed")
+
+
+class UsageReport(BaseModel):
+    since: str
+    until: str
+    written_every_seconds: float = Field(description="how often usage is written (the last is not in yet)")
+    usage: list[UsageEntry]

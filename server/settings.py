@@ -60,6 +60,9 @@ class Settings(BaseSettings):
         "exact", description="exact: every pixel; fast: large JPEGs shrunk in the decoder (RESULTS)"
     )
     max_images_per_request: int = Field(16, ge=1)
+    # Images are decoded and fused passes filled by the service each key has received, by its weight
+    # (server/fair_queue.py); false: by arrival, as before keys had shares.
+    fair_batching: bool = Field(True, description="share passes and decoders between keys by weight")
 
     max_image_bytes: int = Field(20 * 1024 * 1024, ge=1, description="upload cap per image")
     max_image_pixels: int = Field(40_000_000, ge=1, description="decompression-bomb guard")
@@ -86,6 +89,18 @@ class Settings(BaseSettings):
     # a 408 and its connection closes.
     header_timeout_seconds: float = Field(10.0, gt=0, description="deadline for a request's headers")
     body_timeout_seconds: float = Field(60.0, gt=0, description="total deadline for a request's body")
+
+    # Usage per key (server/usage.py): written beside the adapters, one record per replica and interval.
+    usage_log: bool = Field(True, description="write usage per key and task to the adapter store")
+    usage_interval_seconds: float = Field(
+        60.0, gt=0, description="how often usage is written (a crash loses at most this much)"
+    )
+    replica_name: str | None = Field(None, description="this replica's name in the usage log (default: host)")
+    # Per-task Prometheus series (server/task_labels.py): base, these, the N most asked, then "other".
+    metrics_tasks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated adapter names that always get their own series"
+    )
+    metrics_top_tasks: int = Field(20, ge=0, description="the N most asked adapters get their own series")
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -115,6 +130,13 @@ class Settings(BaseSettings):
             value = value.split(",")
         if isinstance(value, (list, tuple)):
             return [str(v).strip().lower().rstrip(".") for v in value if str(v).strip()]
+        return value
+
+    @field_validator("metrics_tasks", mode="before")
+    @classmethod
+    def _task_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
         return value
 
     @field_validator("adapter_store", mode="before")

@@ -19,6 +19,7 @@ from .metrics import Metrics
 from .pipeline import ClassifyPipeline
 from .registry import AdapterRegistry
 from .settings import Settings
+from .usage import UsageMeter
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Service:
     pipeline: ClassifyPipeline
     batcher: DynamicBatcher
     decode_pool: ThreadPoolExecutor
+    usage: UsageMeter  # usage per key, written beside the adapters (its log is None when off)
 
     async def close(self) -> None:
         await self.batcher.stop()

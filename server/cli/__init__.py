@@ -5,7 +5,8 @@ memvit train      train.py     fine-tune an adapter; with --sweep, many variants
 memvit eval       evaluate.py  accuracy of the base and each adapter through one fused model
 memvit info       info.py      can a model host adapters: shape, fingerprint, cost model
 memvit inspect    inspect.py   an adapter bundle's metadata, validated
-memvit keys       keys.py      tenant API keys: add, list, revoke
+memvit keys       keys.py      tenant API keys: add, list, revoke; their weights and limits
+memvit usage      usage.py     requests, images and adapter rows per key, task and day
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from . import evaluate, info, inspect, keys, serve, train
+from . import evaluate, info, inspect, keys, serve, train, usage
 from .serve import loopback_admin_default
 
 __all__ = ["app", "loopback_admin_default"]
@@ -44,3 +45,4 @@ app.command()(serve.serve)
 app.command()(train.train)
 app.command("eval")(evaluate.evaluate)
 app.add_typer(keys.app, name="keys")
+app.command()(usage.usage)

@@ -11,6 +11,8 @@ to the routes, which only filter by it.
 - ``READ`` (classifying, listing): anyone, unless ``MEMVIT_REQUIRE_READ_KEY``; a key reads only the
   names it covers (``base`` always), so a name in the path it does not cover is refused here, before
   anyone looks up whether it exists.
+- ``ACCOUNT`` (usage): any key, for its own account; the admin (or anyone, where anyone may manage
+  adapters) for every key's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def check_access(
         check_manage(settings, principal, name)
     elif route.access is Access.READ:
         return check_read(settings, principal, name)
+    elif route.access is Access.ACCOUNT:
+        if principal.kind is not Kind.KEY:  # a key reads its own; anyone else must be the admin
+            check_manage(settings, principal, None)
     elif principal.kind is Kind.UNKNOWN:  # a public route: credentials play no part
         return ANONYMOUS
     return principal

@@ -6,7 +6,11 @@ For each request, in order, from its headers alone:
 3. for a route that changes state, that no other site's page sent it (origin.py; 403);
 4. who may call the route (access.py): a refusal (401/403) is sent before a byte of the body is read;
 5. the body cap: a Content-Length over it is answered 413 at once;
-6. then the app runs with ``receive``/``send`` wrapped once (body.py): the body's deadline (408) and
+6. for a route that runs images (``metered``), the caller's limits (server/limits.py): at its
+   requests-in-flight limit or with an empty token bucket, 429 with ``Retry-After``; admitted, a
+   ticket in ``scope["state"]`` that the route charges once it has counted the images, and that
+   holds the request's in-flight slot until the app is done;
+7. then the app runs with ``receive``/``send`` wrapped once (body.py): the body's deadline (408) and
    the cap again while the body streams (413), for chunked bodies and lying Content-Lengths.
 
 Every refusal carries ``connection: close`` (the unread rest of the body goes with the connection)
@@ -25,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..audit import AuditEntry, action_of, record
 from ..errors import ServiceError, status_of
+from ..limits import Limiter, Ticket
 from ..metrics import Metrics
 from ..settings import Settings
 from .access import check_access
@@ -47,6 +52,7 @@ class GuardMiddleware:
         self.table = route_table(settings)
         self.origins = OriginPolicy(settings)
         self.credentials = Credentials(settings)  # reads the keys file: a bad one fails at start-up
+        self.limiter = Limiter(metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,6 +94,7 @@ class GuardMiddleware:
     ) -> None:
         headers = Headers(scope=scope)
         row = route or self.table.fallback(scope["method"], path)  # no route: the router answers 404/405
+        ticket: Ticket | None = None
         try:
             self.origins.check_host(headers, scope.get("http_version", "1.1"))
             principal = self.credentials.resolve(headers.get("authorization"))
@@ -95,8 +102,12 @@ class GuardMiddleware:
                 audit.key = principal.id
             if row.changes_state:
                 self.origins.check_origin(headers, scope.get("scheme", "http"))
-            set_principal(scope, check_access(row, self.settings, principal, self.table.name_in(row, path)))
+            principal = check_access(row, self.settings, principal, self.table.name_in(row, path))
+            set_principal(scope, principal)
             _check_length(row, headers)
+            if row.metered:  # last: a request refused for any other reason takes no slot
+                ticket = self.limiter.admit(principal.id, self.credentials.policy(principal))
+                scope["state"]["ticket"] = ticket
         except ServiceError as exc:
             if route is not None:
                 # Metrics label requests by route template; the router never saw this one, and without
@@ -109,7 +120,11 @@ class GuardMiddleware:
             await _refuse(scope, send, error)
 
         body = BodyLimits(receive, send, seconds=row.deadline, cap=row.cap, refuse=refuse)
-        await self.app(scope, body.receive, body.send)
+        try:
+            await self.app(scope, body.receive, body.send)
+        finally:
+            if ticket is not None:
+                ticket.release()
 
 
 def _check_length(route: Route, headers: Headers) -> None:

@@ -21,6 +21,7 @@ from starlette.types import Scope
 from memvit.memory_core import BASE_TASK
 
 from ..keys import ApiKey, KeyFile
+from ..policy import DEFAULT, Policy
 from ..settings import Settings
 
 
@@ -89,6 +90,13 @@ class Credentials:
         if self.keys is not None and (key := self.keys.ring().lookup(given)) is not None:
             return Principal(Kind.KEY, key)
         return UNKNOWN
+
+    def policy(self, principal: Principal) -> Policy:
+        """``principal``'s weight and limits: its key's, or the keys file's for ``admin`` and
+        ``anonymous`` (none without a keys file)."""
+        if principal.key is not None:
+            return principal.key.policy
+        return DEFAULT if self.keys is None else self.keys.ring().policy_of(principal.id)
 
 
 def set_principal(scope: Scope, principal: Principal) -> None:

@@ -1,5 +1,5 @@
-"""The one table of the edge: per route, who may call it, whether it changes state, its body cap and
-its body deadline.
+"""The one table of the edge: per route, who may call it, whether it changes state, its body cap, its
+body deadline, and whether it is metered (runs images: the caller's limits apply).
 
 Every route of the app has a row (``create_app`` refuses to build an app with a route the table
 lacks: ``missing_routes``), so a new route cannot silently skip the guard. ``access`` and
@@ -38,6 +38,7 @@ class Access(enum.Enum):
     PUBLIC = "public"  # anyone who can reach the port
     READ = "read"  # reads adapters: anyone, or a key with MEMVIT_REQUIRE_READ_KEY; a key sees its own
     ADMIN = "admin"  # changes adapters: the token, a key with write for its names, or anonymous admin
+    ACCOUNT = "account"  # a key's own account (its usage): any key; everyone's: the admin
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Route:
     changes_state: bool  # the request changes what the server serves (the adapter set)
     cap: BodyCap | None  # the whole body's cap; None: the route reads no body
     deadline: float  # seconds for the whole body, from the start of the request
+    metered: bool = False  # it runs images through the model: the caller's limits apply (limits.py)
     pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -113,13 +115,14 @@ def route_table(settings: Settings) -> RouteTable:
         *,
         changes_state: bool = False,
         cap: BodyCap | None = None,
+        metered: bool = False,
     ) -> Route:
-        return Route(method, path, access, changes_state, cap, deadline)
+        return Route(method, path, access, changes_state, cap, deadline, metered)
 
     return RouteTable(
         (
             # Classifying reads the adapter set and changes nothing, even though it is a POST.
-            row("POST", "/classify", Access.READ, cap=images_cap),
+            row("POST", "/classify", Access.READ, cap=images_cap, metered=True),
             row("GET", "/adapters", Access.READ),
             row("GET", "/adapters/{name}", Access.READ),
             row("POST", "/adapters", Access.ADMIN, changes_state=True, cap=bundle_cap),
@@ -136,7 +139,8 @@ def route_table(settings: Settings) -> RouteTable:
             ),
             row("GET", "/v2/models/{model}", Access.READ),
             row("GET", "/v2/models/{model}/ready", Access.READ),
-            row("POST", "/v2/models/{model}/infer", Access.READ, cap=infer_cap),
+            row("POST", "/v2/models/{model}/infer", Access.READ, cap=infer_cap, metered=True),
+            row("GET", "/usage", Access.ACCOUNT),
             row("GET", "/healthz"),
             row("GET", "/readyz"),
             row("GET", "/metrics"),

@@ -20,7 +20,7 @@ router = APIRouter(tags=["classify"])
 @router.post(
     "/classify",
     response_model=ClassifyResponse,
-    responses=errors(400, 401, 403, 408, 413, 415, 422, 503),
+    responses=errors(400, 401, 403, 408, 413, 415, 422, 429, 503),
     summary="Classify images",
     dependencies=[Depends(require_multipart)],
 )
@@ -28,7 +28,9 @@ async def classify(
     pipeline: PipelineDep, inputs: ClassifyInputDep, principal: PrincipalDep, registry: RegistryDep
 ) -> ClassifyResponse:
     try:
-        answer = await pipeline(inputs.images, tasks=inputs.tasks, top_k=inputs.top_k, logits=inputs.logits)
+        answer = await pipeline(
+            inputs.images, tasks=inputs.tasks, top_k=inputs.top_k, logits=inputs.logits, tenant=inputs.tenant
+        )
     except UnknownTaskError as exc:  # removed while the request waited: named by the batch's whole set
         if principal.sees_all:
             raise

@@ -5,11 +5,13 @@ format (JSON and binary tensor data, the classification extension) is server/oip
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 import numpy as np
 import torch
 from fastapi import APIRouter, Request, Response
 
-from ..deps import PrincipalDep, SettingsDep, StateDep, get_service, resolve_tasks
+from ..deps import PrincipalDep, SettingsDep, StateDep, TicketDep, charge, get_service, resolve_tasks
 from ..edge.principal import Principal
 from ..errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError
 from ..oip import models
@@ -23,6 +25,7 @@ from ..oip.protocol import (
     parse_infer_request,
 )
 from ..openapi import protocol_errors
+from ..pipeline import Tenant
 from ..state import Service
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
@@ -86,11 +89,16 @@ def model_ready(model: str, state: StateDep, principal: PrincipalDep) -> Respons
 
 @router.post(
     "/models/{model}/infer",
-    responses=protocol_errors(400, 401, 403, 404, 408, 413, 415, 422, 503),
+    responses=protocol_errors(400, 401, 403, 404, 408, 413, 415, 422, 429, 503),
     summary="Inference: encoded images (BYTES) or pixels (FP32)",
 )
 async def infer(
-    model: str, request: Request, state: StateDep, settings: SettingsDep, principal: PrincipalDep
+    model: str,
+    request: Request,
+    state: StateDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+    ticket: TicketDep,
 ) -> Response:
     service = get_service(state)
     header = request.headers.get(HEADER_LENGTH)
@@ -99,9 +107,11 @@ async def infer(
     except ValueError:
         raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header!r}") from None
     parsed = parse_infer_request(await request.body(), header_length)
+    count = _count(parsed, settings.max_images_per_request)  # 413 over the server's cap, first
+    tenant = charge(ticket, count)  # then the key's limits (413, 429), before any other work
     tasks, names = await _outputs(model, parsed, service, principal)
-    images, count = await _images(parsed, service, settings)
-    out = await service.pipeline.run(images, count, tasks)
+    images = _images(parsed, service, settings, tenant)
+    out = await service.pipeline.run(images, count, tasks, tenant)
     logits = out.logits()
     names = names if names is not None else {task: task for task in logits}
     engine, registry = service.engine, service.registry
@@ -142,23 +152,35 @@ async def _outputs(
     return tasks, None if tasks is None else {task: task for task in tasks}
 
 
-async def _images(parsed: InferRequest, service: Service, settings: SettingsDep):
-    """The request's one input -> an awaitable of (n, C, H, W) and n."""
+def _count(parsed: InferRequest, limit: int) -> int:
+    """The number of images in the request's one input (checked: 400 without exactly one, 413 over
+    ``limit``), before anything is done with them."""
     given = set(parsed.inputs)
     if len(given) != 1 or not given <= {models.IMAGE, models.PIXELS}:
         raise ProtocolError(
             f"give exactly one input, {models.IMAGE!r} (BYTES: encoded images) or {models.PIXELS!r} "
             f"(FP32: preprocessed images); got {sorted(given)}"
         )
-    limit = settings.max_images_per_request
+    tensor = parsed.inputs[models.IMAGE] if models.IMAGE in given else parsed.inputs[models.PIXELS]
+    count = tensor.size if models.IMAGE in given else (tensor.shape[0] if tensor.ndim == 4 else 1)
+    if count == 0:
+        raise ProtocolError("the request holds no images")
+    if count > limit:
+        raise TooManyImagesError(f"{count} images in one request; the limit is {limit}")
+    return int(count)
+
+
+def _images(
+    parsed: InferRequest, service: Service, settings: SettingsDep, tenant: Tenant
+) -> Awaitable[torch.Tensor]:
+    """The request's one input (counted by ``_count``) -> an awaitable of (n, C, H, W)."""
     if models.IMAGE in parsed.inputs:
         blobs = list(parsed.inputs[models.IMAGE].reshape(-1))
-        _check_count(len(blobs), limit)
         for i, blob in enumerate(blobs):
             if len(blob) > settings.max_image_bytes:
                 raise ImageTooLargeError(f"image {i}: over the {settings.max_image_bytes}-byte limit")
         names = [f"image-{i}" for i in range(len(blobs))]
-        return service.pipeline.decode(blobs, names), len(blobs)
+        return service.pipeline.decode(blobs, names, tenant)
     pixels = parsed.inputs[models.PIXELS]
     expected = (service.engine.base.patch_embed.proj.in_channels, *service.engine.spec.img_size)
     if pixels.ndim != 4 or tuple(pixels.shape[1:]) != expected:
@@ -167,16 +189,8 @@ async def _images(parsed: InferRequest, service: Service, settings: SettingsDep)
         )
     if not np.isfinite(pixels).all():
         raise ProtocolError(f"{models.PIXELS} holds non-finite values")
-    _check_count(pixels.shape[0], limit)
 
     async def ready() -> torch.Tensor:
         return torch.from_numpy(pixels)
 
-    return ready(), pixels.shape[0]
-
-
-def _check_count(count: int, limit: int) -> None:
-    if count == 0:
-        raise ProtocolError("the request holds no images")
-    if count > limit:
-        raise TooManyImagesError(f"{count} images in one request; the limit is {limit}")
+    return ready()

@@ -76,8 +76,9 @@ class AdapterStore(ABC):
 
     # -- primitives (one implementation per backend) ---------------------------------------------
     @abstractmethod
-    def _list(self) -> dict[str, ObjectVersion]:
-        """Every key with its version (temp files excluded). Only migration and tests list."""
+    def _list(self, prefix: str = "") -> dict[str, ObjectVersion]:
+        """Every key (starting with ``prefix``) with its version (temp files excluded). Only migration,
+        the usage log (a prefix of its own) and tests list."""
 
     @abstractmethod
     def _get(self, key: str, max_bytes: int | None = None) -> tuple[bytes, ObjectVersion]:

@@ -43,14 +43,18 @@ class LocalStore(AdapterStore):
         return self.root / key
 
     # -- primitives --------------------------------------------------------------------------------
-    def _list(self) -> dict[str, ObjectVersion]:
+    def _list(self, prefix: str = "") -> dict[str, ObjectVersion]:
         found = {}
-        for directory, _, files in os.walk(self.root):
-            prefix = os.path.relpath(directory, self.root)
+        # Walk only the folder the prefix names (keys' "/" are folders), not 100,000 adapters' ones.
+        top = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
+        for directory, _, files in os.walk(top):
+            folder = os.path.relpath(directory, self.root)
             for name in files:
-                if name.endswith(".tmp") or (name == LOCK_FILE and prefix == "."):
+                if name.endswith(".tmp") or (name == LOCK_FILE and folder == "."):
                     continue
-                key = name if prefix == "." else f"{prefix}/{name}".replace(os.sep, "/")
+                key = name if folder == "." else f"{folder}/{name}".replace(os.sep, "/")
+                if not key.startswith(prefix):
+                    continue
                 try:
                     found[key] = _version(os.stat(os.path.join(directory, name)))
                 except FileNotFoundError:  # deleted while we looked

@@ -70,12 +70,15 @@ class ObjectStore(AdapterStore):
         self._list()
 
     # -- primitives --------------------------------------------------------------------------------
-    def _list(self) -> dict[str, ObjectVersion]:
+    def _list(self, prefix: str = "") -> dict[str, ObjectVersion]:
         def run() -> dict[str, ObjectVersion]:
             found = {}
-            for batch in obstore.list(self._store, chunk_size=1000):
+            # obstore's prefix is whole path segments: list the folder, then keep the keys that match.
+            folder = prefix.rpartition("/")[0] or None
+            for batch in obstore.list(self._store, prefix=folder, chunk_size=1000):
                 for meta in batch:
-                    found[meta["path"]] = _version(meta)
+                    if meta["path"].startswith(prefix):
+                        found[meta["path"]] = _version(meta)
             return found
 
         return self._call("list", run)

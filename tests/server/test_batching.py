@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import threading
 import time
 
 import httpx
@@ -163,3 +164,71 @@ def test_requests_with_different_tasks_share_one_routed_pass(engine) -> None:
         torch.testing.assert_close(
             result.base, full.base[start : start + result.base.shape[0]], atol=1e-5, rtol=0
         )
+
+
+def _marked(engine, value: float) -> torch.Tensor:
+    """One image whose first pixel says whose it is."""
+    x = images(engine, 1)
+    x[0, 0, 0, 0] = value
+    return x
+
+
+def _fair_run(
+    engine, fair: bool, jobs: list[tuple[str, float]], max_batch: int, weights: dict | None = None
+) -> list[list[str]]:
+    """``jobs`` (flow, marker) queued while the first pass is held; the flows of each pass after it."""
+    weights = weights or {}
+    held = threading.Event()
+    passes: list[list[float]] = []
+
+    async def main() -> None:
+        live = LiveAdapters(engine)
+        batcher = DynamicBatcher(
+            live, max_batch=max_batch, max_wait=0, max_queue=1000, metrics=Metrics(), fair=fair
+        )
+        forward = batcher._forward
+
+        def recording(x, adapter_set, tasks=None):
+            passes.append(x[:, 0, 0, 0].tolist())
+            if len(passes) == 1:
+                held.wait(30)  # the first pass runs until everything else is queued
+            return forward(x, adapter_set, tasks)
+
+        batcher._forward = recording
+        await batcher.start()
+        try:
+            first = asyncio.create_task(batcher.run(1, _ready(_marked(engine, -1.0)), flow="first"))
+            while not passes:
+                await asyncio.sleep(0.01)
+            runs = []
+            for flow, marker in jobs:
+                job = batcher.run(
+                    1, _ready(_marked(engine, marker)), flow=flow, weight=weights.get(flow, 1.0)
+                )
+                runs.append(asyncio.create_task(job))
+            await asyncio.sleep(0.05)  # every job queued behind the held pass
+            held.set()
+            await asyncio.gather(first, *runs)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(main())
+    flow_of = {m: f for f, m in jobs}
+    return [[flow_of[v] for v in p] for p in passes[1:]]
+
+
+def test_a_light_key_is_served_in_the_next_pass_not_after_a_backlog(engine) -> None:
+    """The queue the batcher forms passes from is fair (server/fair_queue.py): a key with one request
+    waiting goes in the next pass, not behind another key's 12; with fairness off, behind them."""
+    jobs = [("heavy", float(i)) for i in range(12)] + [("light", 100.0)]
+    fair = _fair_run(engine, True, jobs, max_batch=4)
+    assert "light" in fair[0], fair
+    fifo = _fair_run(engine, False, jobs, max_batch=4)
+    assert "light" in fifo[-1] and "light" not in fifo[0], fifo
+
+
+def test_backlogged_keys_share_passes_by_weight(engine) -> None:
+    jobs = [(flow, float(i * 2 + j)) for i in range(24) for j, flow in enumerate(("one", "three"))]
+    passes = _fair_run(engine, True, jobs, max_batch=4, weights={"one": 1.0, "three": 3.0})
+    for p in passes[:5]:  # while both wait: 3 of every 4 images to the key of weight 3
+        assert sorted(p) == ["one", "three", "three", "three"], passes

@@ -31,7 +31,8 @@ def test_every_route_documents_its_statuses_with_the_real_error_body(client, set
     doc = client.get("/openapi.json").json()
     paths = doc["paths"]
     expected = {
-        ("post", "/classify"): {"200", "400", "401", "403", "408", "413", "415", "422", "503"},
+        ("post", "/classify"): {"200", "400", "401", "403", "408", "413", "415", "422", "429", "503"},
+        ("get", "/usage"): {"200", "400", "401", "403", "404", "422", "503"},
         ("get", "/adapters"): {"200", "400", "401", "403", "422", "503"},
         ("post", "/adapters"): {"201", "400", "401", "403", "408", "409", "413", "415", "422", "503"},
         ("get", "/adapters/{name}"): {"200", "400", "401", "403", "404", "422", "503"},

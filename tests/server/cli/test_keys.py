@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from memvit.server.cli import app
 from memvit.server.keys import KEY_PREFIX, hash_key, load_or_empty
+from memvit.server.policy import Limits, Policy
 
 runner = CliRunner()
 
@@ -36,10 +37,10 @@ def test_add_list_revoke_round_trip(tmp_path) -> None:
     listed = runner.invoke(app, ["keys", "list", "--file", str(path)])
     assert listed.exit_code == 0, listed.output
     rows = [line.split("\t") for line in listed.stdout.splitlines()]
-    assert rows[0] == ["id", "names", "read", "write", "created"]
-    assert [row[:4] for row in rows[1:]] == [
-        ["acme", "acme-*,shared-*", "yes", "yes"],
-        ["audit", "*", "no", "no"],
+    assert rows[0] == ["id", "names", "read", "write", "created", "weight", "limits"]
+    assert [row[:4] + row[5:] for row in rows[1:]] == [
+        ["acme", "acme-*,shared-*", "yes", "yes", "1", "-"],
+        ["audit", "*", "no", "no", "1", "-"],
     ]
     assert hash_key(key) not in listed.output and key not in listed.output
 
@@ -71,4 +72,58 @@ def test_mistakes_are_one_line_and_change_nothing(tmp_path) -> None:
     assert unknown.exit_code == 2 and "no key with id 'nobody'" in unknown.output
     bad_id = runner.invoke(app, ["keys", "add", "no spaces", "--names", "x", "--file", str(path)])
     assert bad_id.exit_code == 2 and ".id:" in bad_id.output
+    assert path.read_text() == before
+
+
+def test_weights_and_limits_are_set_and_listed(tmp_path) -> None:
+    path = tmp_path / "keys.json"
+    add = [
+        "keys",
+        "add",
+        "acme",
+        "--names",
+        "acme-*",
+        "--weight",
+        "2",
+        "--images-per-second",
+        "20",
+        "--file",
+        str(path),
+    ]
+    assert runner.invoke(app, add).exit_code == 0
+    ring = load_or_empty(path)
+    assert ring.by_id("acme").policy == Policy(2.0, Limits(images_per_second=20.0))
+    # `set` changes the options given and keeps the rest; anonymous and admin are set the same way.
+    r = runner.invoke(
+        app, ["keys", "set", "acme", "--burst", "40", "--requests-in-flight", "8", "--file", str(path)]
+    )
+    assert r.exit_code == 0, r.output
+    assert load_or_empty(path).by_id("acme").policy == Policy(
+        2.0, Limits(images_per_second=20.0, burst=40, requests_in_flight=8)
+    )
+    assert (
+        runner.invoke(
+            app, ["keys", "set", "anonymous", "--images-per-second", "5", "--file", str(path)]
+        ).exit_code
+        == 0
+    )
+    listed = [
+        line.split("\t")
+        for line in runner.invoke(app, ["keys", "list", "--file", str(path)]).stdout.splitlines()
+    ]
+    assert listed[1][0] == "acme" and listed[1][5:] == [
+        "2",
+        "images_per_second=20,burst=40,requests_in_flight=8",
+    ]
+    assert listed[2] == ["anonymous", "-", "-", "-", "-", "1", "images_per_second=5"]
+    r = runner.invoke(app, ["keys", "set", "acme", "--no-limits", "--file", str(path)])
+    assert r.exit_code == 0 and load_or_empty(path).by_id("acme").policy == Policy(2.0)
+    # Bad values are named as the options are, and change nothing.
+    before = path.read_text()
+    r = runner.invoke(app, ["keys", "set", "acme", "--weight", "0", "--file", str(path)])
+    assert r.exit_code == 2 and "--weight: a number above 0" in r.output
+    r = runner.invoke(app, ["keys", "set", "acme", "--burst", "3", "--file", str(path)])
+    assert r.exit_code == 2 and "--burst: needs images_per_second" in r.output
+    r = runner.invoke(app, ["keys", "set", "nobody", "--weight", "2", "--file", str(path)])
+    assert r.exit_code == 2 and "no key with id 'nobody'" in r.output
     assert path.read_text() == before
