@@ -48,7 +48,6 @@ class PlannedRows:
     layers: tuple[LayerMemory | SlotAttention, ...]
 
 
-
 @dataclass(frozen=True)
 class InvariantBlocks:
     """The fixed call sizes of a batch-invariant pass. Any values give invariance; they trade speed."""

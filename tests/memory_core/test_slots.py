@@ -101,7 +101,7 @@ def test_logits_do_not_move_across_evictions_slot_reuse_and_growth() -> None:
 
 def test_a_plan_reads_the_pools_as_wide_as_its_own_adapters(engine) -> None:
     live = LiveAdapters(engine)
-    live.replace_all([random_adapter("a", engine, m=3, classes=5), random_adapter("b", engine, m=1, classes=2)])
+    live.replace_all([random_adapter("a", engine, m=3, classes=5), random_adapter("b", engine, classes=2)])
     live.add(random_adapter("wide", engine, m=20, classes=300))
     plan = plan_pass(live.current, engine.slots, [["a"], ["b"]], 2)
     assert (plan.shape.memory, plan.shape.classes) == (4, 8)  # a's 3 and 5, to powers of two
