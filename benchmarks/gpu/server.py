@@ -40,9 +40,22 @@ MAX_BATCH = {"cuda": 64, "cpu": 8}
 # (label, the server's environment, its loads in turn): "full" is the plan's closed-loop clients,
 # "half" the same clients paced at half what "full" reached. The first model gets the plan's
 # ``server_variants`` first variants, the others the first alone.
+# The last two are issue 36's two front ends (docs/design.md §5, *Several processes*), to be measured
+# on the GPU host and the faster kept: 8 API processes feeding one model process, or 8 replicas.
+API_PROCESSES = "8"
 VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
     ("JPEG decode on the device", {"MEMVIT_DECODE_DEVICE": "auto"}, ("full", "half")),
     ("JPEG decode on the CPU", {"MEMVIT_DECODE_DEVICE": "cpu"}, ("full",)),
+    (
+        f"{API_PROCESSES} API processes, one model process",
+        {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "model-process"},
+        ("full",),
+    ),
+    (
+        f"{API_PROCESSES} replicas",
+        {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "replicas"},
+        ("full",),
+    ),
 )
 SERVER_DTYPE = {"vit_base_patch16_224": "bf16"}  # the issue's goal for ViT-B/16 is in bfloat16
 SERVER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
