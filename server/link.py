@@ -157,8 +157,7 @@ class LinkClient:
     async def wait_closed(self) -> None:
         """Until the link closes (the model process went away, or ``close``)."""
         if self._reader_task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(self._reader_task)
+            await asyncio.wait([self._reader_task])  # a waiter cancelled is cancelled; the link stays
 
     async def _answers(self, reader: asyncio.StreamReader) -> None:
         try:

@@ -31,6 +31,7 @@ import uvicorn
 from ..app import create_app, start_service
 from ..fair_queue import FairPool
 from ..images import ImageDecoder
+from ..link import LinkDownError
 from ..settings import Settings
 from ..shm_arena import Arena
 from ..state import AppState
@@ -104,6 +105,7 @@ async def follow_model(state: AppState, link: ModelLink, processes: int, ready: 
             state.service = service
             metrics.ready.set(1)
             ready()
+            log.info("serving with the model process (registry v%d)", service.registry.version)
             poller = asyncio.create_task(_poll(service, link, settings.store_poll_seconds))
             await link.wait_closed()
             poller.cancel()
@@ -151,6 +153,8 @@ async def _poll(service: RemoteService, link: ModelLink, seconds: float) -> None
         try:
             await asyncio.to_thread(service.registry.sync)
             service.live.set(await link.call("resident"))
+        except LinkDownError:
+            pass  # the model process went away: follow_model notices and waits for the next one
         except Exception as exc:  # a bad poll must not end polling
             log.warning("poll failed: %s", exc)
 
