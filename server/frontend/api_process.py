@@ -40,7 +40,7 @@ from ..task_labels import TaskLabels
 from ..timeouts import header_timeout_protocol
 from ..usage_log import usage_log_for
 from .limits import RemoteLimiter, ShareLimiter
-from .model_process import SOCKET
+from .model_process import SOCKET, die_with_parent
 from .remote import (
     EngineInfo,
     ModelLink,
@@ -170,6 +170,7 @@ def api_main(
 ) -> None:
     """An API process's entry point (spawned by the supervisor): uvicorn on the shared socket until
     SIGTERM, then a graceful stop (running requests finish, up to 10 s)."""
+    die_with_parent()
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:%(name)s: %(message)s")
     share = max(1, cores() // processes)
     if settings.decode_workers is None:  # the cores, divided among the processes that decode

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import signal
 from collections.abc import Callable
@@ -157,8 +159,20 @@ async def serve_model(settings: Settings, directory: Path, ready: Callable[[], N
     return 0
 
 
+def die_with_parent() -> None:
+    """Ask Linux to send this process SIGTERM when the supervisor dies, however it dies (a SIGKILL
+    gives it no chance to stop its children): no orphan keeps the port or the model. Elsewhere, a
+    no-op."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def model_main(settings: Settings, directory: Path, ready: Event) -> None:
     """The model process's entry point (spawned by the supervisor)."""
+    die_with_parent()
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:%(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the supervisor stops the group in order
     raise SystemExit(asyncio.run(serve_model(settings, directory, ready.set)))

@@ -91,7 +91,7 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         log.warning(
             "serving on http://%s:%d: %s front end, %d API process(es)",
-            self.settings.host, self.settings.port, self.mode, self.settings.api_processes,
+            self.settings.host, self.sock.getsockname()[1], self.mode, self.settings.api_processes,
         )  # fmt: skip
         try:
             for child in self.children:
