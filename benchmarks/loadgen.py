@@ -100,6 +100,7 @@ async def load(
     *,
     hot_bundle: bytes | None = None,
     admin_interval: float = 0.25,
+    rate: float | None = None,
 ) -> LoadResult:
     """``clients`` closed-loop clients; figures from requests sent in a steady-state window.
 
@@ -112,6 +113,10 @@ async def load(
     instead is quantised by batches: with 32 images finishing together every few seconds, a 15 s
     window holds 4 or 5 of them, a 20% swing. With ``hot_bundle``, another client registers it
     (``replace=true``) and deletes it every ``admin_interval`` seconds meanwhile.
+
+    ``rate``: offered requests per second, in all; each client then sends one request every
+    ``clients / rate`` seconds (later if its previous answer is late), so the server sees that load
+    rather than as much as it can take, and throughput is the answers counted in the window.
     """
     window: list[float] = []  # latency of each request sent inside the window
     statuses: dict[int, int] = {}
@@ -126,9 +131,14 @@ async def load(
         nonlocal open_in_window, sent
         async with RawHttpClient(host, port) as http:
             n = i
+            period = clients / rate if rate else 0.0
+            next_send = start + (i / clients) * period  # clients spread over one period
             while not finished.is_set():
                 request = requests[n % len(requests)]
                 n += 1
+                if period:
+                    await asyncio.sleep(max(0.0, next_send - time.perf_counter()))
+                    next_send += period
                 began = time.perf_counter()
                 counted = began < deadline
                 open_in_window += counted
@@ -162,11 +172,13 @@ async def load(
     if len(window) < 2:
         raise RuntimeError(f"only {len(window)} requests in the window: run longer than {seconds}s")
     q = statistics.quantiles(window, n=100)
+    # Paced, a client spends most of its time waiting to send: the window's count is the throughput.
+    throughput = len(window) / (deadline - window_start) if rate else clients / statistics.fmean(window)
     return LoadResult(
         clients=clients,
         requests=len(window),
         completed=sent,
-        throughput=clients / statistics.fmean(window),
+        throughput=throughput,
         p50_ms=1e3 * statistics.median(window),
         p99_ms=1e3 * q[98],
         statuses=statuses,

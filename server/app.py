@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from memvit.memory_core import LiveAdapters, MemoryViT
 
 from .batching import DynamicBatcher
+from .device_decode import DeviceDecoder
 from .edge.guard import GuardMiddleware
 from .edge.principal import check_credentials
 from .edge.routes import missing_routes, route_table
@@ -84,6 +85,8 @@ def preflight(settings: Settings) -> None:
         if not BASE_WEIGHTS.is_file():
             raise ValueError(f"no model configured and the embedded demo is missing ({BASE_WEIGHTS})")
     device = resolve_device(settings.device)
+    if settings.decode_device == "device" and settings.decode != "exact":
+        raise ValueError("MEMVIT_DECODE_DEVICE=device decodes every pixel: use it with MEMVIT_DECODE=exact")
     if settings.kernels == "triton" and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
         raise ValueError("MEMVIT_KERNELS=triton needs a CUDA device; use auto or torch on this machine")
     check_credentials(settings)
@@ -120,6 +123,14 @@ def _load(settings: Settings, metrics: Metrics) -> tuple[MemoryViT, AdapterRegis
     return engine, registry
 
 
+def device_decoder_for(settings: Settings, engine: MemoryViT, decoder: ImageDecoder) -> DeviceDecoder | None:
+    """The device decoder ``MEMVIT_DECODE_DEVICE`` asks for, or None (every image on CPU workers)."""
+    on_gpu = engine.device.type == "cuda" and settings.decode == "exact"
+    if settings.decode_device == "device" or (settings.decode_device == "auto" and on_gpu):
+        return DeviceDecoder(decoder, engine.device)
+    return None
+
+
 async def start_service(state: AppState) -> None:
     """Loads the model and the registry, starts the batcher, the pipeline and the background tasks,
     then sets ``state.service``; on failure, says why in one line and sends this process SIGTERM."""
@@ -131,6 +142,13 @@ async def start_service(state: AppState) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         return
     live = registry.live
+    decoder = ImageDecoder(
+        engine,
+        max_bytes=settings.max_image_bytes,
+        max_pixels=settings.max_image_pixels,
+        decode=settings.decode,
+    )
+    device_decoder = device_decoder_for(settings, engine, decoder)
     batcher = DynamicBatcher(
         live,
         max_batch=settings.max_batch,
@@ -138,15 +156,10 @@ async def start_service(state: AppState) -> None:
         max_queue=settings.max_queue,
         metrics=state.metrics,
         fair=settings.fair_batching,
+        decoder=device_decoder,
     )
     await batcher.start()
     decode_pool = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="decode")
-    decoder = ImageDecoder(
-        engine,
-        max_bytes=settings.max_image_bytes,
-        max_pixels=settings.max_image_pixels,
-        decode=settings.decode,
-    )
     usage_log = usage_log_for(registry.store) if settings.usage_log else None
     meter = UsageMeter(usage_log, replica_name(settings.replica_name), settings.usage_interval_seconds)
     pipeline = ClassifyPipeline(
@@ -158,6 +171,7 @@ async def start_service(state: AppState) -> None:
         decode_order=FairPool(decode_pool) if settings.fair_batching else None,
         metrics=state.metrics,
         usage=meter,
+        device_decoder=device_decoder,
     )
     state.service = Service(engine, live, registry, pipeline, batcher, decode_pool, meter)
     state.tasks.append(
@@ -172,8 +186,9 @@ async def start_service(state: AppState) -> None:
     state.metrics.ready.set(1)
     spec = engine.spec
     log.info(
-        "ready: %s (%s) on %s/%s, %d adapters registered (v%d), store %s",
-        spec.arch, engine.source, engine.device, engine.dtype, len(registry), registry.version,
+        "ready: %s (%s) on %s/%s, JPEGs decoded on %s, %d adapters registered (v%d), store %s",
+        spec.arch, engine.source, engine.device, engine.dtype,
+        "the CPU" if device_decoder is None else device_decoder.device, len(registry), registry.version,
         settings.adapter_store,
     )  # fmt: skip
 
@@ -256,7 +271,7 @@ def create_app(
     app.add_middleware(GuardMiddleware, settings=settings, metrics=state.metrics, limiter=limiter)
     # Outside the guard, so its refusals under /v2 get the Open Inference Protocol's error shape too.
     app.add_middleware(ProtocolErrorShape)
-    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics, server_timing=settings.server_timing)
     install_error_handlers(app)
     customise_openapi(app, settings)
     app.include_router(classify.router)

@@ -136,26 +136,30 @@ class DeviceRunner:
         device = self.engine.device
         on_cpu = [i for i, item in enumerate(items) if isinstance(item, Tensor)]
         encoded = [i for i, item in enumerate(items) if not isinstance(item, Tensor)]
-        if not self.cuda and not encoded:  # the CPU path: nothing to stage
-            return torch.stack(list(items))
+        if not encoded:  # every image decoded on the CPU: the staged copy is the batch
+            return torch.stack(list(items)) if not self.cuda else self._copied(list(items), clock)
         shape = self._shape(items)
         x = torch.zeros(len(items), *shape, device=device)  # images that fail stay zeros, unread
         if on_cpu:
-            x.index_copy_(
-                0, torch.tensor(on_cpu, device=device), self._copied([items[i] for i in on_cpu], clock)
-            )
-        if encoded:
-            clock.start("decode")
-            decoded = self.decoder.decode([items[i] for i in encoded])
-            ok = [(i, t) for i, t in zip(encoded, decoded, strict=True) if isinstance(t, Tensor)]
-            for i, t in zip(encoded, decoded, strict=True):
-                if not isinstance(t, Tensor):
-                    failed[i] = t
-            if ok:
-                rows = torch.tensor([i for i, _ in ok], device=device)
-                x.index_copy_(0, rows, torch.stack([t for _, t in ok]))
-            clock.stop("decode")
+            x.index_copy_(0, self._index(on_cpu), self._copied([items[i] for i in on_cpu], clock))
+        clock.start("decode")
+        decoded = self.decoder.decode([items[i] for i in encoded])
+        ok = [(i, t) for i, t in zip(encoded, decoded, strict=True) if isinstance(t, Tensor)]
+        for i, t in zip(encoded, decoded, strict=True):
+            if not isinstance(t, Tensor):
+                failed[i] = t
+        if ok:
+            x.index_copy_(0, self._index([i for i, _ in ok]), torch.stack([t for _, t in ok]))
+        clock.stop("decode")
         return x
+
+    def _index(self, rows: list[int]) -> Tensor:
+        """Row numbers on the device, without the host waiting for the device's queued work (a copy
+        from pageable memory would wait for the batch before this one)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        if not self.cuda:
+            return index
+        return index.pin_memory().to(self.engine.device, non_blocking=True)
 
     def _shape(self, items: Sequence[Item]) -> tuple[int, ...]:
         for item in items:

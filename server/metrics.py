@@ -14,9 +14,12 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .stages import begin_stages
 from .task_labels import TaskLabels
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# A stage on a GPU takes tens of microseconds (a copy, a graph replay): finer at the bottom.
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
 
 
 class Metrics:
@@ -35,6 +38,13 @@ class Metrics:
         )
         self.fused_pass_seconds = Histogram(
             "memvit_fused_pass_seconds", "time of one fused pass", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.stage_seconds = Histogram(
+            "memvit_stage_seconds",
+            "where requests' time goes: receive, decode, queue, copy, pass, respond (server/stages.py)",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
         )
         self.queue_depth = Gauge("memvit_queue_images", "images waiting for a fused pass", registry=r)
         self.rejected = Counter(
@@ -121,23 +131,31 @@ class Metrics:
 
 
 class MetricsMiddleware:
-    """Counts requests by route template (not raw path: bounded label values) and status."""
+    """Counts requests by route template (not raw path: bounded label values) and status, and times
+    each request's stages (server/stages.py): observed per stage and, with ``server_timing``, said
+    in the response's ``Server-Timing`` header."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, server_timing: bool = False) -> None:
         self.app = app
         self.metrics = metrics
+        self.server_timing = server_timing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = time.perf_counter()
+        stages = begin_stages()
+        started = stages.started
         status = 500
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                stages.responding()
+                if self.server_timing and stages.seconds:
+                    header = (b"server-timing", stages.header().encode("latin-1"))
+                    message = {**message, "headers": [*message.get("headers", []), header]}
             await send(message)
 
         try:
@@ -147,3 +165,5 @@ class MetricsMiddleware:
             template = getattr(route, "path", None) or "unmatched"
             self.metrics.requests.labels(template, scope["method"], str(status)).inc()
             self.metrics.latency.labels(template).observe(time.perf_counter() - started)
+            for stage, seconds in stages.seconds.items():  # only requests that reached the pipeline
+                self.metrics.stage_seconds.labels(stage).observe(seconds)

@@ -5,12 +5,15 @@ tasks against the registry, before anything is decoded) to the response, so that
 together:
 - each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop,
   each key's images taken in turn by the service the key received (``FairPool``), not first come;
+  with a device decoder, the pool only checks each upload (caps, bombs, header, orientation) and
+  JPEGs are decoded on the model's device with their batch (server/device_decode.py);
 - while they decode, the adapters asked for are made resident (loaded from the store if they are
   not) and pinned until the batch has run, so no other request's cold load evicts them;
 - the images are announced to the batcher while they decode, so a forming batch waits for them;
 - the batch's snapshot answers or refuses the tasks (an adapter removed meanwhile gives a 422 naming
   it, never a wrong or missing answer: server/batching.py);
 - the response is built from the one snapshot that computed every logit in it;
+- the request's stages (decode, queue, the batch's copy and pass) are timed (server/stages.py);
 - what was computed is counted for the key that asked (usage per key and task, server/usage.py;
   bounded metrics, server/metrics.py), whichever protocol asked.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -30,6 +34,8 @@ from torch import Tensor
 from memvit.memory_core import BASE_TASK, FusedOutput
 
 from .batching import DynamicBatcher
+from .device_decode import DeviceDecoder
+from .device_runner import Item
 from .edge.body import read_upload
 from .errors import ImageTooLargeError, NonFiniteOutputError
 from .fair_queue import FairPool
@@ -37,6 +43,7 @@ from .images import ImageDecoder
 from .metrics import Metrics
 from .registry import AdapterRegistry, Pin
 from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
+from .stages import current_stages
 from .usage import UsageMeter
 
 
@@ -63,6 +70,7 @@ class ClassifyPipeline:
         decode_order: FairPool | None = None,
         metrics: Metrics | None = None,
         usage: UsageMeter | None = None,
+        device_decoder: DeviceDecoder | None = None,
     ) -> None:
         self.registry = registry
         self.engine = registry.engine
@@ -73,6 +81,7 @@ class ClassifyPipeline:
         self.max_image_bytes = max_image_bytes
         self.metrics = metrics
         self.usage = usage
+        self.device_decoder = device_decoder  # None: every image decoded on the CPU workers
 
     async def __call__(
         self,
@@ -85,11 +94,18 @@ class ClassifyPipeline:
     ) -> ClassifyResponse:
         """``tasks``: checked (``deps.classify_input``); None asks for every task."""
         names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
+        stages = current_stages()
+        if stages is not None:
+            stages.received()  # FastAPI has parsed the multipart body
         out = await self.run(self._uploads(uploads, names, tenant), len(names), tasks, tenant)
         return self.respond(out, names, tasks, top_k=top_k, logits=logits)
 
     async def run(
-        self, images: Awaitable[Tensor], count: int, tasks: list[str] | None, tenant: Tenant = ANONYMOUS
+        self,
+        images: Awaitable[Tensor | Sequence[Item]],
+        count: int,
+        tasks: list[str] | None,
+        tenant: Tenant = ANONYMOUS,
     ) -> FusedOutput:
         """``count`` images (decoding, or already preprocessed) through one batched fused pass, queued
         as ``tenant``'s (its share of the passes by its weight), and counted as its usage.
@@ -102,13 +118,15 @@ class ClassifyPipeline:
         wanted = self.registry.all_names() if adapters is None else adapters
         pinning = asyncio.ensure_future(self.registry.acquire_async(wanted, optional=adapters is None))
 
-        async def ready() -> Tensor:
+        async def ready() -> Tensor | Sequence[Item]:
             decoded = await images
             await pinning  # resident and pinned before the images are queued
             return decoded
 
         try:
-            out = await self.batcher.run(count, ready(), adapters, flow=tenant.id, weight=tenant.weight)
+            out = await self.batcher.run(
+                count, ready(), adapters, flow=tenant.id, weight=tenant.weight, stages=current_stages()
+            )
         finally:
             await _unpin(pinning)
         computed = [BASE_TASK, *out.adapters]  # what the pass computed for these images, no more
@@ -119,7 +137,9 @@ class ClassifyPipeline:
             self.metrics.answered(tenant.id, count, asked, rows=count * len(out.adapters))
         return out
 
-    async def _uploads(self, uploads: Sequence[UploadFile], names: list[str], tenant: Tenant) -> Tensor:
+    async def _uploads(
+        self, uploads: Sequence[UploadFile], names: list[str], tenant: Tenant
+    ) -> Tensor | list[Item]:
         """Every upload read, each with its byte cap, then decoded."""
         blobs = []
         limit = self.max_image_bytes
@@ -130,22 +150,31 @@ class ClassifyPipeline:
 
     async def decode(
         self, blobs: Sequence[bytes], names: Sequence[str], tenant: Tenant = ANONYMOUS
-    ) -> Tensor:
-        """Encoded images decoded in the pool, in ``tenant``'s turn -> (n, C, H, W)."""
+    ) -> Tensor | list[Item]:
+        """Encoded images decoded in the pool, in ``tenant``'s turn -> (n, C, H, W); with a device
+        decoder, one item per image instead: a JPEG checked and left encoded for the device, or
+        anything else decoded here."""
         loop = asyncio.get_running_loop()
+        decode = self.decoder if self.device_decoder is None else self.device_decoder.prepare
+        started = time.perf_counter()
 
         def one(data: bytes, name: str) -> asyncio.Future[Tensor]:
             if self.decode_order is None:
-                return loop.run_in_executor(self.decode_pool, self.decoder, data, name)
-            return self.decode_order.submit(tenant.id, tenant.weight, self.decoder, data, name)
+                return loop.run_in_executor(self.decode_pool, decode, data, name)
+            return self.decode_order.submit(tenant.id, tenant.weight, decode, data, name)
 
         decoded = await asyncio.gather(
             *(one(data, name) for data, name in zip(blobs, names, strict=True)),
             return_exceptions=True,  # wait for all, so no decode is left running unobserved
         )
+        stages = current_stages()
+        if stages is not None:
+            stages.add("decode", time.perf_counter() - started)
         for result in decoded:
             if isinstance(result, BaseException):
                 raise result  # the first bad image names itself
+        if self.device_decoder is not None:
+            return decoded
         return torch.stack(decoded)
 
     def respond(

@@ -59,6 +59,14 @@ class Settings(BaseSettings):
     decode: Literal["exact", "fast"] = Field(
         "exact", description="exact: every pixel; fast: large JPEGs shrunk in the decoder (RESULTS)"
     )
+    # JPEGs decoded on the model's device in each batch (server/device_decode.py): "auto" does it when
+    # the model is on a GPU and decode is "exact"; "device" also on a CPU model (torchvision's CPU
+    # decoder: the device path's own code, as CI tests it); "cpu" never.
+    decode_device: Literal["auto", "device", "cpu"] = Field(
+        "auto", description="decode JPEGs on the model's device: auto (on a GPU), device, or cpu"
+    )
+    # A Server-Timing header on /classify and OIP answers: the request's stages in milliseconds.
+    server_timing: bool = Field(False, description="say each answer's stage times in a Server-Timing header")
     max_images_per_request: int = Field(16, ge=1)
     # Images are decoded and fused passes filled by the service each key has received, by its weight
     # (server/fair_queue.py); false: by arrival, as before keys had shares.

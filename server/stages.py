@@ -18,6 +18,7 @@ developer tools or ``curl -i``.
 from __future__ import annotations
 
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 STAGES = ("receive", "decode", "queue", "copy", "pass", "respond")
@@ -48,3 +49,20 @@ class StageTimes:
     def header(self) -> str:
         """The ``Server-Timing`` value: each timed stage and its milliseconds, in the stages' order."""
         return ", ".join(f"{s};dur={self.seconds[s] * 1000:.2f}" for s in STAGES if s in self.seconds)
+
+
+# The request being served on this task: set by ``MetricsMiddleware`` for every HTTP request, read
+# where a stage ends (the pipeline, the batcher), so that no layer between passes it along.
+_CURRENT: ContextVar[StageTimes | None] = ContextVar("memvit_stage_times", default=None)
+
+
+def current_stages() -> StageTimes | None:
+    """This request's stage times, or None outside a request."""
+    return _CURRENT.get()
+
+
+def begin_stages() -> StageTimes:
+    """Start timing the request this task serves (its first byte is now)."""
+    stages = StageTimes()
+    _CURRENT.set(stages)
+    return stages

@@ -47,6 +47,7 @@ class Plan:
     server_seconds: float = 20.0
     server_clients: tuple[int, ...] = (64,)
     server_models: tuple[str, ...] = ("deit_tiny_patch16_224", "vit_base_patch16_224")
+    server_variants: int = 2  # of server.VARIANTS, for the first model (the others get the first)
     # Engine variants tried against the default, each reported: SDPA backends of the base path, CUDA
     # graphs on vs off, Triton vs torch kernels (engine.py); on these shapes, at the smallest batch.
     tries: tuple[str, ...] = ("sdpa", "graphs", "kernels")
@@ -77,6 +78,7 @@ class Plan:
             server_seconds=1.5,
             server_clients=(4,),
             server_models=("tiny",),
+            server_variants=1,
             tries=("sdpa", "graphs", "kernels"),
             tries_on=("tiny",),
             profiled=1,

@@ -6,7 +6,11 @@
 - decode bound: the server's own decoder (Pillow, on every core) on JPEG photos, and
   ``torchvision.io.decode_jpeg(device="cuda")`` plus resize and normalisation on the GPU;
 - the server: ``memvit serve`` on the device (tests/server/launcher.py), closed-loop clients posting
-  the photos; goal >= 0.9 x min(CPU decode bound, model bound).
+  the photos, in variants (``VARIANTS``): JPEGs decoded on the GPU (the default there), the same at
+  half the load it reached (paced clients: the goal p99 <= 2 x p50), and decoded on the CPU
+  workers; goal >= 0.9 x min(its decode bound, the model bound), in the model's serving dtype
+  (``SERVER_DTYPE``). Each row also gives the mean of every request stage (``memvit_stage_seconds``,
+  scraped from /metrics after the load) and the mean batch, so a miss says where the time went.
 """
 
 from __future__ import annotations
@@ -29,10 +33,19 @@ from benchmarks.loadgen import classify_requests, load
 from memvit.adapters import bundle_for
 from memvit.memory_core import MemoryViT, save_base
 
-from .plan import ARCHS, Plan, adapters, engine, sync
+from .plan import ARCHS, DTYPES, Plan, adapters, engine, sync
 from .report import Budget, StepReport, goal
 
 MAX_BATCH = {"cuda": 64, "cpu": 8}
+# (label, the server's environment, its loads in turn): "full" is the plan's closed-loop clients,
+# "half" the same clients paced at half what "full" reached. The first model gets the plan's
+# ``server_variants`` first variants, the others the first alone.
+VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
+    ("JPEG decode on the device", {"MEMVIT_DECODE_DEVICE": "auto"}, ("full", "half")),
+    ("JPEG decode on the CPU", {"MEMVIT_DECODE_DEVICE": "cpu"}, ("full",)),
+)
+SERVER_DTYPE = {"vit_base_patch16_224": "bf16"}  # the issue's goal for ViT-B/16 is in bfloat16
+SERVER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def run(plan: Plan, report: StepReport, budget: Budget) -> str:
@@ -48,26 +61,23 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
         if not budget.allows(3 * plan.server_seconds + 60):
             report.note(f"budget spent: stopped before {arch}")
             return "partial"
+        dtype = SERVER_DTYPE.get(arch, "fp32")
         with tempfile.TemporaryDirectory(prefix="memvit-gpu-serve-") as tmp:
-            e, weights = _model(arch, plan, Path(tmp))
+            e, weights = _model(arch, plan, Path(tmp), dtype)
             _store(e, Path(tmp) / "store")
-            what = {"model": f"{arch} ({e.source})", "batch": MAX_BATCH[plan.device.type]}
+            what = {"model": f"{arch} ({e.source})", "dtype": dtype, "batch": MAX_BATCH[plan.device.type]}
             bounds: dict = {}
             report.attempt("model bound", what, _bound, bounds, "model", _model_bound, e, photos, plan)
             report.attempt("decode bound", what, _bound, bounds, "decode", _decode_bound, e, photos, plan)
-            for clients in plan.server_clients:
-                row = {**what, "clients": clients}
-                report.attempt(
-                    "server",
-                    row,
-                    _serve,
-                    weights,
-                    Path(tmp),
-                    photos,
-                    clients,
-                    plan,
-                    bounds,
-                )
+            chosen = VARIANTS[: plan.server_variants] if arch == models[0] else VARIANTS[:1]
+            for label, env, loads in chosen:
+                if not budget.allows(len(loads) * plan.server_seconds + 30):
+                    report.note(f"budget spent: stopped before {arch}, {label}")
+                    return "partial"
+                env = {**env, "MEMVIT_DTYPE": SERVER_DTYPES[dtype]}
+                for clients in plan.server_clients:
+                    row = {**what, "variant": label, "clients": clients}
+                    _serve(report, row, weights, Path(tmp), photos, clients, plan, bounds, env, loads)
     return "done"
 
 
@@ -92,14 +102,16 @@ def _jpegs(plan: Plan) -> list[bytes]:
     return out
 
 
-def _model(arch: str, plan: Plan, tmp: Path) -> tuple[MemoryViT, Path]:
+def _model(arch: str, plan: Plan, tmp: Path, dtype: str = "fp32") -> tuple[MemoryViT, Path]:
+    """The engine the bounds time (on the device, in ``dtype``) and the weights file the server loads."""
+    like = {"device": plan.device, "dtype": DTYPES[dtype]}
     if arch == "deit_tiny_patch16_224" and DEIT_TINY.is_file():
-        return MemoryViT.from_timm(weights=str(DEIT_TINY), device=plan.device), DEIT_TINY
+        return MemoryViT.from_timm(weights=str(DEIT_TINY), **like), DEIT_TINY
     e = engine(arch, replace(plan, device=torch.device("cpu")))  # saved from the host (safetensors)
     spec = dict(ARCHS[arch])
     name = spec.pop("arch", arch)
     path = save_base(e.base, tmp / "base.safetensors", arch=name, model_kwargs=spec or None)
-    return e.to(plan.device), path
+    return MemoryViT.from_timm(weights=str(path), **like), path
 
 
 def _store(e: MemoryViT, path: Path) -> None:
@@ -204,7 +216,19 @@ def _decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
     return row
 
 
-def _serve(weights: Path, tmp: Path, photos: list[bytes], clients: int, plan: Plan, bounds: dict) -> dict:
+def _serve(
+    report: StepReport,
+    row: dict,
+    weights: Path,
+    tmp: Path,
+    photos: list[bytes],
+    clients: int,
+    plan: Plan,
+    bounds: dict,
+    env: dict[str, str],
+    loads: tuple[str, ...],
+) -> None:
+    """One server with ``env``, then each of ``loads`` against it, a row each."""
     from tests.server.launcher import ServerProcess
 
     env = {
@@ -213,23 +237,82 @@ def _serve(weights: Path, tmp: Path, photos: list[bytes], clients: int, plan: Pl
         "MEMVIT_MAX_QUEUE": str(max(256, 4 * clients)),
         "MEMVIT_LOG_LEVEL": "warning",
         "MEMVIT_STORE_POLL_SECONDS": "60",
+        **env,
     }
-    server = ServerProcess(weights, tmp / "store", stderr=subprocess.DEVNULL, **env).start(timeout=300)
+    try:
+        server = ServerProcess(weights, tmp / "store", stderr=subprocess.DEVNULL, **env).start(timeout=300)
+    except Exception as exc:  # recorded, and the step goes on
+        report.add("server", {**row, "error": f"the server did not start: {exc}"[:500]})
+        return
+    model = bounds.get("model", {})
+    model = model.get("resident img/s") or model.get("on device img/s")  # the pass on images on the device
+    on_device = env.get("MEMVIT_DECODE_DEVICE", "auto") != "cpu" and plan.device.type == "cuda"
+    decode = bounds.get("decode", {}).get("gpu img/s" if on_device else "cpu img/s")
+    bound = min(b for b in (model, decode) if b) if (model or decode) else None
     try:
         requests = classify_requests("127.0.0.1", server.port, photos)
-        result = asyncio.run(load("127.0.0.1", server.port, requests, clients, plan.server_seconds))
+        reached = None
+        for kind in loads:
+            if kind == "half" and not reached:
+                continue
+            rate = None if kind == "full" else reached / 2
+            what = {**row, "load": kind}
+            if report.attempt("server", what, _load, server.url, requests, clients, plan, bound, rate):
+                reached = reached or report.tables["server"][-1]["img/s"]
     finally:
         server.stop()
-    model = bounds.get("model", {}).get("on device img/s")
-    decode = bounds.get("decode", {}).get("cpu img/s")
-    bound = min(b for b in (model, decode) if b) if (model or decode) else None
+
+
+def _load(url: str, requests: list[bytes], clients: int, plan: Plan, bound: float | None, rate) -> dict:
+    port = int(url.rsplit(":", 1)[1])
+    before = _stage_sums(url)
+    result = asyncio.run(load("127.0.0.1", port, requests, clients, plan.server_seconds, rate=rate))
+    stages = _stage_means(before, _stage_sums(url))
     share = result.throughput / bound if bound else None
-    return {
+    row = {
         "img/s": result.throughput,
         "p50 ms": result.p50_ms,
         "p99 ms": result.p99_ms,
+        "p99 / p50": result.p99_ms / result.p50_ms,
         "statuses": result.statuses,
         "bound img/s": bound,
         "server / bound": share,
-        "goal >= 0.9": goal(share, ">=", 0.9),
+        **stages,
     }
+    if rate is None:
+        row["goal >= 0.9"] = goal(share, ">=", 0.9)
+    else:
+        row["offered img/s"] = rate
+        row["goal p99 <= 2 x p50"] = goal(result.p99_ms / result.p50_ms, "<=", 2.0)
+    return row
+
+
+def _stage_sums(url: str) -> dict[str, float]:
+    """The server's stage, batch and pass histograms' sums and counts, from /metrics."""
+    import httpx
+
+    names = ("memvit_stage_seconds_", "memvit_batch_images_", "memvit_fused_pass_seconds_")
+    sums: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(names) and ("_sum" in line or "_count" in line):
+            key, value = line.rsplit(" ", 1)
+            sums[key] = float(value)
+    return sums
+
+
+def _stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean milliseconds of each request stage, the mean batch and pass, over one load."""
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    out: dict[str, float | None] = {}
+    for key in after:
+        if key.startswith("memvit_stage_seconds_sum"):
+            count = delta(key.replace("_sum", "_count"))
+            out[f"{key.split(chr(34))[1]} ms"] = 1e3 * delta(key) / count if count else None
+    batches = delta("memvit_batch_images_count")
+    if batches:
+        out["mean batch"] = delta("memvit_batch_images_sum") / batches
+        out["mean pass ms"] = 1e3 * delta("memvit_fused_pass_seconds_sum") / batches
+    return out

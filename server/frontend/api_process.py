@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from ..app import create_app, start_service
+from ..app import create_app, device_decoder_for, start_service
 from ..fair_queue import FairPool
 from ..images import ImageDecoder
 from ..link import LinkDownError
@@ -141,6 +141,7 @@ def _build(settings: Settings, link: ModelLink, arena: Arena | None, info: dict)
         arena,
         max_image_bytes=settings.max_image_bytes,
         decode_order=FairPool(pool) if settings.fair_batching else None,
+        device_decoder=device_decoder_for(settings, engine, decoder),  # type: ignore[arg-type]
     )
     usage = RemoteUsage(usage_log_for(store) if settings.usage_log else None)
     return RemoteService(engine, ResidentCount(), registry, pipeline, pool, usage)

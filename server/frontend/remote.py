@@ -35,6 +35,7 @@ import torch
 from memvit.adapters import AdapterBundle, read_bundle
 from memvit.memory_core import FusedOutput, UnknownAdapterError
 
+from ..device_decode import DeviceDecoder
 from ..fair_queue import FairPool
 from ..images import ImageDecoder
 from ..link import LinkClient, LinkDownError
@@ -107,7 +108,8 @@ class EngineInfo:
     def __init__(self, info: dict[str, Any]) -> None:
         self.labels: tuple[str, ...] | None = info["labels"]
         self.spec = info["spec"]
-        self.source, self.device, self.dtype = info["source"], info["device"], info["dtype"]
+        self.source, self.dtype = info["source"], info["dtype"]
+        self.device = torch.device(info["device"])  # where the model runs (and JPEGs may decode)
         self._data_config = dict(info["data_config"])
         proj = SimpleNamespace(in_channels=info["in_chans"])
         self.base = SimpleNamespace(num_classes=info["num_classes"], patch_embed=SimpleNamespace(proj=proj))
@@ -257,7 +259,10 @@ class RemotePipeline(ClassifyPipeline):
         *,
         max_image_bytes: int,
         decode_order: FairPool | None = None,
+        device_decoder: DeviceDecoder | None = None,
     ) -> None:
+        """``device_decoder``: only its checks run here (``prepare``); its JPEGs travel encoded and
+        are decoded on the model's device, in their batch."""
         super().__init__(
             registry,  # type: ignore[arg-type]  # the reading side, which is what the pipeline uses here
             decoder,
@@ -265,6 +270,7 @@ class RemotePipeline(ClassifyPipeline):
             decode_pool,
             max_image_bytes=max_image_bytes,
             decode_order=decode_order,
+            device_decoder=device_decoder,
         )
         self.link, self.arena = link, arena
         self._numbers = itertools.count()

@@ -26,6 +26,7 @@ from ..oip.protocol import (
 )
 from ..openapi import protocol_errors
 from ..pipeline import Tenant
+from ..stages import current_stages
 from ..state import Service
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
@@ -107,6 +108,9 @@ async def infer(
     except ValueError:
         raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header!r}") from None
     parsed = parse_infer_request(await request.body(), header_length)
+    stages = current_stages()
+    if stages is not None:
+        stages.received()
     count = _count(parsed, settings.max_images_per_request)  # 413 over the server's cap, first
     tenant = await charge(ticket, count)  # then the key's limits (413, 429), before any other work
     tasks, names = await _outputs(model, parsed, service, principal)
@@ -172,7 +176,7 @@ def _count(parsed: InferRequest, limit: int) -> int:
 
 def _images(
     parsed: InferRequest, service: Service, settings: SettingsDep, tenant: Tenant
-) -> Awaitable[torch.Tensor]:
+) -> Awaitable[torch.Tensor | list]:
     """The request's one input (counted by ``_count``) -> an awaitable of (n, C, H, W)."""
     if models.IMAGE in parsed.inputs:
         blobs = list(parsed.inputs[models.IMAGE].reshape(-1))

@@ -24,13 +24,13 @@ from tests.server.conftest import free_port, running_server
 def _batcher(live: LiveAdapters, max_wait: float) -> tuple[DynamicBatcher, list[int]]:
     batcher = DynamicBatcher(live, max_batch=8, max_wait=max_wait, max_queue=64, metrics=Metrics())
     sizes: list[int] = []
-    forward = batcher._forward
+    forward = batcher._launch
 
-    def counting(x, adapter_set, tasks=None):
-        sizes.append(x.shape[0])
-        return forward(x, adapter_set, tasks)
+    def counting(items, adapter_set, tasks=None):
+        sizes.append(len(items))
+        return forward(items, adapter_set, tasks)
 
-    batcher._forward = counting
+    batcher._launch = counting
     return batcher, sizes
 
 
@@ -127,13 +127,13 @@ def test_requests_with_different_tasks_share_one_routed_pass(engine) -> None:
     async def main():
         batcher, sizes = _batcher(live, max_wait=0.5)
         routed: list = []
-        forward = batcher._forward
+        forward = batcher._launch
 
-        def spy(x, adapter_set, tasks=None):
+        def spy(items, adapter_set, tasks=None):
             routed.append(tasks)
-            return forward(x, adapter_set, tasks)
+            return forward(items, adapter_set, tasks)
 
-        batcher._forward = spy
+        batcher._launch = spy
         await batcher.start()
         try:
             jobs = [
@@ -186,15 +186,15 @@ def _fair_run(
         batcher = DynamicBatcher(
             live, max_batch=max_batch, max_wait=0, max_queue=1000, metrics=Metrics(), fair=fair
         )
-        forward = batcher._forward
+        forward = batcher._launch
 
-        def recording(x, adapter_set, tasks=None):
-            passes.append(x[:, 0, 0, 0].tolist())
+        def recording(items, adapter_set, tasks=None):
+            passes.append([float(item[0, 0, 0]) for item in items])
             if len(passes) == 1:
                 held.wait(30)  # the first pass runs until everything else is queued
-            return forward(x, adapter_set, tasks)
+            return forward(items, adapter_set, tasks)
 
-        batcher._forward = recording
+        batcher._launch = recording
         await batcher.start()
         try:
             first = asyncio.create_task(batcher.run(1, _ready(_marked(engine, -1.0)), flow="first"))
@@ -232,3 +232,48 @@ def test_backlogged_keys_share_passes_by_weight(engine) -> None:
     passes = _fair_run(engine, True, jobs, max_batch=4, weights={"one": 1.0, "three": 3.0})
     for p in passes[:5]:  # while both wait: 3 of every 4 images to the key of weight 3
         assert sorted(p) == ["one", "three", "three", "three"], passes
+
+
+def test_two_batches_are_in_flight_when_the_device_runs_them_apart(engine) -> None:
+    """On a GPU a launch returns before its pass has run and another thread collects it: the next
+    batch is launched meanwhile, but never a third (a stand-in for the CUDA event makes a CPU
+    launch look like a GPU's)."""
+    x = images(engine, 4)
+    lock, state = threading.Lock(), {"uncollected": 0, "most": 0}
+    second = threading.Event()
+
+    class Pending:  # the batch's "done" event: collected once the next batch has been launched
+        def synchronize(self) -> None:
+            second.wait(5)
+            with lock:
+                state["uncollected"] -= 1
+
+    async def main() -> list:
+        batcher = DynamicBatcher(
+            LiveAdapters(engine), max_batch=1, max_wait=0, max_queue=64, metrics=Metrics()
+        )
+        batcher._in_flight = asyncio.Semaphore(2)  # as on CUDA
+        launch = batcher._launch
+
+        def launching(items, adapter_set, tasks=None):
+            launched = launch(items, adapter_set, tasks)
+            with lock:
+                state["uncollected"] += 1
+                state["most"] = max(state["most"], state["uncollected"])
+                if state["uncollected"] == 2:
+                    second.set()
+            launched.done = Pending()
+            return launched
+
+        batcher._launch = launching
+        await batcher.start()
+        try:
+            return await asyncio.gather(*(batcher.run(1, _ready(x[i : i + 1])) for i in range(4)))
+        finally:
+            await batcher.stop()
+
+    outputs = asyncio.run(main())
+    assert second.is_set() and state["most"] == 2 and state["uncollected"] == 0
+    expected = engine(x).base
+    for i, out in enumerate(outputs):
+        assert torch.allclose(out.base, expected[i : i + 1], atol=1e-5)

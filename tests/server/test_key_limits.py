@@ -212,15 +212,15 @@ def test_weights_from_the_keys_file_reach_the_fused_passes(tiny_weights, store, 
     with running_server(settings, app) as url:
         batcher = app.state.memvit.service.batcher
         held, passes = threading.Event(), []
-        forward = batcher._forward
+        forward = batcher._launch
 
-        def recording(x, adapter_set, tasks=None):
-            passes.append(x[:, 0, 0, 0].tolist())  # the red channel tells the keys apart
+        def recording(items, adapter_set, tasks=None):
+            passes.append([float(item[0, 0, 0]) for item in items])  # the red channel tells the keys apart
             if len(passes) == 1:
                 held.wait(30)
-            return forward(x, adapter_set, tasks)
+            return forward(items, adapter_set, tasks)
 
-        batcher._forward = recording
+        batcher._launch = recording
 
         async def clients() -> None:
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
