@@ -1,5 +1,5 @@
 """An API process: the single-process server's app (routes, guard, keys, caps, error bodies, the
-protocol), served by uvicorn on the socket the supervisor bound, in one of two roles.
+protocol), served by uvicorn on the supervisor's port (``SO_REUSEPORT``), in one of two roles.
 
 - model-process front end: ``follow_model`` builds the service from the model process (server/
   frontend/remote.py) instead of loading a model, and follows it: while the model process is down
@@ -162,14 +162,14 @@ async def _poll(service: RemoteService, link: ModelLink, seconds: float) -> None
 
 def api_main(
     settings: Settings,
-    sock: socket.socket,
+    port: int,
     directory: Path,
     index: int,
     mode: str,
     processes: int,
     ready: Event,
 ) -> None:
-    """An API process's entry point (spawned by the supervisor): uvicorn on the shared socket until
+    """An API process's entry point (spawned by the supervisor): uvicorn on the shared port until
     SIGTERM, then a graceful stop (running requests finish, up to 10 s)."""
     die_with_parent()
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:%(name)s: %(message)s")
@@ -205,4 +205,14 @@ def api_main(
         http=header_timeout_protocol(settings.header_timeout_seconds),
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the supervisor stops the group in order
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(config).run(sockets=[listen(settings.host, port)])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """This process's listening socket on the port every API process shares (``SO_REUSEPORT``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock

@@ -31,7 +31,7 @@ from ..metrics import Metrics
 from ..task_labels import TaskLabels
 
 log = logging.getLogger(__name__)
-PUBLISH_SECONDS = 0.5
+PUBLISH_SECONDS = 1.0
 GAUGES = {  # how a gauge of several processes is one number; any other gauge is summed
     "memvit_ready": min,
     "memvit_adapter_set_version": max,

@@ -1,9 +1,12 @@
 """``memvit serve`` with ``MEMVIT_API_PROCESSES`` > 1: one port, several processes, one group.
 
-The supervisor binds the port once and hands the listening socket to every API process (the kernel
-gives each connection to whichever process accepts first, so an idle process takes the next one),
-owns a private temp dir (the model process's socket, the processes' metrics) and starts the
-children with ``spawn`` (a fresh interpreter each; nothing torch set up here is inherited):
+The supervisor reserves the port (bound, not listening) and every API process listens on it with
+``SO_REUSEPORT``: the kernel spreads the connections over the processes by their addresses. (One
+listening socket shared by all was measured first: whichever process woke first accepted, and
+32 clients connecting at once could all land on one replica, halving the replicas' throughput on
+this 2-core machine.) It owns a private temp dir (the model process's socket, the processes'
+metrics) and starts the children with ``spawn`` (a fresh interpreter each; nothing torch set up
+here is inherited):
 
 - model-process: the model process and N API processes; replicas: N replicas.
 - A child that dies is restarted; the model process restarted is reconnected to by the API
@@ -50,13 +53,13 @@ class Child:
     restarts: deque = field(default_factory=deque)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+def reserve(host: str, port: int) -> socket.socket:
+    """The port, bound with ``SO_REUSEPORT`` and not listening: no connection comes to it, no other
+    program can take the port, and port 0 becomes a port the children can listen on."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 
@@ -66,7 +69,8 @@ class Supervisor:
         self.mode = settings.front_end_mode
         self.context = multiprocessing.get_context("spawn")
         self.directory = Path(tempfile.mkdtemp(prefix="memvit-front-"))  # 0700: only this user
-        self.sock = bind(settings.host, settings.port)
+        self.sock = reserve(settings.host, settings.port)
+        port = self.sock.getsockname()[1]
         self.stopping = False
         self.all_ready = False
         n = settings.api_processes
@@ -75,7 +79,7 @@ class Supervisor:
             self.children.append(Child("model", model_main, (settings, self.directory), must_start=True))
         role = "replica" if self.mode == "replicas" else "api"
         for i in range(n):
-            args = (settings, self.sock, self.directory, i, self.mode, n)
+            args = (settings, port, self.directory, i, self.mode, n)
             self.children.append(Child(f"{role}-{i}", api_main, args, must_start=self.mode == "replicas"))
 
     def _start(self, child: Child) -> None:
