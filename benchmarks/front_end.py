@@ -9,9 +9,10 @@ one at a time by ``--clients`` closed-loop clients posting the shared photos (be
 the raw-socket load generator), each round loading every configuration once, in an order that
 alternates from one round to the next (forwards, then backwards), because this machine's speed
 drifts by 10-20% over minutes: a configuration is only ever compared with the others of its own
-round. Reported: each round's images/s, p50 and p99, and the server's CPU per image (its
-processes together); then, per configuration, the median over the rounds of its throughput over the
-first configuration's (1: one process) in the same round.
+round. Reported: each round's images/s, p50 and p99, the mean images per fused pass (from the
+merged ``/metrics``, where the processes not scraped are up to a second behind) and the server's
+CPU per image (its processes together); then, per configuration, the median over the rounds of
+its throughput over the first configuration's (1: one process) in the same round.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from benchmarks.common import (
     pin_malloc,
 )
 from benchmarks.loadgen import LoadResult, classify_requests, load
-from benchmarks.serve import adapter, process_cpu
+from benchmarks.serve import adapter, batches, process_cpu
 from memvit.adapters import bundle_for
 from memvit.memory_core import MemoryViT, save_base
 from tests.server.launcher import ServerProcess
@@ -91,15 +92,16 @@ def main(argv: list[str] | None = None) -> None:
                 order = args.configs if r % 2 == 0 else args.configs[::-1]
                 for c in order:
                     server = servers[c]
-                    cpu0 = process_cpu(server.pid)
+                    cpu0, batched0 = process_cpu(server.pid), batches(server.url)
                     result = asyncio.run(
                         load("127.0.0.1", server.port, requests[c], args.clients, args.seconds)
                     )
-                    cpu1 = process_cpu(server.pid)
+                    cpu1, batched1 = process_cpu(server.pid), batches(server.url)
                     per_image = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / result.completed
+                    mean_batch = (batched1[0] - batched0[0]) / max(batched1[1] - batched0[1], 1)
                     results[c].append((result, per_image))
-                    print(f"round {r + 1} {c}: {result.throughput:.1f} images/s, p50 {result.p50_ms:.0f} ms, "
-                          f"p99 {result.p99_ms:.0f} ms", flush=True)  # fmt: skip
+                    figures = f"p50 {result.p50_ms:.0f}, p99 {result.p99_ms:.0f} ms, batch {mean_batch:.1f}"
+                    print(f"round {r + 1} {c}: {result.throughput:.1f} images/s, {figures}", flush=True)
         finally:
             for server in servers.values():
                 server.stop()
