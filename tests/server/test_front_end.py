@@ -55,19 +55,23 @@ def shared(tiny_weights, tmp_path_factory) -> tuple[Settings, dict[str, str]]:
     return settings, keys
 
 
-@pytest.fixture(scope="module")
-def single(shared) -> Iterator[str]:
-    settings, _ = shared
-    with running_server(settings.model_copy(update={"port": free_port()})) as url:
-        yield url
-
-
-@pytest.fixture(scope="module", params=["model-process", "replicas"])
+@pytest.fixture(scope="module", params=["model-process", "model-process+device", "replicas"])
 def group(request, shared) -> Iterator[ServerGroup]:
+    """``+device``: JPEGs checked in the API processes and decoded by the model process's batcher
+    (``MEMVIT_DECODE_DEVICE=device``, torchvision's CPU decoder here): per-image items on the wire."""
     settings, _ = shared
-    with ServerGroup(settings.model_copy(update={"port": free_port()}), 2, request.param) as running:
-        running.mode = request.param
+    mode, _, device = request.param.partition("+")
+    settings = settings.model_copy(update={"port": free_port(), "decode_device": device or "cpu"})
+    with ServerGroup(settings, 2, mode) as running:
+        running.mode, running.settings = mode, settings
         yield running
+
+
+@pytest.fixture(scope="module")
+def single(group) -> Iterator[str]:
+    """One process on the same store, decoding as the group does."""
+    with running_server(group.settings.model_copy(update={"port": free_port()})) as url:
+        yield url
 
 
 def fresh(url: str, **headers: str) -> httpx.Client:
@@ -129,7 +133,7 @@ def test_answers_are_the_single_process_servers(group, single) -> None:
 
 
 def test_a_registry_change_is_seen_by_every_process_within_one_poll(group, make_bundle) -> None:
-    name = f"front-{group.mode}"
+    name = f"front-{group.mode}-{group.settings.decode_device}"
     with fresh(group.url, **AUTH) as client:
         assert register(client, make_bundle(name).to_bytes()).status_code == 201
         time.sleep(POLL + 0.3)
