@@ -28,6 +28,7 @@ from ..link import Handler, LinkServer, current_peer
 from ..pipeline import Tenant
 from ..settings import Settings
 from ..shm_arena import Reader
+from ..stages import begin_stages
 from ..state import AppState
 from ..task_labels import TaskLabels
 from .limits import Admissions
@@ -95,6 +96,7 @@ class ModelHandlers:
                 raise ImagesWithdrawnError("the request's images were withdrawn")
             return unpack(payload, self.reader)
 
+        stages = begin_stages()  # this call's task: the batcher adds the queue, copy and pass here
         out = await self.service.pipeline.run(images(), count, tasks, tenant)
         adapter_set = out.adapter_set
         return Answer(
@@ -102,6 +104,7 @@ class ModelHandlers:
             adapters={name: values.numpy() for name, values in out.adapters.items()},
             labels={name: adapter_set[name].weights.labels for name in out.adapters},
             registry=self.service.registry.info(adapter_set.version),
+            stages=dict(stages.seconds),
         )
 
     async def deliver(self, number: int, payload: Payload | None) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from ..pipeline import ANONYMOUS, ClassifyPipeline, Tenant
 from ..registry import RegistryInfo
 from ..registry.catalog import Catalog
 from ..shm_arena import Arena
+from ..stages import current_stages
 from ..store import AdapterStore, Entry
 from ..store.base import legacy_name
 from ..usage_log import UsageLog
@@ -215,6 +217,7 @@ class Answer:
     adapters: dict[str, np.ndarray]
     labels: dict[str, tuple[str, ...] | None]  # each adapter's, from the snapshot that answered
     registry: RegistryInfo  # at the snapshot's version
+    stages: dict[str, float]  # seconds of the stages timed there: queue, copy, pass (and a device decode)
 
 
 class _Prepared(SimpleNamespace):
@@ -305,6 +308,11 @@ class RemotePipeline(ClassifyPipeline):
             if not delivered:  # a bad image, or the client went away: the model process stops waiting
                 self.link.call_soon("deliver", number, None)
         self.registry.remember(answer.registry)  # type: ignore[attr-defined]
+        stages = current_stages()
+        if stages is not None:  # the request's Server-Timing and stage metrics: the model's stages too
+            for stage, seconds in answer.stages.items():
+                stages.add(stage, seconds)
+            stages.answered = time.perf_counter()
         return as_output(answer)
 
 

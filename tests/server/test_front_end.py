@@ -51,6 +51,7 @@ def shared(tiny_weights, tmp_path_factory) -> tuple[Settings, dict[str, str]]:
         store_poll_seconds=POLL,
         max_wait_ms=2,
         usage_log=False,
+        server_timing=True,
     )
     return settings, keys
 
@@ -121,7 +122,10 @@ def test_answers_are_the_single_process_servers(group, single) -> None:
     with fresh(group.url) as many, fresh(single) as one:
         expected = post_image(one, image, image, logits="true").json()
         for _ in range(3):
-            got = post_image(many, image, image, logits="true").json()
+            answer = post_image(many, image, image, logits="true")
+            timed = {part.split(";")[0].strip() for part in answer.headers["server-timing"].split(",")}
+            assert {"receive", "decode", "queue", "pass", "respond"} <= timed  # the model's stages too
+            got = answer.json()
             for a, b in zip(got["results"], expected["results"], strict=True):
                 assert a["image"] == b["image"] and a["tasks"].keys() == b["tasks"].keys()
                 for task in a["tasks"]:
