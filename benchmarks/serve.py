@@ -5,6 +5,8 @@
     python -m benchmarks.serve --arch vit_base_patch16_224 --seconds 90   # the paper's ViT-B/16, ~25 min
     python -m benchmarks.serve --inputs model-size                        # 224x224 JPEG uploads
     python -m benchmarks.serve --decode fast                              # MEMVIT_DECODE=fast
+    python -m benchmarks.serve --api-processes 2                          # MEMVIT_API_PROCESSES=2
+    python -m benchmarks.front_end --arch vit_base_patch32_224            # 1 against 2, paired rounds
 
 1. Raw: the fused model in this process (8 adapters loaded) on preprocessed images at batch sizes
    1..64, each measured twice (the sizes in one order, then in reverse) and averaged; the best
@@ -117,12 +119,21 @@ def model_size_jpeg(engine: MemoryViT, data: bytes) -> bytes:
 
 
 def process_cpu(pid: int) -> float | None:
-    """CPU seconds (user + system) a process has used so far; None where /proc is not there."""
+    """CPU seconds (user + system) a process and its children alive now have used so far (a front
+    end of several processes: the supervisor's children); None where /proc is not there."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            child = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(child[1]) == pid:
+            total += process_cpu(int(stat.parent.name)) or 0.0
+    return total
 
 
 def batches(url: str) -> tuple[float, float]:
@@ -160,6 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-wait-ms", type=float, default=10.0)
     parser.add_argument("--inputs", choices=["photos", "model-size"], default="photos")
     parser.add_argument("--decode", choices=["exact", "fast"], default="exact", help="MEMVIT_DECODE")
+    parser.add_argument("--api-processes", type=int, default=1, help="MEMVIT_API_PROCESSES")
+    parser.add_argument(
+        "--front-end", choices=["model-process", "replicas"], default="model-process", help="MEMVIT_FRONT_END"
+    )
     parser.add_argument(
         "--arch",
         default="deit_tiny_patch16_224",
@@ -190,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{engine.spec.arch} ({engine.source})",
             "8 adapters (m=1, 100 classes)",
             f"{len(images)} photos ({args.inputs}, decode {args.decode})",
+            f"{args.api_processes} API processes, {args.front_end}" if args.api_processes > 1 else "1 proc",
             malloc,
         )
         + "\n"
@@ -219,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
             MEMVIT_LOG_LEVEL="warning",
             MEMVIT_ADMIN_TOKEN="",
             MEMVIT_DECODE=args.decode,
+            MEMVIT_API_PROCESSES=str(args.api_processes),
+            MEMVIT_FRONT_END=args.front_end,
             # the service's own store poll, not the launcher's quick one for tests
             MEMVIT_STORE_POLL_SECONDS=str(Settings.model_fields["store_poll_seconds"].default),
         ).start(timeout=120)

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -29,6 +29,7 @@ from .edge.routes import missing_routes, route_table
 from .errors import install_error_handlers
 from .fair_queue import FairPool
 from .images import ImageDecoder
+from .limits import Limiter
 from .metrics import Metrics, MetricsMiddleware
 from .oip.errors import ProtocolErrorShape
 from .openapi import customise as customise_openapi
@@ -130,7 +131,9 @@ def device_decoder_for(settings: Settings, engine: MemoryViT, decoder: ImageDeco
     return None
 
 
-async def _start(state: AppState) -> None:
+async def start_service(state: AppState) -> None:
+    """Loads the model and the registry, starts the batcher, the pipeline and the background tasks,
+    then sets ``state.service``; on failure, says why in one line and sends this process SIGTERM."""
     settings = state.settings
     try:
         engine, registry = await asyncio.to_thread(_load, settings, state.metrics)
@@ -207,11 +210,36 @@ def _update_gauges(service: Service, metrics: Metrics) -> None:
     metrics.adapters_registered.set(len(service.registry))
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+async def stop_service(state: AppState) -> None:
+    """Shutdown: every background task cancelled, the service closed, the usage since the last record
+    written (a stop loses nothing)."""
+    for task in state.tasks:
+        task.cancel()
+    for task in state.tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    if state.service is not None:
+        await state.service.close()
+        try:
+            await asyncio.to_thread(state.service.usage.flush)
+        except Exception as exc:
+            log.error("usage since the last record could not be written: %s", exc)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    metrics: Metrics | None = None,
+    start: Callable[[AppState], Awaitable[None]] | None = None,
+    limiter: Limiter | None = None,
+) -> FastAPI:
+    """The app. The keywords are for a front end of several processes (server/frontend/): ``metrics``
+    that render one view of every process, ``start`` that builds ``state.service`` (default: load the
+    model here), ``limiter`` that keeps the keys' limits (default: here)."""
     settings = settings or get_settings()
 
     labels = TaskLabels(settings.metrics_tasks, settings.metrics_top_tasks)
-    state = AppState(settings=settings, metrics=Metrics(labels))
+    state = AppState(settings=settings, metrics=metrics if metrics is not None else Metrics(labels))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -226,20 +254,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "MEMVIT_ADMIN_TOKEN is not set: POST/DELETE /adapters answer 403 (set a token or a keys "
                 "file, or MEMVIT_ALLOW_ANONYMOUS_ADMIN=true to leave them open)"
             )
-        state.loader = asyncio.create_task(_start(state), name="loader")
+        state.loader = asyncio.create_task((start or start_service)(state), name="loader")
         state.tasks.append(state.loader)
         yield
-        for task in state.tasks:
-            task.cancel()
-        for task in state.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if state.service is not None:
-            await state.service.close()
-            try:  # what was counted since the last record: a stop loses nothing
-                await asyncio.to_thread(state.service.usage.flush)
-            except Exception as exc:
-                log.error("usage since the last record could not be written: %s", exc)
+        await stop_service(state)
 
     app = FastAPI(
         title="memvit",
@@ -250,7 +268,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.memvit = state
     # The guard (access, body cap and deadline per route) runs before the router parses any body;
     # inside the metrics middleware, so its refusals are counted as what the client got.
-    app.add_middleware(GuardMiddleware, settings=settings, metrics=state.metrics)
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=state.metrics, limiter=limiter)
     # Outside the guard, so its refusals under /v2 get the Open Inference Protocol's error shape too.
     app.add_middleware(ProtocolErrorShape)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics, server_timing=settings.server_timing)

@@ -66,10 +66,10 @@ async def get_ticket(request: Request) -> Ticket:
     return ticket
 
 
-def charge(ticket: Ticket, images: int) -> Tenant:
+async def charge(ticket: Ticket, images: int) -> Tenant:
     """Counts a request's ``images`` against its key's limits (413/429); the tenant its work is
     queued and counted as."""
-    ticket.charge(images)
+    await ticket.charge_async(images)
     return Tenant(ticket.tenant, ticket.weight)
 
 
@@ -133,7 +133,7 @@ async def classify_input(
             f"{len(image)} images in one request; the limit is {settings.max_images_per_request}",
             field="image",
         )
-    tenant = charge(ticket, len(image))
+    tenant = await charge(ticket, len(image))
     wanted = await resolve_tasks(parse_tasks(tasks), principal, registry)  # before decoding anything
     return ClassifyInput(image, wanted, top_k, logits, tenant)
 

@@ -77,6 +77,10 @@ class Ticket:
         429 when its bucket holds fewer tokens (none are taken then)."""
         self.limiter.charge(self.tenant, self.policy.limits, images)
 
+    async def charge_async(self, images: int) -> None:
+        """``charge``, where another process may keep the key's limits (server/frontend/)."""
+        self.charge(images)
+
     def release(self) -> None:
         """The request is done (answered or refused): its in-flight slot goes back."""
         if not self.released:
@@ -114,6 +118,10 @@ class Limiter:
             raise self._refused(tenant, "images_per_second", self._rate_message(tenant, limits), wait)
         self._in_flight[tenant] = held + 1
         return Ticket(self, tenant, policy)
+
+    async def admit_async(self, tenant: str, policy: Policy) -> Ticket:
+        """``admit``, where another process may keep the key's limits (server/frontend/)."""
+        return self.admit(tenant, policy)
 
     def charge(self, tenant: str, limits: Limits, images: int) -> None:
         largest = limits.largest_request

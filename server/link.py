@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import pickle
@@ -26,6 +27,9 @@ from .errors import RetryLaterError
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!I")
 Handler = Callable[..., Awaitable[Any]]
+# Which connection a handler is serving (set per connection; tasks inherit it): state a handler keeps
+# for one API process (its admitted requests, its images on their way) is dropped when it goes away.
+current_peer: contextvars.ContextVar[int] = contextvars.ContextVar("current_peer", default=-1)
 
 
 class LinkDownError(RetryLaterError):
@@ -59,9 +63,17 @@ def _unpack_error(packed: tuple[type, tuple, dict]) -> BaseException:
 class LinkServer:
     """The model process's side: ``handlers`` by method name, served on a Unix socket at ``path``."""
 
-    def __init__(self, path: Path, handlers: Mapping[str, Handler]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        handlers: Mapping[str, Handler],
+        on_disconnect: Callable[[int], None] | None = None,
+    ) -> None:
+        """``on_disconnect(peer)``: a connection closed (``current_peer`` named it in its calls)."""
         self.path = Path(path)
         self.handlers = dict(handlers)
+        self.on_disconnect = on_disconnect
+        self._peers = itertools.count()
         self._server: asyncio.base_events.Server | None = None
         self._calls: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -80,6 +92,8 @@ class LinkServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        peer = next(self._peers)
+        current_peer.set(peer)  # this connection's task: the calls it starts inherit it
         try:
             while True:
                 call_id, method, args, kwargs = await _read(reader)
@@ -91,6 +105,8 @@ class LinkServer:
         finally:
             self._writers.discard(writer)
             writer.close()
+            if self.on_disconnect is not None:
+                self.on_disconnect(peer)
 
     async def _call(
         self, writer: asyncio.StreamWriter, call_id: int, method: str, args: tuple, kwargs: dict
@@ -137,6 +153,11 @@ class LinkClient:
             return await future
         finally:
             self._pending.pop(call_id, None)
+
+    async def wait_closed(self) -> None:
+        """Until the link closes (the model process went away, or ``close``)."""
+        if self._reader_task is not None:
+            await asyncio.wait([self._reader_task])  # a waiter cancelled is cancelled; the link stays
 
     async def _answers(self, reader: asyncio.StreamReader) -> None:
         try:

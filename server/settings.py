@@ -110,6 +110,15 @@ class Settings(BaseSettings):
     )
     metrics_top_tasks: int = Field(20, ge=0, description="the N most asked adapters get their own series")
 
+    # Several processes on one port (server/frontend/, docs/design.md §5): 1 is the single-process
+    # server. "model-process": N API processes (HTTP, guard, keys, decoding) feeding one model process
+    # (engine, registry, batcher) through shared memory; "replicas": N full servers, each its own
+    # engine and batcher. None: model-process.
+    api_processes: int = Field(1, ge=1, le=64, description="processes answering HTTP on the one port")
+    front_end: Literal["model-process", "replicas"] | None = Field(
+        None, description="with several API processes: one model process behind them, or N replicas"
+    )
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -169,6 +178,13 @@ class Settings(BaseSettings):
             return max(1, len(os.sched_getaffinity(0)))
         except AttributeError:  # not on Linux
             return max(1, os.cpu_count() or 1)
+
+    @property
+    def front_end_mode(self) -> Literal["single", "model-process", "replicas"]:
+        """How ``memvit serve`` runs: one process, or which front end of several."""
+        if self.api_processes == 1:
+            return "single"
+        return self.front_end or "model-process"
 
     @property
     def anonymous_admin(self) -> bool:

@@ -84,6 +84,23 @@ class Arena:
         self._memory.unlink()
 
 
+_REGISTER_LOCK = threading.Lock()
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Map the writer's arena without telling the resource tracker: the writer created it and
+    unlinks it. (Python < 3.13 registers every attach; unregistering afterwards is no cure where the
+    processes share one tracker, as a supervisor's spawned children do: it would drop the writer's
+    own registration, and the writer's unlink would then find none.)"""
+    with _REGISTER_LOCK:
+        register = resource_tracker.register
+        resource_tracker.register = lambda *args, **kwargs: None
+        try:
+            return shared_memory.SharedMemory(name=name)
+        finally:
+            resource_tracker.register = register
+
+
 class Reader:
     """The reading side: arenas opened by name, once, and read in place."""
 
@@ -96,10 +113,7 @@ class Reader:
         with self._lock:
             memory = self._open.get(ticket.arena)
             if memory is None:
-                memory = shared_memory.SharedMemory(name=ticket.arena)
-                # The writer created it and unlinks it; this process only maps it (Python < 3.13
-                # registers every attach with the resource tracker, which would unlink it at exit).
-                resource_tracker.unregister(memory._name, "shared_memory")
+                memory = _attach(ticket.arena)
                 self._open[ticket.arena] = memory
         return memory.buf[ticket.offset : ticket.offset + ticket.length]
 

@@ -2,6 +2,8 @@
 
 On SIGTERM uvicorn stops accepting, lets running requests finish for up to
 ``timeout_graceful_shutdown`` seconds (a queued batch included), then the app closes the batcher.
+With ``MEMVIT_API_PROCESSES`` > 1 a supervisor runs the processes of a front end instead
+(server/frontend/supervisor.py) and stops them all on SIGTERM.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def serve(
         raise fail(exc) from None
     logging.getLogger().setLevel(settings.log_level.upper())
     settings = loopback_admin_default(settings)
+    if settings.front_end_mode != "single":
+        from ..frontend.supervisor import serve_group
+
+        logging.basicConfig(format="%(levelname)s:%(name)s: %(message)s")
+        raise typer.Exit(serve_group(settings))
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -45,14 +45,17 @@ log = logging.getLogger("memvit.server.edge")
 class GuardMiddleware:
     """Host, origin, access, body cap and body deadline, per route, from one table (see the module's doc)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, settings: Settings, metrics: Metrics | None = None, limiter: Limiter | None = None
+    ) -> None:
+        """``limiter``: where the keys' limits are kept (default: in this process)."""
         self.app = app
         self.settings = settings
         self.metrics = metrics  # for the audit counter
         self.table = route_table(settings)
         self.origins = OriginPolicy(settings)
         self.credentials = Credentials(settings)  # reads the keys file: a bad one fails at start-up
-        self.limiter = Limiter(metrics)
+        self.limiter = limiter if limiter is not None else Limiter(metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,7 +109,7 @@ class GuardMiddleware:
             set_principal(scope, principal)
             _check_length(row, headers)
             if row.metered:  # last: a request refused for any other reason takes no slot
-                ticket = self.limiter.admit(principal.id, self.credentials.policy(principal))
+                ticket = await self.limiter.admit_async(principal.id, self.credentials.policy(principal))
                 scope["state"]["ticket"] = ticket
         except ServiceError as exc:
             if route is not None:

@@ -112,7 +112,7 @@ async def infer(
     if stages is not None:
         stages.received()
     count = _count(parsed, settings.max_images_per_request)  # 413 over the server's cap, first
-    tenant = charge(ticket, count)  # then the key's limits (413, 429), before any other work
+    tenant = await charge(ticket, count)  # then the key's limits (413, 429), before any other work
     tasks, names = await _outputs(model, parsed, service, principal)
     images = _images(parsed, service, settings, tenant)
     out = await service.pipeline.run(images, count, tasks, tenant)

@@ -1,16 +1,20 @@
 """Starting real servers, for the HTTP tests and benchmarks/serve.py (no pytest needed).
 
-``running_server``: uvicorn serving an app in a thread of this process. ``ServerProcess``: ``memvit
-serve`` as a child process (restarts, SIGKILL, or keeping its CPU apart from the caller's).
+``running_server``: uvicorn serving an app in a thread of this process; with ``api_processes`` > 1,
+``memvit serve`` as a group of processes (server/frontend/). ``ServerProcess``: ``memvit serve`` as a
+child process (restarts, SIGKILL, or keeping its CPU apart from the caller's).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -48,9 +52,32 @@ def wait_ready(url: str, timeout: float = 30.0, process: subprocess.Popen | None
     raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
+def settings_env(settings: Settings) -> dict[str, str]:
+    """``settings`` as the MEMVIT_* variables a child ``memvit serve`` reads them back from."""
+    env = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        if hasattr(value, "get_secret_value"):
+            value = value.get_secret_value()
+        elif isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        env[f"MEMVIT_{name.upper()}"] = str(value)
+    return env
+
+
 @contextmanager
-def running_server(settings: Settings, app=None) -> Iterator[str]:
-    """uvicorn serving ``app`` (default ``create_app(settings)``) in a thread; yields the URL once ready."""
+def running_server(
+    settings: Settings, app=None, *, api_processes: int = 1, front_end: str = "model-process"
+) -> Iterator[str]:
+    """uvicorn serving ``app`` (default ``create_app(settings)``) in a thread; yields the URL once ready.
+
+    ``api_processes`` > 1: ``memvit serve`` with that many API processes in the ``front_end`` mode,
+    as a child process group (stopped with SIGTERM), from the same settings."""
+    if api_processes > 1:
+        with ServerGroup(settings, api_processes, front_end) as group:
+            yield group.url
+        return
     app = app if app is not None else create_app(settings)
     http = header_timeout_protocol(settings.header_timeout_seconds)  # as `memvit serve` does
     config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", http=http)
@@ -131,3 +158,70 @@ class ServerProcess:
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
+
+
+class ServerGroup:
+    """``memvit serve`` with ``api_processes`` processes in the ``front_end`` mode, from ``settings``
+    (their port included), as a context manager: ready (every process) on entry, stopped with
+    SIGTERM on exit. Its log goes to a file (a pipe nobody reads would fill): ``log()``."""
+
+    def __init__(self, settings: Settings, api_processes: int = 2, front_end: str = "model-process") -> None:
+        env = {
+            **settings_env(settings),
+            "MEMVIT_API_PROCESSES": str(api_processes),
+            "MEMVIT_FRONT_END": front_end,
+        }
+        env["MEMVIT_LOG_LEVEL"] = "info"  # the supervisor says when every process is ready
+        self._dir = Path(tempfile.mkdtemp(prefix="memvit-group-"))
+        self._log = (self._dir / "group.log").open("ab")  # appended to, whoever reads it meanwhile
+        self.server = ServerProcess(None, Path(settings.adapter_store), stderr=self._log, **env)
+        self.server.port, self.server.url = settings.port, f"http://127.0.0.1:{settings.port}"
+        self.url = self.server.url
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid
+
+    def log(self) -> str:
+        return (self._dir / "group.log").read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        """The supervisor's child processes now (from /proc)."""
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.pid:
+                found.append(int(stat.parent.name))
+        return found
+
+    def started(self, name: str) -> int:
+        """The pid the supervisor last started ``name`` (``model``, ``api-0``, ...) with."""
+        pids = re.findall(rf"started {re.escape(name)} \(pid (\d+)\)", self.log())
+        return int(pids[-1])
+
+    def wait_for_log(self, text: str, timeout: float = 120.0, count: int = 1) -> None:
+        deadline = time.monotonic() + timeout
+        while self.log().count(text) < count:
+            if time.monotonic() > deadline or self.server.proc.poll() is not None:
+                raise RuntimeError(f"no {text!r} in the group's log; it ends:\n{self.log()[-4000:]}")
+            time.sleep(0.05)
+
+    def __enter__(self) -> ServerGroup:
+        try:
+            self.server.start(timeout=120)
+            self.wait_for_log("processes ready")  # every process, not only the first to answer
+        except (TimeoutError, RuntimeError) as exc:
+            text = self.log()[-4000:]
+            self.__exit__()
+            raise RuntimeError(f"{exc}; its log ends:\n{text}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.server.stop()
+        finally:
+            self._log.close()
+            shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,218 @@
+"""An API process: the single-process server's app (routes, guard, keys, caps, error bodies, the
+protocol), served by uvicorn on the supervisor's port (``SO_REUSEPORT``), in one of two roles.
+
+- model-process front end: ``follow_model`` builds the service from the model process (server/
+  frontend/remote.py) instead of loading a model, and follows it: while the model process is down
+  (starting, restarted) ``/readyz`` and every route that needs it answer 503, calls in flight get
+  503 with ``Retry-After``, and the process reconnects when it is back. It decodes uploads itself
+  (the same ``ImageDecoder``, in ``decode_workers`` threads) and runs no torch kernels but the
+  decoder's, on one thread.
+- replicas: the whole server (``app.start_service``), with torch's threads and the decoders divided
+  among the replicas, and each key's limits too (server/frontend/limits.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.synchronize import Event
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from ..app import create_app, device_decoder_for, start_service
+from ..fair_queue import FairPool
+from ..images import ImageDecoder
+from ..link import LinkDownError
+from ..settings import Settings
+from ..shm_arena import Arena
+from ..state import AppState
+from ..store import open_store
+from ..task_labels import TaskLabels
+from ..timeouts import header_timeout_protocol
+from ..usage_log import usage_log_for
+from .limits import RemoteLimiter, ShareLimiter
+from .model_process import SOCKET, die_with_parent
+from .remote import (
+    EngineInfo,
+    ModelLink,
+    RemotePipeline,
+    RemoteRegistry,
+    RemoteService,
+    RemoteUsage,
+    ResidentCount,
+)
+from .shared_metrics import SharedMetrics
+
+log = logging.getLogger("memvit.server.api")
+ARENA_BYTES = 32 << 20  # per API process: ~50 decoded 224x224 images in flight; more go inline
+RECONNECT_SECONDS = 0.1
+
+
+def cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def arena_size(processes: int) -> int:
+    """``ARENA_BYTES``, or less where /dev/shm is small (Docker's default is 64 MiB): writing past
+    what the mount can hold would be a SIGBUS, so each process takes at most half its share."""
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return ARENA_BYTES
+    return min(ARENA_BYTES, free // (2 * processes))
+
+
+async def follow_model(state: AppState, link: ModelLink, processes: int, ready: Callable[[], None]) -> None:
+    """``state.service`` from the model process while it answers, None while it does not."""
+    settings, metrics = state.settings, state.metrics
+    service: RemoteService | None = None
+    size = arena_size(processes)
+    arena = Arena(size) if size >= 1 << 20 else None
+    try:
+        while True:
+            waited = 0.0
+            while True:
+                try:
+                    await link.connect()
+                    break
+                except OSError:
+                    if waited >= 5 and waited - RECONNECT_SECONDS < 5:
+                        log.warning("waiting for the model process (%s)", link.path)
+                    waited += RECONNECT_SECONDS
+                    await asyncio.sleep(RECONNECT_SECONDS)
+            try:
+                if service is None:
+                    service = await asyncio.to_thread(_build, settings, link, arena, await link.call("info"))
+                else:
+                    await asyncio.to_thread(service.registry.sync)
+                service.live.set(await link.call("resident"))
+            except Exception as exc:  # it went away again while we asked: wait for the next one
+                log.warning("the model process did not answer: %s", exc)
+                await link.wait_closed()
+                continue
+            state.service = service
+            metrics.ready.set(1)
+            ready()
+            log.info("serving with the model process (registry v%d)", service.registry.version)
+            poller = asyncio.create_task(_poll(service, link, settings.store_poll_seconds))
+            await link.wait_closed()
+            poller.cancel()
+            state.service = None
+            metrics.ready.set(0)
+            log.warning("the model process went away; answering 503 until it is back")
+    finally:
+        await link.close()
+        if arena is not None:
+            with contextlib.suppress(Exception):
+                arena.close()
+
+
+def _build(settings: Settings, link: ModelLink, arena: Arena | None, info: dict) -> RemoteService:
+    engine = EngineInfo(info)
+    store = open_store(settings.adapter_store)
+    registry = RemoteRegistry(
+        link, engine, store, max_bundle_bytes=settings.max_bundle_bytes, max_tasks=info["max_tasks"]
+    )
+    registry.open()
+    decoder = ImageDecoder(
+        engine,  # type: ignore[arg-type]  # the decoder reads only the preprocessing
+        max_bytes=settings.max_image_bytes,
+        max_pixels=settings.max_image_pixels,
+        decode=settings.decode,
+    )
+    pool = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="decode")
+    pipeline = RemotePipeline(
+        registry,
+        decoder,
+        pool,
+        link,
+        arena,
+        max_image_bytes=settings.max_image_bytes,
+        decode_order=FairPool(pool) if settings.fair_batching else None,
+        device_decoder=device_decoder_for(settings, engine, decoder),  # type: ignore[arg-type]
+    )
+    usage = RemoteUsage(usage_log_for(store) if settings.usage_log else None)
+    return RemoteService(engine, ResidentCount(), registry, pipeline, pool, usage)
+
+
+async def _poll(service: RemoteService, link: ModelLink, seconds: float) -> None:
+    """The catalog replica follows the store's journal, as another replica's would."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await asyncio.to_thread(service.registry.sync)
+            service.live.set(await link.call("resident"))
+        except LinkDownError:
+            pass  # the model process went away: follow_model notices and waits for the next one
+        except Exception as exc:  # a bad poll must not end polling
+            log.warning("poll failed: %s", exc)
+
+
+def api_main(
+    settings: Settings,
+    port: int,
+    directory: Path,
+    index: int,
+    mode: str,
+    processes: int,
+    ready: Event,
+) -> None:
+    """An API process's entry point (spawned by the supervisor): uvicorn on the shared port until
+    SIGTERM, then a graceful stop (running requests finish, up to 10 s)."""
+    die_with_parent()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s:%(name)s: %(message)s")
+    share = max(1, cores() // processes)
+    if settings.decode_workers is None:  # the cores, divided among the processes that decode
+        settings = settings.model_copy(update={"decode_workers": share})
+    labels = TaskLabels(settings.metrics_tasks, settings.metrics_top_tasks)
+    if mode == "replicas":
+        torch.set_num_threads(share)
+        metrics = SharedMetrics(directory, f"replica-{index}", labels)
+
+        async def start(state: AppState) -> None:
+            state.tasks.append(asyncio.create_task(metrics.publish_forever(), name="metrics"))
+            await start_service(state)
+            if state.service is not None:
+                ready.set()
+
+        app = create_app(settings, metrics=metrics, start=start, limiter=ShareLimiter(processes, metrics))
+    else:
+        torch.set_num_threads(1)  # the decoder's few tensor operations; the model process has the cores
+        metrics = SharedMetrics(directory, f"api-{index}", labels)
+        link = ModelLink(directory / SOCKET)
+
+        async def start(state: AppState) -> None:
+            state.tasks.append(asyncio.create_task(metrics.publish_forever(), name="metrics"))
+            await follow_model(state, link, processes, ready.set)
+
+        app = create_app(settings, metrics=metrics, start=start, limiter=RemoteLimiter(link, metrics))
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+        http=header_timeout_protocol(settings.header_timeout_seconds),
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the supervisor stops the group in order
+    uvicorn.Server(config).run(sockets=[listen(settings.host, port)])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """This process's listening socket on the port every API process shares (``SO_REUSEPORT``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock

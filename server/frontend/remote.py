@@ -1,0 +1,349 @@
+"""What an API process serves from: stand-ins for the model process's engine, registry, pipeline and
+service, with the interfaces the routes already use (server/deps.py, routers/, oip/), so the routes,
+the guard and the error bodies are the single-process server's own code.
+
+- ``ModelLink``: the link to the model process (server/link.py), replaced when the model process is
+  restarted; a call while it is down is a 503 with ``Retry-After`` (``LinkDownError``).
+- ``EngineInfo``: what the routes read of the engine (labels, input shape, preprocessing), sent
+  once by the model process; the decoder is built from it, so an API process holds no weights.
+- ``RemoteRegistry``: a replica of the catalog that follows the store's journal (polled every
+  ``MEMVIT_STORE_POLL_SECONDS``, and refreshed for a name not found, exactly as another replica's
+  would be), for checking tasks, listing and describing; changes are parsed and checked against the
+  caller's key here, then made by the model process, after which this replica refreshes at once.
+  Each journal entry is applied whole (server/registry/catalog.py), so a change is seen by every
+  process within one poll and never half.
+- ``RemotePipeline``: ``ClassifyPipeline`` with ``run`` across the link: the model process's
+  pipeline runs (pinning the adapters and announcing the images to its batcher) while this process
+  decodes, then the decoded images follow through shared memory (``wire.py``); the answer's logits
+  and labels come back, and the response is built here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from memvit.adapters import AdapterBundle, read_bundle
+from memvit.memory_core import FusedOutput, UnknownAdapterError
+
+from ..device_decode import DeviceDecoder
+from ..fair_queue import FairPool
+from ..images import ImageDecoder
+from ..link import LinkClient, LinkDownError
+from ..pipeline import ANONYMOUS, ClassifyPipeline, Tenant
+from ..registry import RegistryInfo
+from ..registry.catalog import Catalog
+from ..shm_arena import Arena
+from ..stages import current_stages
+from ..store import AdapterStore, Entry
+from ..store.base import legacy_name
+from ..usage_log import UsageLog
+from .wire import Images, pack
+
+
+class ModelLink:
+    """The current link to the model process (None while it is down)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.client: LinkClient | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._background: set[asyncio.Future] = set()
+
+    async def connect(self) -> None:
+        client = LinkClient(self.path)
+        await client.connect()
+        self.client, self.loop = client, asyncio.get_running_loop()
+
+    async def wait_closed(self) -> None:
+        if self.client is not None:
+            await self.client.wait_closed()
+            self.client = None
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        client = self.client
+        if client is None or not client.connected:
+            raise LinkDownError("the model process is not reachable; retry shortly")
+        return await client.call(method, *args, **kwargs)
+
+    def call_soon(self, method: str, *args: Any) -> None:
+        """A call nobody waits for (a release, a cancellation); its failure is ignored."""
+        task = asyncio.ensure_future(self.call(method, *args))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_retrieve)
+
+    def call_sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """From a worker thread (never the event loop's): the call, run on the event loop."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if self.loop is None or running is self.loop:  # on the event loop it would wait for itself
+            raise LinkDownError("the model process is not reachable; retry shortly")
+        return asyncio.run_coroutine_threadsafe(self.call(method, *args, **kwargs), self.loop).result()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """A call whose failure nobody waits for is not an error to log ("never retrieved")."""
+    if not future.cancelled():
+        future.exception()
+
+
+class EngineInfo:
+    """The engine as the routes see it (labels, input shape, preprocessing), without its weights."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.labels: tuple[str, ...] | None = info["labels"]
+        self.spec = info["spec"]
+        self.source, self.dtype = info["source"], info["dtype"]
+        self.device = torch.device(info["device"])  # where the model runs (and JPEGs may decode)
+        self._data_config = dict(info["data_config"])
+        proj = SimpleNamespace(in_channels=info["in_chans"])
+        self.base = SimpleNamespace(num_classes=info["num_classes"], patch_embed=SimpleNamespace(proj=proj))
+
+    def data_config(self) -> dict[str, Any]:
+        return dict(self._data_config)
+
+
+def _no_migration(name: str, key: str, data: bytes) -> Entry:
+    raise RuntimeError("an API process never migrates the store; the model process opened it first")
+
+
+class RemoteRegistry:
+    """The registry as the routes see it (``AdapterRegistry``'s reading side, and its changes)."""
+
+    def __init__(
+        self,
+        link: ModelLink,
+        engine: EngineInfo,
+        store: AdapterStore,
+        *,
+        max_bundle_bytes: int,
+        max_tasks: int,
+    ) -> None:
+        self.link, self.engine, self.store = link, engine, store
+        self.max_bundle_bytes, self.max_tasks = max_bundle_bytes, max_tasks
+        self.catalog = Catalog(store)
+        self._counts: dict[int, int] = {}  # versions answers were computed at -> adapters then
+
+    def open(self) -> None:
+        self.catalog.open(_no_migration, max_bytes=self.max_bundle_bytes)
+
+    def sync(self) -> bool:
+        return bool(self.catalog.refresh())
+
+    @property
+    def version(self) -> int:
+        return self.catalog.version
+
+    def __len__(self) -> int:
+        return len(self.catalog)
+
+    def info(self, version: int | None = None) -> RegistryInfo:
+        count = self._counts.get(version) if version is not None else None
+        if count is None:
+            return RegistryInfo(self.catalog.version, len(self.catalog))
+        return RegistryInfo(version, count)  # type: ignore[arg-type]  # not None here
+
+    def remember(self, info: RegistryInfo) -> None:
+        self._counts[info.version] = info.adapters
+        while len(self._counts) > 256:
+            del self._counts[next(iter(self._counts))]
+
+    def get(self, name: str) -> Entry:
+        entry = self.catalog.get(name)
+        if entry is None:
+            raise UnknownAdapterError(f"no adapter named {name!r} is registered", field="name")
+        return entry
+
+    def training(self, name: str) -> dict[str, Any] | None:
+        return self.link.call_sync("training", name)
+
+    @property
+    def invalid(self) -> dict[str, str]:
+        """The model process's list (it knows the bundles that failed to load), or the catalog's."""
+        try:
+            return self.link.call_sync("invalid")
+        except LinkDownError:
+            return {legacy_name(key) or key: why for key, why in self.catalog.invalid.items()}
+
+    def unknown(self, names: Iterable[str]) -> list[str]:
+        return [n for n in names if n not in self.catalog]
+
+    def all_names(self) -> list[str]:
+        return [e.name for e in self.catalog.page(None, len(self.catalog))]
+
+    def lookup_refresh(self) -> None:
+        self.catalog.refresh_for_lookup()
+
+    def register(
+        self, data: bytes, *, replace: bool = False, authorize: Callable[[AdapterBundle], None] | None = None
+    ) -> tuple[Entry, RegistryInfo, bool]:
+        """Parsed and checked against the caller's key here (422, 403 before anything is sent), then
+        validated, written and journaled by the model process; this replica then reads the change."""
+        bundle = read_bundle(data, max_bytes=self.max_bundle_bytes)
+        if authorize is not None:
+            authorize(bundle)
+        answer = self.link.call_sync("register", data, replace)
+        self.catalog.refresh()
+        return answer
+
+    def delete(self, name: str) -> RegistryInfo:
+        info = self.link.call_sync("delete", name)
+        self.catalog.refresh()
+        return info
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's share of a fused pass, as the model process sends it back."""
+
+    base: np.ndarray
+    adapters: dict[str, np.ndarray]
+    labels: dict[str, tuple[str, ...] | None]  # each adapter's, from the snapshot that answered
+    registry: RegistryInfo  # at the snapshot's version
+    stages: dict[str, float]  # seconds of the stages timed there: queue, copy, pass (and a device decode)
+
+
+class _Prepared(SimpleNamespace):
+    pass
+
+
+class _AnsweredSet:
+    """What ``ClassifyPipeline.respond`` reads of the snapshot that answered: its version and each
+    adapter's labels."""
+
+    def __init__(self, version: int, labels: dict[str, tuple[str, ...] | None]) -> None:
+        self.version = version
+        self.names = tuple(labels)
+        self._labels = labels
+
+    def __getitem__(self, name: str) -> _Prepared:
+        return _Prepared(weights=_Prepared(labels=self._labels[name]))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def as_output(answer: Answer) -> FusedOutput:
+    base = torch.from_numpy(answer.base)
+    n = base.shape[0]
+    rows = torch.arange(n)
+    adapters = {name: torch.from_numpy(values) for name, values in answer.adapters.items()}
+    answered = _AnsweredSet(answer.registry.version, answer.labels)
+    return FusedOutput(base, adapters, dict.fromkeys(adapters, rows), answered)  # type: ignore[arg-type]
+
+
+class RemotePipeline(ClassifyPipeline):
+    """``/classify`` and the protocol's infer in an API process: decoding here, the pass there."""
+
+    def __init__(
+        self,
+        registry: RemoteRegistry,
+        decoder: ImageDecoder,
+        decode_pool: Executor,
+        link: ModelLink,
+        arena: Arena | None,
+        *,
+        max_image_bytes: int,
+        decode_order: FairPool | None = None,
+        device_decoder: DeviceDecoder | None = None,
+    ) -> None:
+        """``device_decoder``: only its checks run here (``prepare``); its JPEGs travel encoded and
+        are decoded on the model's device, in their batch."""
+        super().__init__(
+            registry,  # type: ignore[arg-type]  # the reading side, which is what the pipeline uses here
+            decoder,
+            None,  # type: ignore[arg-type]  # no batcher here: the model process's
+            decode_pool,
+            max_image_bytes=max_image_bytes,
+            decode_order=decode_order,
+            device_decoder=device_decoder,
+        )
+        self.link, self.arena = link, arena
+        self._numbers = itertools.count()
+
+    async def run(
+        self, images: Awaitable[Images], count: int, tasks: list[str] | None, tenant: Tenant = ANONYMOUS
+    ) -> FusedOutput:
+        """The model process's ``ClassifyPipeline.run`` starts first (pins the adapters, announces the
+        images to the batcher), then waits for the images this process decodes meanwhile."""
+        number = next(self._numbers)
+        call = asyncio.ensure_future(self.link.call("run", number, count, tasks, tenant))
+        tickets: list = []
+
+        def free(_: asyncio.Future | None = None) -> None:  # once the model process has answered
+            if self.arena is not None:
+                for ticket in tickets:
+                    self.arena.free(ticket)
+            tickets.clear()
+
+        call.add_done_callback(_retrieve)
+        call.add_done_callback(free)
+        delivered = False
+        try:
+            decoded = await images
+            payload, tickets[:] = pack(decoded, self.arena)
+            if call.done():
+                free()
+            self.link.call_soon("deliver", number, payload)  # after "run" on the one socket
+            delivered = True
+            answer: Answer = await asyncio.shield(call)
+        finally:
+            if not delivered:  # a bad image, or the client went away: the model process stops waiting
+                self.link.call_soon("deliver", number, None)
+        self.registry.remember(answer.registry)  # type: ignore[attr-defined]
+        stages = current_stages()
+        if stages is not None:  # the request's Server-Timing and stage metrics: the model's stages too
+            for stage, seconds in answer.stages.items():
+                stages.add(stage, seconds)
+            stages.answered = time.perf_counter()
+        return as_output(answer)
+
+
+class ResidentCount:
+    """``live.current`` as /readyz reads it: only its size, as the model process last said."""
+
+    def __init__(self) -> None:
+        self.current: list[None] = []
+
+    def set(self, n: int) -> None:
+        self.current = [None] * n
+
+
+@dataclass(frozen=True)
+class RemoteUsage:
+    log: UsageLog | None  # read by GET /usage; the model process writes it
+
+    def flush(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class RemoteService:
+    """``Service`` as an API process has it (server/state.py)."""
+
+    engine: EngineInfo
+    live: ResidentCount
+    registry: RemoteRegistry
+    pipeline: RemotePipeline
+    decode_pool: Executor
+    usage: RemoteUsage
+
+    async def close(self) -> None:
+        self.decode_pool.shutdown(wait=False, cancel_futures=True)
