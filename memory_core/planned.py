@@ -151,17 +151,36 @@ def triton_block(block: Block, z: Tensor, num_base: int, attention: SlotAttentio
 def heads(c: Tensor, pools: SlotPools, plan: PlanTensors, shape: PlanShape, *, kernels: str) -> Tensor:
     """Final class tokens (B, R, D) -> adapter logits, (R * B, C) shared or (N, C) routed."""
     B, R, D = c.shape
-    if shape.shared:  # every image asks for every row's task: one batched product over the rows
-        weight = pools.head_weight.index_select(0, plan.row_slots)  # (R, C, D)
-        bias = pools.head_bias.index_select(0, plan.row_slots)  # (R, C)
-        logits = torch.baddbmm(bias.unsqueeze(1), c.transpose(0, 1), weight.transpose(1, 2))  # (R, B, C)
-        return logits.reshape(R * B, -1)
+    if shape.shared:  # every image asks for every row's task: batched products over the rows
+        return shared_heads(c, pools, plan.row_slots).reshape(R * B, -1)
     flat = c.reshape(B * R, D)
     if kernels == "triton":
         return triton_kernels.gathered_heads(
             flat, plan.out_rows, plan.out_slots, pools.head_weight, pools.head_bias
         )
     return gathered_heads(flat, plan.out_rows, plan.out_slots, pools.head_weight, pools.head_bias)
+
+
+# The most bytes of head weights one shared product gathers: 1,000 adapters of 1,000 classes on a
+# ViT-B would otherwise copy 3 GB of weights per all-tasks pass (float32); in chunks of rows, the
+# copy stays this small whatever K is (the number of chunks depends on the plan's shape alone).
+SHARED_HEAD_BYTES = 64 << 20
+
+
+def shared_heads(c: Tensor, pools: SlotPools, row_slots: Tensor) -> Tensor:
+    """Final class tokens (B, R, D), every row's head applied to every image -> (R, B, C): one
+    batched product per chunk of rows, each gathering only its chunk's heads from the pool."""
+    _, R, D = c.shape  # (B, R, D)
+    C = pools.head_weight.shape[1]
+    per_chunk = max(1, SHARED_HEAD_BYTES // max(1, C * D * pools.head_weight.element_size()))
+    parts = []
+    for start in range(0, R, per_chunk):
+        slots = row_slots[start : start + per_chunk]
+        weight = pools.head_weight.index_select(0, slots)  # (r, C, D)
+        bias = pools.head_bias.index_select(0, slots).unsqueeze(1)  # (r, 1, C)
+        rows = c[:, start : start + per_chunk].transpose(0, 1)  # (r, B, D)
+        parts.append(torch.baddbmm(bias, rows, weight.transpose(1, 2)))  # (r, B, C)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def gathered_heads(c: Tensor, out_rows: Tensor, out_slots: Tensor, weight: Tensor, bias: Tensor) -> Tensor:

@@ -133,3 +133,33 @@ def test_a_planned_pass_keeps_the_pools_it_was_planned_with(engine) -> None:
     _, logits = engine.run_plan(x, plan)
     expected = engine(x, live.current, tasks=[["a"], ["a"]]).adapters["a"]
     assert max_diff(logits[:2, : expected.shape[1]], expected) <= TOL
+
+
+def test_the_all_tasks_heads_gather_a_bounded_chunk_at_a_time(engine, monkeypatch) -> None:
+    """The shared layout's heads run in chunks of rows whose gathered weights stay under
+    ``SHARED_HEAD_BYTES``: the same logits, and no (R, C, D) copy of every head per pass."""
+    from memvit.memory_core import planned
+
+    live = LiveAdapters(engine)
+    weights = [random_adapter(f"a{i}", engine, classes=3 + i) for i in range(7)]
+    live.replace_all(weights)
+    x = images(engine, batch=3)
+    whole = engine(x, live.current)
+    gathered: list[int] = []
+    index_select = torch.Tensor.index_select
+
+    def spy(self, dim, index):
+        out = index_select(self, dim, index)
+        if self.dim() == 3:  # a gather of heads (S, C, D)
+            gathered.append(out.numel() * out.element_size())
+        return out
+
+    row = 16 * engine.spec.width * 4  # one head's bytes: C = 16 (9 classes, to a power of two)
+    monkeypatch.setattr(planned, "SHARED_HEAD_BYTES", 2 * row)  # two rows per chunk
+    monkeypatch.setattr(torch.Tensor, "index_select", spy)
+    chunked = engine(x, live.current)
+    assert gathered and max(gathered) <= 2 * row and len(gathered) == 4  # 7 rows: 2 + 2 + 2 + 1
+    _, reference = DenseMemoryViT(engine.base, weights)(x)
+    for w in weights:
+        assert torch.equal(chunked.adapters[w.name], whole.adapters[w.name])
+        assert max_diff(chunked.adapters[w.name], reference[w.name]) <= TOL
