@@ -159,10 +159,9 @@ def test_a_keys_limits_are_not_multiplied_by_the_processes(group, shared) -> Non
         statuses = [post_image(client, jpeg()).status_code for _ in range(8)]
     assert set(statuses) <= {200, 429}
     if group.mode == "model-process":  # one bucket in the model process: exactly its burst
-        assert statuses.count(200) == 2, statuses
-    else:  # each replica holds half of the burst
-        assert 1 <= statuses.count(200) <= 2, statuses
-    assert statuses[-1] == 429
+        assert statuses.count(200) == 2 and statuses[-1] == 429, statuses
+    else:  # each replica holds half of the burst, spent whenever a request first reaches it
+        assert 1 <= statuses.count(200) <= 2 and 429 in statuses, statuses
 
 
 def _sample(text: str, name: str, **labels: str) -> float:
