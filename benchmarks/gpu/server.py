@@ -40,7 +40,7 @@ MAX_BATCH = {"cuda": 64, "cpu": 8}
 # (label, the server's environment, its loads in turn): "full" is the plan's closed-loop clients,
 # "half" the same clients paced at half what "full" reached. The first model gets the plan's
 # ``server_variants`` first variants, the others the first alone.
-# The last two are issue 36's two front ends (docs/design.md §5, *Several processes*), to be measured
+# The last two are the two front ends of several processes (docs/design.md §5), to be measured
 # on the GPU host and the faster kept: 8 API processes feeding one model process, or 8 replicas.
 API_PROCESSES = "8"
 VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
@@ -57,7 +57,7 @@ VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
         ("full",),
     ),
 )
-SERVER_DTYPE = {"vit_base_patch16_224": "bf16"}  # the issue's goal for ViT-B/16 is in bfloat16
+SERVER_DTYPE = {"vit_base_patch16_224": "bf16"}  # ViT-B/16 is served, and judged, in bfloat16
 SERVER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
