@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from memvit.adapters import AdapterBundle, read_bundle
-from memvit.memory_core import FusedOutput, UnknownAdapterError
+from memvit.memory_core import FusedOutput
 
 from ..device_decode import DeviceDecoder
 from ..fair_queue import FairPool
@@ -43,6 +43,7 @@ from ..link import LinkClient, LinkDownError
 from ..pipeline import ANONYMOUS, ClassifyPipeline, Tenant
 from ..registry import RegistryInfo
 from ..registry.catalog import Catalog
+from ..registry.registry import CatalogReads
 from ..shm_arena import Arena
 from ..stages import current_stages
 from ..store import AdapterStore, Entry
@@ -124,7 +125,7 @@ def _no_migration(name: str, key: str, data: bytes) -> Entry:
     raise RuntimeError("an API process never migrates the store; the model process opened it first")
 
 
-class RemoteRegistry:
+class RemoteRegistry(CatalogReads):
     """The registry as the routes see it (``AdapterRegistry``'s reading side, and its changes)."""
 
     def __init__(
@@ -147,29 +148,10 @@ class RemoteRegistry:
     def sync(self) -> bool:
         return bool(self.catalog.refresh())
 
-    @property
-    def version(self) -> int:
-        return self.catalog.version
-
-    def __len__(self) -> int:
-        return len(self.catalog)
-
-    def info(self, version: int | None = None) -> RegistryInfo:
-        count = self._counts.get(version) if version is not None else None
-        if count is None:
-            return RegistryInfo(self.catalog.version, len(self.catalog))
-        return RegistryInfo(version, count)  # type: ignore[arg-type]  # not None here
-
     def remember(self, info: RegistryInfo) -> None:
         self._counts[info.version] = info.adapters
         while len(self._counts) > 256:
             del self._counts[next(iter(self._counts))]
-
-    def get(self, name: str) -> Entry:
-        entry = self.catalog.get(name)
-        if entry is None:
-            raise UnknownAdapterError(f"no adapter named {name!r} is registered", field="name")
-        return entry
 
     def training(self, name: str) -> dict[str, Any] | None:
         return self.link.call_sync("training", name)
@@ -181,12 +163,6 @@ class RemoteRegistry:
             return self.link.call_sync("invalid")
         except LinkDownError:
             return {legacy_name(key) or key: why for key, why in self.catalog.invalid.items()}
-
-    def unknown(self, names: Iterable[str]) -> list[str]:
-        return [n for n in names if n not in self.catalog]
-
-    def all_names(self) -> list[str]:
-        return [e.name for e in self.catalog.page(None, len(self.catalog))]
 
     def lookup_refresh(self) -> None:
         self.catalog.refresh_for_lookup()

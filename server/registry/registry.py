@@ -51,7 +51,43 @@ class RegistryInfo:
     adapters: int
 
 
-class AdapterRegistry:
+class CatalogReads:
+    """What a registry answers from its catalog alone, for the in-process registry and an API
+    process's replica of it (server/frontend/remote.py). Needs ``catalog`` and ``_counts`` (recent
+    versions -> adapters registered then)."""
+
+    catalog: Catalog
+    _counts: dict[int, int]
+
+    @property
+    def version(self) -> int:
+        return self.catalog.version
+
+    def __len__(self) -> int:
+        return len(self.catalog)
+
+    def info(self, version: int | None = None) -> RegistryInfo:
+        """The registry at ``version`` (a snapshot's, say), as far as it is remembered; else now."""
+        count = self._counts.get(version) if version is not None else None
+        if count is None:
+            return RegistryInfo(self.catalog.version, len(self.catalog))
+        return RegistryInfo(version, count)  # type: ignore[arg-type]  # not None here
+
+    def get(self, name: str) -> Entry:
+        """The registered adapter ``name`` (UnknownAdapterError, a 404, when it is not registered)."""
+        entry = self.catalog.get(name)
+        if entry is None:
+            raise UnknownAdapterError(f"no adapter named {name!r} is registered", field="name")
+        return entry
+
+    def unknown(self, names: Iterable[str]) -> list[str]:
+        return [n for n in names if n not in self.catalog]
+
+    def all_names(self) -> list[str]:
+        return [e.name for e in self.catalog.page(None, len(self.catalog))]
+
+
+class AdapterRegistry(CatalogReads):
     def __init__(
         self,
         live: LiveAdapters,
@@ -85,26 +121,6 @@ class AdapterRegistry:
         self._counts: dict[int, int] = {}  # recent versions -> adapters registered then
 
     # -- reading -----------------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self.catalog.version
-
-    def __len__(self) -> int:
-        return len(self.catalog)
-
-    def info(self, version: int | None = None) -> RegistryInfo:
-        """The registry at ``version`` (a snapshot's, say), as far as it is remembered; else now."""
-        count = self._counts.get(version) if version is not None else None
-        if count is None:
-            return RegistryInfo(self.catalog.version, len(self.catalog))
-        return RegistryInfo(version, count)  # type: ignore[arg-type]  # not None here
-
-    def get(self, name: str) -> Entry:
-        """The registered adapter ``name`` (UnknownAdapterError, a 404, when it is not registered)."""
-        entry = self.catalog.get(name)
-        if entry is None:
-            raise UnknownAdapterError(f"no adapter named {name!r} is registered", field="name")
-        return entry
 
     def training(self, name: str) -> dict[str, Any] | None:
         """The ``training`` metadata of ``name``'s bundle: from its resident copy, or read from the
@@ -122,9 +138,6 @@ class AdapterRegistry:
         found.update({name: why for name, (_, why) in self.loader.failed.items()})
         return found
 
-    def unknown(self, names: Iterable[str]) -> list[str]:
-        return [n for n in names if n not in self.catalog]
-
     def closure(self, names: Iterable[str]) -> tuple[str, ...]:
         """``names`` with their registered ancestors, each parent before its extensions."""
         ordered: dict[str, None] = {}
@@ -132,9 +145,6 @@ class AdapterRegistry:
             for member in reversed(self.catalog.lineage(name)):
                 ordered.setdefault(member, None)
         return tuple(ordered)
-
-    def all_names(self) -> list[str]:
-        return [e.name for e in self.catalog.page(None, len(self.catalog))]
 
     # -- requests ----------------------------------------------------------------------------------
     def acquire(self, names: Iterable[str], *, optional: bool = False) -> Pin:
