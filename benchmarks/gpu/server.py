@@ -35,6 +35,7 @@ from memvit.memory_core import MemoryViT, save_base
 
 from .plan import ARCHS, DTYPES, Plan, adapters, engine, sync
 from .report import Budget, StepReport, goal
+from .stage_metrics import stage_means, stage_sums
 
 MAX_BATCH = {"cuda": 64, "cpu": 8}
 # (label, the server's environment, its loads in turn): "full" is the plan's closed-loop clients,
@@ -278,9 +279,9 @@ def _serve(
 
 def _load(url: str, requests: list[bytes], clients: int, plan: Plan, bound: float | None, rate) -> dict:
     port = int(url.rsplit(":", 1)[1])
-    before = _stage_sums(url)
+    before = stage_sums(url)
     result = asyncio.run(load("127.0.0.1", port, requests, clients, plan.server_seconds, rate=rate))
-    stages = _stage_means(before, _stage_sums(url))
+    stages = stage_means(before, stage_sums(url))
     share = result.throughput / bound if bound else None
     row = {
         "img/s": result.throughput,
@@ -298,34 +299,3 @@ def _load(url: str, requests: list[bytes], clients: int, plan: Plan, bound: floa
         row["offered img/s"] = rate
         row["goal p99 <= 2 x p50"] = goal(result.p99_ms / result.p50_ms, "<=", 2.0)
     return row
-
-
-def _stage_sums(url: str) -> dict[str, float]:
-    """The server's stage, batch and pass histograms' sums and counts, from /metrics."""
-    import httpx
-
-    names = ("memvit_stage_seconds_", "memvit_batch_images_", "memvit_fused_pass_seconds_")
-    sums: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(names) and ("_sum" in line or "_count" in line):
-            key, value = line.rsplit(" ", 1)
-            sums[key] = float(value)
-    return sums
-
-
-def _stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Mean milliseconds of each request stage, the mean batch and pass, over one load."""
-
-    def delta(key: str) -> float:
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    out: dict[str, float | None] = {}
-    for key in after:
-        if key.startswith("memvit_stage_seconds_sum"):
-            count = delta(key.replace("_sum", "_count"))
-            out[f"{key.split(chr(34))[1]} ms"] = 1e3 * delta(key) / count if count else None
-    batches = delta("memvit_batch_images_count")
-    if batches:
-        out["mean batch"] = delta("memvit_batch_images_sum") / batches
-        out["mean pass ms"] = 1e3 * delta("memvit_fused_pass_seconds_sum") / batches
-    return out
