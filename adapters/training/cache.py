@@ -38,6 +38,7 @@ from ..files import fsync_dir
 from ..preprocess import decode_target, eval_transform
 from .cache_key import DTYPES, CacheError, CacheSpec, cache_key, check_key, files, read_manifest
 from .data import ImageDataset, Samples
+from .device import autocast, pinning, to_device
 from .residency import all_resident
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,10 @@ def _fill(
     logits = np.memmap(temp / "base_logits.bin", np.float32, "w+", shape=logits_shape)
     dtype = getattr(torch, key["dtype"])
     dataset = ImageDataset(samples, eval_transform(engine), shrink_to=decode_target(engine, decode))
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers)
+    device = engine.device
+    # Built by the engine where it is (the training device), in the run's precision; the images
+    # decoded in worker processes and copied from pinned memory, as training reads them.
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, pin_memory=pinning(device))
     views = len(key["views"])
     start = 0
     # disable=None: a bar on a terminal only, never in captured or piped output.
@@ -219,10 +223,11 @@ def _fill(
         total=len(samples), desc="activation cache", unit="img", disable=None if progress else True
     ) as bar:
         for images, _ in loader:
-            x = images.to(engine.device)
+            x = to_device(images, device)
             if views == 2:
                 x = torch.cat([x, x.flip(-1)])  # the mirror image of the eval crop
-            base_logits, layers = capture(engine, x, key["store"])
+            with torch.no_grad(), autocast(device, key.get("precision", "float32")):
+                base_logits, layers = capture(engine, x, key["store"])
             n = len(images)
             layers = _per_image(layers.to(dtype), views)  # (n, V, ...)
             stored = layers.view(torch.uint16) if dtype == torch.bfloat16 else layers

@@ -40,6 +40,7 @@ class CacheSpec:
     store: str = "inputs"
     views: int = 2
     rebuild: bool = False
+    precision: str = "float32"  # of the base's pass that builds it (device.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,12 +52,16 @@ class CacheSpec:
 
     def part(self, name: str, *, views: int | None = None) -> CacheSpec:
         """The same settings for one image set under this directory (e.g. "train", "val")."""
-        return CacheSpec(self.directory / name, self.dtype, self.store, views or self.views, self.rebuild)
+        return CacheSpec(
+            self.directory / name, self.dtype, self.store, views or self.views, self.rebuild, self.precision
+        )
 
 
 def cache_key(engine: MemoryViT, samples: Samples, spec: CacheSpec, decode: str) -> dict[str, Any]:
     """Everything a cache's numbers depend on; a cache serves only a request with an equal key."""
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in engine.data_config().items()}
+    # The base's pass in another precision computes other numbers; float32 keys as before precisions.
+    precision = {} if spec.precision == "float32" else {"precision": spec.precision}
     return {
         "format": FORMAT,
         "base_model": engine.spec.arch,
@@ -68,6 +73,7 @@ def cache_key(engine: MemoryViT, samples: Samples, spec: CacheSpec, decode: str)
         "views": list(VIEWS[: spec.views]),
         "dtype": spec.dtype,
         "store": spec.store,
+        **precision,
     }
 
 
@@ -112,11 +118,14 @@ _WHAT = {
     "views": "the views",
     "dtype": "the storage dtype",
     "store": "the store",
+    "precision": "the precision of the base's pass",
 }
 
 
 def check_key(directory: Path, manifest: dict[str, Any], key: dict[str, Any], samples: Samples) -> None:
     old = manifest["key"]
+    if "precision" in old or "precision" in key:  # absent: float32
+        old, key = {"precision": "float32", **old}, {"precision": "float32", **key}
     changed = [k for k in key if old.get(k) != key[k]]
     if not changed:
         return

@@ -5,7 +5,8 @@ permutations, a resumed run starting where it stopped). Random crops cannot be c
 augmentation is the choice of view: with an original and a mirrored view per image, each sample of
 each epoch is the mirror with probability ``hflip``, drawn from (seed, epoch) so a run is reproducible.
 The next batch is read on a thread while the current one trains, so a cache streaming from disk
-overlaps its reads with the compute.
+overlaps its reads with the compute. The cache may be an ``ActivationCache`` or one placed for the
+training device (cache_placement.py: then a batch is gathered in device or pinned memory).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +24,9 @@ from memvit.memory_core.cached import CachedBatch
 
 from .cache import ActivationCache
 from .data import Samples, StreamSampler
+
+if TYPE_CHECKING:
+    from .cache_placement import PlacedCache
 
 
 def view_choices(seed: int, epoch: int, n: int, views: int, hflip: float) -> np.ndarray:
@@ -47,7 +52,7 @@ class CachedStream:
 
     def __init__(
         self,
-        cache: ActivationCache,
+        cache: ActivationCache | PlacedCache,
         samples: Samples,
         *,
         batch_size: int,
@@ -86,7 +91,7 @@ class CachedStream:
 
 
 def in_order(
-    cache: ActivationCache, samples: Samples, batch_size: int
+    cache: ActivationCache | PlacedCache, samples: Samples, batch_size: int
 ) -> Iterator[tuple[CachedBatch, Tensor]]:
     """Every image once, in order, as its original view (evaluation)."""
     labels = torch.tensor(samples.labels)

@@ -17,7 +17,7 @@ import torch
 from memvit.memory_core import MemoryViT
 
 from ..files import write_atomic
-from .config import CACHE_FIELDS, TrainConfig, TrainingError
+from .config import CACHE_FIELDS, RUNTIME_FIELDS, TrainConfig, TrainingError
 from .variant import Variant
 
 CHECKPOINT_VERSION = 2  # 2: several adapters per run
@@ -66,11 +66,15 @@ def read_checkpoint(path: str | Path, engine: MemoryViT, variants: list[Variant]
 
 
 def config_key(config: TrainConfig) -> dict[str, Any]:
-    """Everything that shapes the run; workers, eval batch size and where a cache lives do not change
-    the result (whether there is one does: it decides the augmentation)."""
+    """Everything that shapes the run; the workers, the eval batch size, the device, where a cache
+    lives and is read from do not change the result (whether there is one does: it decides the
+    augmentation), so a run may resume on another device. A run in float32 keys as runs did before
+    precisions existed."""
     key = dataclasses.asdict(config)
-    for k in ("workers", "eval_batch_size", "extra"):
+    for k in (*RUNTIME_FIELDS, "extra"):
         key.pop(k)
+    if key["precision"] == "float32":
+        key.pop("precision")
     key["crop_scale"] = list(key["crop_scale"])
     if config.cache is None:  # an uncached run keys as it did before caches existed
         for k in CACHE_FIELDS:

@@ -18,6 +18,7 @@ from typing import Any
 from memvit.memory_core import AdapterError, MemvitError, check_memory_norm, check_name
 
 from .cache_key import CacheError, CacheSpec
+from .device import check_device, check_precision
 from .memory_init import MEMORY_INITS
 
 
@@ -110,7 +111,33 @@ class TrainConfig:
             "or keys-values (the uncached pass's own tensors: float32 storage matches it bit for bit)"
         },
     )
-    workers: int = field(default=0, metadata={"help": "data-loading processes"})
+    cache_placement: str = field(
+        default="auto",
+        metadata={
+            "help": "where --cache is read from while training: device (the training device's memory), "
+            "pinned (page-locked host memory, CUDA only), disk (memory-mapped, read ahead per batch) or "
+            "auto (device when it fits in half the free device memory, else pinned when it fits in half "
+            "the free host memory, else disk; on the CPU: disk)"
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={"help": "where to train: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N"},
+    )
+    precision: str = field(
+        default="float32",
+        metadata={
+            "help": "dtype of the frozen base's pass: float32, or bfloat16 (autocast; what learns stays "
+            "float32)"
+        },
+    )
+    workers: int | None = field(
+        default=None,
+        metadata={
+            "help": "image-decoding processes (default: on a GPU host up to 8, a core left free; on the CPU "
+            "none)"
+        },
+    )
     eval_batch_size: int = field(default=64, metadata={"help": "batch size for validation"})
     extra: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "free-form run metadata", "cli": False}
@@ -140,6 +167,17 @@ class TrainConfig:
         ):
             raise TrainingError("need lr > 0, 0 <= momentum < 1, clip_grad > 0 and 0 <= warmup_fraction < 1")
         self.crop_scale = tuple(self.crop_scale)
+        if self.workers is not None and self.workers < 0:
+            raise TrainingError(f"workers must be >= 0, got {self.workers}")
+        if self.cache_placement not in PLACEMENTS:
+            raise TrainingError(
+                f"cache placement must be one of {', '.join(PLACEMENTS)}, got {self.cache_placement!r}"
+            )
+        try:
+            check_device(self.device)
+            check_precision(self.precision)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
         try:
             self.cache_spec()  # checks the cache settings
         except CacheError as exc:
@@ -147,9 +185,8 @@ class TrainConfig:
 
     def cache_spec(self, *, rebuild: bool = False) -> CacheSpec | None:
         """The activation cache this run trains from, or None (from images)."""
-        spec = CacheSpec(
-            Path(self.cache or "."), self.cache_dtype, self.cache_store, self.cache_views, rebuild
-        )
+        where = Path(self.cache or ".")
+        spec = CacheSpec(where, self.cache_dtype, self.cache_store, self.cache_views, rebuild, self.precision)
         return spec if self.cache is not None else None
 
     def hyper_parameters(self) -> dict[str, Any]:
@@ -161,6 +198,8 @@ class TrainConfig:
             "workers",
             "eval_batch_size",
             "extra",
+            "device",
+            "cache_placement",
             *CACHE_FIELDS,
         }
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
@@ -195,10 +234,16 @@ SHARED_FIELDS = (
     "cache_dtype",
     "cache_views",
     "cache_store",
+    "cache_placement",
+    "device",
+    "precision",
     "workers",
     "eval_batch_size",
 )
 CACHE_FIELDS = ("cache", "cache_dtype", "cache_views", "cache_store")
+PLACEMENTS = ("auto", "device", "pinned", "disk")  # cache_placement (cache_placement.py)
+# Where and how fast a run computes, not what it computes: a checkpoint resumes under other values.
+RUNTIME_FIELDS = ("workers", "eval_batch_size", "device", "cache_placement")
 # Each adapter's own: what a sweep may vary.
 VARIANT_FIELDS = tuple(
     f.name for f in dataclasses.fields(TrainConfig) if f.name not in SHARED_FIELDS and f.name != "extra"

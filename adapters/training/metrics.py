@@ -4,13 +4,18 @@
 and scores that task's logits; it then runs the same images through a set holding only that adapter
 (and its ancestors) and checks that the predictions are the same: an adapter's accuracy must not
 depend on which other adapters are served with it.
+
+Both run on the engine's device. ``precision="bfloat16"`` runs the base's pass under bfloat16
+autocast and the class-token path from its activations in float32, as training does (device.py,
+base_pass.py); float32 scores through the served pass itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader
@@ -19,10 +24,15 @@ from memvit.memory_core import BASE_TASK, AdapterSet, AdapterWeights, LiveAdapte
 from memvit.memory_core.cached import CachedBatch
 
 from ..preprocess import Transform, decode_target, eval_transform
+from .base_pass import BasePass
 from .cache import ActivationCache
 from .cache_key import CacheSpec
 from .cache_stream import in_order
 from .data import DataError, ImageDataset, Samples, scan_folder
+from .device import pinning, to_device
+
+if TYPE_CHECKING:
+    from .cache_placement import PlacedCache
 
 
 class LabelMatchError(DataError):
@@ -67,13 +77,23 @@ def _batches(
     batch_size: int,
     workers: int,
     shrink_to: int | None = None,
-    cache: ActivationCache | None = None,
-) -> Iterable[tuple[torch.Tensor | CachedBatch, torch.Tensor]]:
-    """(images or cached activations, labels) of every sample once, in order."""
+    cache: ActivationCache | PlacedCache | None = None,
+    *,
+    engine: MemoryViT,
+    precision: str = "float32",
+) -> Iterator[tuple[torch.Tensor | CachedBatch, torch.Tensor]]:
+    """(images or cached activations, labels) of every sample once, in order, on the engine's device;
+    in a precision other than float32 the images come as the base's activations (``BasePass``)."""
+    device = engine.device
     if cache is not None:
-        return in_order(cache, samples, batch_size)
-    dataset = ImageDataset(samples, transform, shrink_to=shrink_to)
-    return DataLoader(dataset, batch_size=batch_size, num_workers=workers)
+        source: Iterable = in_order(cache, samples, batch_size)
+    else:
+        dataset = ImageDataset(samples, transform, shrink_to=shrink_to)
+        source = DataLoader(dataset, batch_size=batch_size, num_workers=workers, pin_memory=pinning(device))
+    base_pass = None if cache is not None or precision == "float32" else BasePass(engine, precision)
+    for batch, labels in source:
+        batch = to_device(batch, device)
+        yield (batch if base_pass is None else base_pass(batch)), to_device(labels, device)
 
 
 @torch.inference_mode()
@@ -86,7 +106,8 @@ def evaluate_many(
     batch_size: int = 64,
     workers: int = 0,
     parent: PreparedAdapter | None = None,
-    cache: ActivationCache | None = None,
+    cache: ActivationCache | PlacedCache | None = None,
+    precision: str = "float32",
 ) -> list[Accuracy]:
     """Accuracy of each adapter (all sharing ``parent``, if any) on the same labelled samples.
 
@@ -96,7 +117,9 @@ def evaluate_many(
     prepared = tuple(engine.prepare_many(list(weights)))
     adapter_set = AdapterSet(((parent,) if parent else ()) + prepared)
     counts = [[0, 0] for _ in weights]
-    for images, labels in _batches(samples, transform, batch_size, workers, cache=cache):
+    for images, labels in _batches(
+        samples, transform, batch_size, workers, cache=cache, engine=engine, precision=precision
+    ):
         out = engine(images, adapter_set)
         for count, w in zip(counts, weights, strict=True):
             c1, c5 = _count(out.adapters[w.name], labels)
@@ -129,12 +152,14 @@ def evaluate_tasks(
     limit: int | None = None,
     decode: str = "exact",
     cache: CacheSpec | None = None,
+    precision: str = "float32",
 ) -> list[TaskReport]:
     """Score each task ("base" or an adapter name) on its folder, through ``live``'s current set.
 
     ``decode``: "exact" or "fast", as the server's ``MEMVIT_DECODE`` (the same ``load_rgb``).
     ``cache``: read each task's images from the activation cache ``cache.directory/<task>`` (built if
-    absent, refused if it was built from other images, base or preprocessing)."""
+    absent, refused if it was built from other images, base or preprocessing). ``precision``: of the
+    base's pass (module docstring)."""
     engine, adapters = live.engine, live.current  # one snapshot for every task
     transform = eval_transform(engine)
     shrink_to = decode_target(engine, decode)
@@ -164,7 +189,11 @@ def evaluate_tasks(
                 batch_size=batch_size,
                 workers=workers,
             )
-        for images, folder_labels in _batches(samples, transform, batch_size, workers, shrink_to, task_cache):
+        batches = _batches(
+            samples, transform, batch_size, workers, shrink_to, task_cache, engine=engine, precision=precision
+        )
+        rows = rows.to(engine.device)
+        for images, folder_labels in batches:
             target = rows[folder_labels]
             out = engine(images, adapters)
             logits = out.base if task == BASE_TASK else out.adapters[task]

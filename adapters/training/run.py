@@ -9,41 +9,37 @@
 ``trainer.train_adapters`` and ``trainer.train_adapter`` do all of that in one call.
 
 SGD with momentum, gradient-norm clipping, linear warm-up then cosine decay stepped per optimiser
-step. The base runs without autograd (docs/design.md §2.3): only the class-token path is recorded, so
-a step costs about one inference pass. Each batch goes through the base once, with every adapter's
-class-token row alongside (``variant.fused_step``; docs/design.md §2.8). The result is a
-``memvit.adapter/1`` bundle per adapter whose ``training`` metadata records the data, the steps, the
-hyper-parameters and the validation accuracy.
+step. The run computes on ``config.device`` (the engine is moved there) with the base's pass in
+``config.precision`` (device.py). The base runs without autograd (docs/design.md §2.3; a CUDA graph
+on CUDA, base_pass.py): only the class-token path is recorded, so a step costs about one inference
+pass. Each batch goes through the base once for every adapter (``step.TrainStep``; docs/design.md
+§2.8). The result is a ``memvit.adapter/1`` bundle per adapter whose ``training`` metadata records
+the data, the steps, the hyper-parameters, the device and the validation accuracy.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-from torch.utils.data import DataLoader
-from tqdm import tqdm
+from memvit.memory_core import MemoryViT
 
-from memvit.memory_core import MemoryViT, PreparedAdapter
-from memvit.memory_core.cached import CachedBatch
-
-from ..attach import check_compatible
 from ..bundle import AdapterBundle, bundle_for, save_bundle
-from ..preprocess import eval_transform, train_transform
-from ..reader import read_bundle
-from .cache import ActivationCache
-from .cache_stream import CachedStream, augmentation
+from ..preprocess import eval_transform
+from . import setup
+from .batches import Feed, batches
+from .cache_stream import augmentation
 from .checkpoint import read_checkpoint, write_checkpoint
 from .config import TrainConfig, TrainingError, check_together
-from .data import ImageDataset, Samples, StreamSampler, scan_folder, split
+from .device import describe
 from .metrics import Accuracy, evaluate_many
+from .progress import Progress
 from .results import TrainResult
-from .variant import Variant, fused_step
+from .step import TrainStep
+from .variant import Variant
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +65,29 @@ class TrainingRun:
         self._started = time.perf_counter()
         self.engine = engine
         self.config = check_together(configs)  # the first; every config shares its data and steps
-        self.train_samples, self.val_samples = _data(self.config)
-        self.train_cache, self.val_cache = _caches(
-            engine, self.config, (self.train_samples, self.val_samples), rebuild_cache, progress
+        self.device = setup.device_for(engine, self.config)  # the engine moves there
+        self.workers = setup.workers_for(self.config, self.device)
+        self.train_samples, self.val_samples = setup.data(self.config)
+        self.train_cache, self.val_cache = setup.caches(
+            engine, self.config, (self.train_samples, self.val_samples), rebuild_cache, progress, self.workers
         )
-        self.parent = _parent(engine, self.config, [c.name for c in configs])
+        self.parent = setup.parent(engine, self.config, [c.name for c in configs])
         per_epoch = math.ceil(len(self.train_samples) / self.config.batch_size)
         self.total = self.config.steps or max(1, round(self.config.epochs * per_epoch))
         init_images = None
         if any(c.memory_init == "tokens" and c.memory_tokens for c in configs):
-            init_images = _init_images(engine, self.train_samples, self.config.seed)
+            init_images = setup.init_images(engine, self.train_samples, self.config.seed)
         classes = self.train_samples.classes
         self.variants = [Variant(engine, c, classes, self.parent, self.total, init_images) for c in configs]
+        self.train_step = TrainStep(engine, self.variants, self.parent, self.config.precision)
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.checkpoint_every = checkpoint_every
         self.curve_steps = {round(self.total * (i + 1) / curve_points) for i in range(curve_points)}
         self.progress = progress
         self.steps = 0  # optimiser steps taken (a resumed run counts those before the checkpoint)
         self.seen = 0  # images trained on in this process (the progress bar's running accuracy)
-        self._batches: Iterator[tuple[torch.Tensor | CachedBatch, torch.Tensor]] | None = None
+        self._batches: Feed | None = None
+        self.speed: dict[str, float] = {}  # the last ``run``'s images/s and where its time went
 
     @property
     def augmentation(self) -> str:
@@ -113,6 +113,7 @@ class TrainingRun:
         """Write the checkpoint now (``step`` writes it every ``checkpoint_every`` steps and at the end)."""
         if self.checkpoint is None:
             raise TrainingError("this run has no checkpoint file")
+        self.train_step.flush()
         write_checkpoint(self.checkpoint, self.engine, self.variants, self.steps)
 
     def step(self) -> None:
@@ -121,11 +122,20 @@ class TrainingRun:
         if self.finished:
             raise TrainingError(f"the run is finished ({self.total} steps)")
         if self._batches is None:
-            self._batches = iter(self._loader())
+            source = batches(
+                self.engine,
+                self.config,
+                self.train_samples,
+                self.train_cache,
+                total=self.total,
+                start=self.steps,
+                workers=self.workers,
+            )
+            self._batches = Feed(source, self.device)
         images, labels = next(self._batches)
         if not self.engine.training:
             self.engine.train()  # the base stays in eval mode; see MemoryViT.train
-        fused_step(self.engine, self.variants, self.parent, images, labels)
+        self.train_step(images, labels)
         self.steps += 1
         self.seen += len(labels)
         if self.steps in self.curve_steps and not self.finished:  # the last point is finish()'s
@@ -137,27 +147,19 @@ class TrainingRun:
         """Step to step ``until`` (default: the end), with a progress bar; the engine ends in eval mode."""
         stop = self.total if until is None else min(until, self.total)
         desc = self.config.name if len(self.variants) == 1 else f"{len(self.variants)} adapters"
-        bar = tqdm(
-            total=self.total,
-            initial=self.steps,
-            desc=desc,
-            unit="step",
-            disable=not self.progress,
-            dynamic_ncols=True,
-        )
+        bar = Progress(self.total, self.steps, desc, enabled=self.progress)
         try:
             while self.steps < stop:
-                tick, seen = time.perf_counter(), self.seen
                 self.step()
-                best = max(self.variants, key=lambda v: v.correct)
-                bar.set_postfix(
-                    loss=f"{min(v.losses[-1] for v in self.variants):.3f}",
-                    acc=f"{best.correct / self.seen:.3f}",
-                    img_s=f"{(self.seen - seen) / (time.perf_counter() - tick):.1f}",
-                )
-                bar.update(1)
+                assert self._batches is not None
+                if bar.advance(self.config.batch_size, self._batches.take_waited()):
+                    self.train_step.flush()  # the one read-back of the steps' losses
+                    best = max(self.variants, key=lambda v: v.correct)
+                    bar.show(min(v.losses[-1] for v in self.variants), best.correct / max(1, self.seen))
         finally:
             bar.close()
+            self.speed = bar.summary()
+            self.train_step.flush()
             self.engine.eval()
 
     def finish(self, outs: Sequence[str | Path] | None = None) -> list[TrainResult]:
@@ -165,6 +167,7 @@ class TrainingRun:
         if not self.finished:
             raise TrainingError(f"the run is at step {self.steps} of {self.total}: run it to the end first")
         self._batches = None
+        self.train_step.flush()
         finals = self._score()
         seconds = time.perf_counter() - self._started
         results = []
@@ -180,27 +183,9 @@ class TrainingRun:
             )
         return results
 
-    def _loader(self) -> Iterable[tuple[torch.Tensor | CachedBatch, torch.Tensor]]:
-        """The batches from the current step to the end: a resumed run skips what it has seen."""
-        c = self.config
-        draws, start = self.total * c.batch_size, self.steps * c.batch_size
-        if self.train_cache is not None:
-            return CachedStream(
-                self.train_cache,
-                self.train_samples,
-                batch_size=c.batch_size,
-                seed=c.seed,
-                draws=draws,
-                start=start,
-                hflip=c.hflip,
-            )
-        transform = train_transform(self.engine, scale=c.crop_scale, hflip=c.hflip)
-        dataset = ImageDataset(self.train_samples, transform, seed=c.seed)
-        sampler = StreamSampler(len(dataset), c.seed, draws, start=start)
-        return DataLoader(dataset, batch_size=c.batch_size, sampler=sampler, num_workers=c.workers)
-
     def _score(self) -> list[Accuracy]:
         """Every variant on the validation split in one fused pass per batch; adds a curve point."""
+        self.train_step.flush()
         self.engine.eval()
         accuracies = evaluate_many(
             self.engine,
@@ -208,9 +193,10 @@ class TrainingRun:
             self.val_samples,
             eval_transform(self.engine),
             batch_size=self.config.eval_batch_size,
-            workers=self.config.workers,
+            workers=self.workers,
             parent=self.parent,
             cache=self.val_cache,
+            precision=self.config.precision,
         )
         for v, accuracy in zip(self.variants, accuracies, strict=True):
             if not v.curve or v.curve[-1][0] != self.steps:
@@ -237,52 +223,8 @@ class TrainingRun:
             "val_accuracy": {"top1": val.top1, "top5": val.top5},
             "final_train_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
             "seconds": round(seconds, 1),
+            "device": describe(self.device),
+            "speed": {k: round(v, 3) for k, v in self.speed.items()},
             **config.extra,
         }
         return bundle_for(variant.adapter.weights(), self.engine, training=training)
-
-
-def _data(config: TrainConfig) -> tuple[Samples, Samples]:
-    samples = scan_folder(config.train_dir)
-    if config.val_dir:
-        return samples, scan_folder(config.val_dir, classes=samples.classes)
-    return split(samples, config.val_fraction, config.seed)
-
-
-def _caches(
-    engine: MemoryViT, config: TrainConfig, samples: tuple[Samples, Samples], rebuild: bool, progress: bool
-) -> tuple[ActivationCache | None, ActivationCache | None]:
-    """The training and validation caches (``DIR/train``, ``DIR/val``), opened or built; or none."""
-    spec = config.cache_spec(rebuild=rebuild)
-    if spec is None:
-        return None, None
-    if spec.views == 2 and config.hflip <= 0:
-        log.warning("--cache-views 2 with hflip 0: the mirrored views are cached but never used")
-    train, val = samples
-    kw = {"batch_size": config.eval_batch_size, "workers": config.workers, "progress": progress}
-    return (
-        ActivationCache.open_or_build(spec.part("train"), engine, train, **kw),
-        ActivationCache.open_or_build(spec.part("val", views=1), engine, val, **kw),
-    )
-
-
-def _parent(engine: MemoryViT, config: TrainConfig, names: list[str]) -> PreparedAdapter | None:
-    if config.parent is None:
-        return None
-    bundle = read_bundle(config.parent)
-    check_compatible(bundle, engine)
-    if bundle.weights.parent is not None:
-        raise TrainingError(
-            f"parent {bundle.name!r} itself extends {bundle.weights.parent!r}; "
-            "training on top of a chain is not supported yet"
-        )
-    if bundle.name in names:
-        raise TrainingError(f"the new adapter cannot have its parent's name {bundle.name!r}")
-    return engine.prepare(bundle.weights)
-
-
-def _init_images(engine: MemoryViT, samples: Samples, seed: int, count: int = 16) -> torch.Tensor:
-    """A seeded handful of training images, as the model sees them, to draw initial memory from."""
-    indices = random.Random(seed).sample(range(len(samples)), min(count, len(samples)))
-    dataset = ImageDataset(samples.subset(indices), eval_transform(engine))
-    return torch.stack([dataset[i][0] for i in range(len(dataset))])

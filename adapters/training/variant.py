@@ -1,9 +1,6 @@
-"""One adapter being trained: its parameters, optimiser and schedule (``Variant``), and the step
-that trains any number of them from one fused pass over a batch (``fused_step``).
-
-Rows never attend to each other, so the summed loss gives each adapter exactly the gradient it would
-get alone; each has its own optimiser, learning rates, schedule and clipping, so each ends where it
-would have ended alone (docs/design.md §2.8).
+"""One adapter being trained: its parameters, optimiser and schedule (``Variant``), on the engine's
+device. The step that trains any number of them from one pass over a batch is step.py's
+(``TrainStep``); their optimiser steps run together (update.py).
 """
 
 from __future__ import annotations
@@ -12,11 +9,8 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from memvit.memory_core import AdapterSet, MemoryViT, PreparedAdapter
-from memvit.memory_core.cached import CachedBatch
+from memvit.memory_core import MemoryViT, PreparedAdapter
 
 from .config import TrainConfig
 from .memory_init import token_memory
@@ -70,7 +64,9 @@ class Variant:
             generator=torch.Generator().manual_seed(config.start_seed),
             memory=memory,
         )
-        a = self.adapter
+        # Initialised on the host from seeded CPU generators (the same start on every device), then
+        # moved: the optimiser is made for the parameters where they train.
+        a = self.adapter.to(engine.device)
         self.params = [p for p in a.parameters() if p.requires_grad]
         groups = [{"params": list(a.head.parameters())}]
         if a.cls_token.requires_grad:
@@ -105,28 +101,3 @@ class Variant:
         self.schedule.load_state_dict(state["schedule"])
         self.losses = list(state["losses"])
         self.curve = [(int(s), float(a)) for s, a in state["curve"]]
-
-
-def fused_step(
-    engine: MemoryViT,
-    variants: list[Variant],
-    parent: PreparedAdapter | None,
-    images: torch.Tensor | CachedBatch,
-    labels: torch.Tensor,
-) -> None:
-    """One optimiser step for every variant, from one fused pass over the batch (the base runs once;
-    from an activation cache, not at all)."""
-    prepared = tuple(engine.prepare_many([v.adapter.live_weights() for v in variants]))
-    out = engine(images, AdapterSet(((parent,) if parent else ()) + prepared))
-    losses = [F.cross_entropy(out.adapters[v.name].float(), labels) for v in variants]
-    for v in variants:
-        v.optimizer.zero_grad(set_to_none=True)
-    # Each loss depends on its own adapter's parameters only (rows never attend to each other), so
-    # the sum's gradient for each adapter is that adapter's own loss gradient.
-    torch.stack(losses).sum().backward()
-    for v, loss in zip(variants, losses, strict=True):
-        nn.utils.clip_grad_norm_(v.params, v.config.clip_grad)
-        v.optimizer.step()
-        v.schedule.step()
-        v.losses.append(loss.item())
-        v.correct += int((out.adapters[v.name].argmax(-1) == labels).sum())

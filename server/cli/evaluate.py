@@ -46,25 +46,47 @@ def evaluate(
         str, typer.Option(help="what --cache keeps per layer: inputs or keys-values")
     ] = "inputs",
     rebuild_cache: Annotated[bool, typer.Option(help="build --cache afresh, whatever it holds")] = False,
+    device: Annotated[
+        str, typer.Option(help="where to score: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
+    ] = "auto",
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="dtype of the base's pass: float32 (the served pass itself) or bfloat16 (autocast; the "
+            "adapters' path in float32, as `memvit train --precision bfloat16` validates)"
+        ),
+    ] = "float32",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Top-1/top-5 of the base and of each adapter through ONE fused model, checked against each alone."""
     from memvit.adapters import attach_bundle
     from memvit.adapters.training import evaluate_tasks
     from memvit.adapters.training.cache_key import CacheSpec
+    from memvit.adapters.training.device import check_precision, resolve_device
     from memvit.adapters.training.metrics import LabelMatchError
     from memvit.memory_core import BASE_TASK, LiveAdapters, MemvitError
 
     engine = None
     try:
         tasks = dict(_task_dir(item) for item in val)
-        engine = load_engine(arch, weights, labels=read_labels(labels) if labels else None)
+        check_precision(precision)
+        target = resolve_device(device)
+        engine = load_engine(arch, weights, labels=read_labels(labels) if labels else None).to(target)
         live = LiveAdapters(engine)
         for path in adapter or []:
             attach_bundle(live, path)
-        spec = None if cache is None else CacheSpec(cache, cache_dtype, cache_store, 1, rebuild_cache)
+        spec = None
+        if cache is not None:
+            spec = CacheSpec(cache, cache_dtype, cache_store, 1, rebuild_cache, precision)
         reports = evaluate_tasks(
-            live, tasks, batch_size=batch_size, workers=workers, limit=limit, decode=decode, cache=spec
+            live,
+            tasks,
+            batch_size=batch_size,
+            workers=workers,
+            limit=limit,
+            decode=decode,
+            cache=spec,
+            precision=precision,
         )
     except LabelMatchError as exc:
         if exc.task == BASE_TASK and exc.matches == 0 and engine is not None and engine.labels is None:

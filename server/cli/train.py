@@ -63,7 +63,10 @@ def train(
     cache_dtype: Annotated[str, _field("cache_dtype")] = "float16",
     cache_views: Annotated[int, _field("cache_views")] = 2,
     cache_store: Annotated[str, _field("cache_store")] = "inputs",
-    workers: Annotated[int, _field("workers")] = 0,
+    cache_placement: Annotated[str, _field("cache_placement")] = "auto",
+    device: Annotated[str, _field("device")] = "auto",
+    precision: Annotated[str, _field("precision")] = "float32",
+    workers: Annotated[int | None, _field("workers")] = None,
     eval_batch_size: Annotated[int, _field("eval_batch_size")] = 64,
     # -- the command's own ---------------------------------------------------------------------------
     config: Annotated[

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import memvit.adapters.training.cache as cache_module
-import memvit.adapters.training.run as run_module
+import memvit.adapters.training.batches as batches_module
 from memvit.adapters.preprocess import eval_transform
 from memvit.adapters.training import TrainConfig, TrainingRun, scan_folder, train_adapters
 from memvit.adapters.training.cache import ActivationCache
@@ -214,7 +214,7 @@ def test_training_from_the_cache_equals_training_from_the_images(
         progress=False,
     )
     # From the images with the cache's (deterministic) preprocessing instead of random crops.
-    monkeypatch.setattr(run_module, "train_transform", lambda engine, **kw: eval_transform(engine))
+    monkeypatch.setattr(batches_module, "train_transform", lambda engine, **kw: eval_transform(engine))
     uncached = train_adapters(engine(), _run_configs(image_folder), progress=False)
     for a, b in zip(cached, uncached, strict=True):
         assert a.losses == pytest.approx(b.losses, abs=TOL)

@@ -44,6 +44,9 @@ def _changed(f: dataclasses.Field, tmp_path) -> object:
         "cache_dtype": "bfloat16",
         "cache_views": 1,
         "cache_store": "keys-values",
+        "cache_placement": "device",
+        "device": "cpu",
+        "precision": "bfloat16",
     }
     if f.name in special:
         return special[f.name]

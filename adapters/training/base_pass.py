@@ -1,0 +1,98 @@
+"""The frozen base's part of a training step: images -> what the adapters' class tokens read of it.
+
+A training step from images runs the base once per batch without autograd and the class-token path
+with it (docs/design.md §2.3). Here the base's pass is ``memory_core.cached.capture``, the pass that
+fills an activation cache: every layer's normed input and the base logits, as one ``CachedBatch``.
+The adapters then train from it exactly as they train from a cache (``forward_cached``: the
+class-token block written out forward and backward, about one autograd node per block), so a step
+from images and a step from a cache are the same code after the base.
+
+On CUDA the base's pass is a CUDA graph, captured once per batch shape and replayed: one launch
+instead of about 15 per block, which is what bounds a small base's step there (the inference pass
+replays its own graph, memory_core/graphs.py). The graph's output tensors are reused by every
+replay, so a ``CachedBatch`` from here is valid until the next call; the step reads it and is done.
+On the CPU the same pass runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from memvit.memory_core import MemoryViT
+from memvit.memory_core.cached import CachedBatch, capture
+
+from .device import autocast
+
+log = logging.getLogger(__name__)
+
+STORE = "inputs"  # what the written-out class-token block reads (memory_core/cached_block.py)
+
+
+class _Graph:
+    """One captured base pass: a static input buffer, the graph, its static outputs."""
+
+    def __init__(self, fn, x: Tensor) -> None:
+        self.x = x.clone()
+        stream = torch.cuda.Stream(device=x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+            for _ in range(2):
+                fn(self.x)
+        torch.cuda.current_stream(x.device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn(self.x)
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        self.x.copy_(x, non_blocking=True)
+        self.graph.replay()
+        return self.out
+
+
+class BasePass:
+    """Images (B, C, H, W) on the engine's device -> ``CachedBatch`` of the base's activations, in
+    the run's ``precision`` (device.py); graphed per batch shape on CUDA when ``graphs`` is on."""
+
+    def __init__(self, engine: MemoryViT, precision: str = "float32", *, graphs: bool = True) -> None:
+        self.engine, self.precision = engine, precision
+        self.graphs = graphs
+        self._graphs: dict[tuple, _Graph] = {}
+        self.failed: str | None = None  # why capturing failed, if it did (then the pass runs eagerly)
+
+    @property
+    def graphed(self) -> bool:
+        return self.graphs and self.failed is None and self.engine.device.type == "cuda"
+
+    def _eager(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        with torch.no_grad(), autocast(self.engine.device, self.precision):
+            return capture(self.engine, x, STORE)
+
+    def __call__(self, x: Tensor) -> CachedBatch:
+        if self.graphed:
+            key = (tuple(x.shape), x.dtype, self.engine.dtype, self.engine.device)
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._capture(key, x)
+            if graph is not None:
+                logits, layers = graph(x)
+                return CachedBatch(STORE, layers, logits)
+        logits, layers = self._eager(x)
+        return CachedBatch(STORE, layers, logits)
+
+    def _capture(self, key: tuple, x: Tensor) -> _Graph | None:
+        try:
+            graph = self._graphs[key] = _Graph(self._eager, x)
+        except RuntimeError as exc:  # a base whose pass cannot be captured: run it eagerly, say so once
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("the base pass runs eagerly: capturing it as a CUDA graph failed (%s)", self.failed)
+            torch.cuda.synchronize(x.device)
+            return None
+        log.info("captured the base pass for batch shape %s as a CUDA graph", tuple(x.shape))
+        return graph
+
+    def clear(self) -> None:
+        """Drop the captured graphs (their memory goes back to the allocator's pool)."""
+        self._graphs.clear()
