@@ -24,7 +24,7 @@ from torch import Tensor
 from memvit.memory_core import MemoryViT
 from memvit.memory_core.cached import CachedBatch, capture
 
-from .device import autocast
+from .device import PRECISIONS, autocast
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,10 @@ class BasePass:
 
     def _eager(self, x: Tensor) -> tuple[Tensor, Tensor]:
         with torch.no_grad(), autocast(self.engine.device, self.precision):
-            return capture(self.engine, x, STORE)
+            logits, layers = capture(self.engine, x, STORE)
+        # The normed inputs come out of autocast's LayerNorm in float32: kept in the pass's precision,
+        # as a cache in that dtype keeps them (the class-token path widens them where it reads them).
+        return logits, layers.to(PRECISIONS[self.precision])
 
     def __call__(self, x: Tensor) -> CachedBatch:
         if self.graphed:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-import memvit.adapters.training.cache as cache_module
 import memvit.adapters.training.batches as batches_module
+import memvit.adapters.training.cache as cache_module
 from memvit.adapters.preprocess import eval_transform
 from memvit.adapters.training import TrainConfig, TrainingRun, scan_folder, train_adapters
 from memvit.adapters.training.cache import ActivationCache
