@@ -18,6 +18,7 @@ from tqdm import tqdm
 log = logging.getLogger(__name__)
 
 LOADER_BOUND = 0.3  # the share of waiting above which the end-of-run line names the loader
+WARM_UP = 20  # steps: fewer say nothing about the loader (the workers' start dominates)
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Progress:
             100 * s["load_share"],
             s["step_ms"],
         )
-        if s["load_share"] > LOADER_BOUND:
+        if s["load_share"] > LOADER_BOUND and s["steps"] >= WARM_UP:
             log.warning(
                 "the loader set the pace (%.0f%% of the time waiting for batches): give more --workers, "
                 "or train from an activation cache (--cache)",

@@ -6,7 +6,8 @@ Every combination of the swept values is a variant: its own adapter (named after
 it changes, e.g. ``pets-lr0.05-m5``), with its own optimiser and schedule, trained in the same fused
 passes as the others (``trainer.train_adapters``). Only fields each adapter owns can be swept
 (``config.VARIANT_FIELDS``); the data, the steps and the augmentation are shared. The variant with
-the best validation top-1 is also written under the run's own name, ready to register.
+the best validation top-1 is also written under the run's own name, ready to register. Under
+torchrun the variants are split across the processes, one GPU each (distributed.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import logging
 import typing
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from memvit.memory_core import AdapterError, MemoryViT, check_name
 
 from ..bundle import bundle_for, save_bundle
 from .config import VARIANT_FIELDS, TrainConfig, TrainingError
+from .distributed import Ranks, train_across
 from .report import write_report
 from .results import SweepResult, SweepVariant
 from .trainer import train_adapters
@@ -169,14 +172,18 @@ def run_sweep(
     checkpoint_every: int = 50,
     resume: bool = False,
     rebuild_cache: bool = False,
+    ranks: Ranks | None = None,
 ) -> SweepResult:
-    """Train every variant in one run; write each bundle, the chosen one as ``NAME``, and the report."""
+    """Train every variant in one run; write each bundle, the chosen one as ``NAME``, and the report.
+    ``ranks``: this process's place under torchrun (distributed.py): it trains its share of the
+    variants, every rank gets every result, rank 0 writes the chosen bundle and the report."""
     variants = expand(config, check_sweep(sweep))
     log.info("sweep: %d variants of %s in one run", len(variants), config.name)
     out = None if out_dir is None else Path(out_dir)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    results = train_adapters(
+    train = train_adapters if ranks is None else partial(train_across, ranks=ranks)
+    results = train(
         engine,
         [c for c, _ in variants],
         outs=None if out is None else [out / f"{c.name}.safetensors" for c, _ in variants],
@@ -190,7 +197,7 @@ def run_sweep(
     done = [SweepVariant(c, o, r) for (c, o), r in zip(variants, results, strict=True)]
     best = max(range(len(done)), key=lambda i: (done[i].result.val.top1, -i))  # ties: the first
     sweep_result = SweepResult(done, best, out)
-    if out is not None:
+    if out is not None and (ranks is None or ranks.rank == 0):
         chosen = done[best].result.bundle
         weights = dataclasses.replace(chosen.weights, name=config.name)
         training = {**(chosen.training or {}), "sweep_variant": done[best].config.name}

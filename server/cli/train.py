@@ -102,14 +102,21 @@ def train(
     """Fine-tune one adapter on an image folder against a frozen base and write its bundle."""
     # The config fields above reach TrainConfig through ctx.params (train_config), which also knows
     # which of them were given on the command line and so override --config.
-    from memvit.adapters.training import train_adapter
+    from memvit.adapters.training import TrainingError, train_adapter
+    from memvit.adapters.training import distributed as dist
     from memvit.adapters.training.sweep import parse_sweep, run_sweep
     from memvit.memory_core import MemvitError
 
+    ranks = dist.Ranks.from_env()  # under torchrun: this process's share of a sweep (distributed.py)
     try:
         file = read_config_file(config) if config else ConfigFile()
         run_config = train_config(ctx, file)
         sweeps = {**file.sweep, **parse_sweep(sweep or [])}  # --sweep FIELD wins over the file's
+        if ranks is not None and not sweeps:
+            raise TrainingError(
+                "torchrun splits a sweep's variants across processes (--sweep); one adapter trains in "
+                "one process: run it without torchrun"
+            )
         engine = load_engine(arch, weights)
         if sweeps:
             out = out or Path(f"{run_config.name}-sweep")
@@ -124,8 +131,10 @@ def train(
                 checkpoint_every=checkpoint_every,
                 resume=resume,
                 rebuild_cache=rebuild_cache,
+                ranks=ranks,
             )
-            _print_sweep(swept, run_config.name, out)
+            if ranks is None or ranks.rank == 0:
+                _print_sweep(swept, run_config.name, out)
             return
         out = out or Path(f"{run_config.name}.safetensors")
         result = train_adapter(
@@ -140,6 +149,9 @@ def train(
         )
     except (MemvitError, ValueError) as exc:
         raise fail(exc) from None
+    finally:
+        if ranks is not None:
+            dist.stop()
     typer.echo(
         f"{out}: {result.steps} steps, val top-1 {result.val.top1:.4f}, top-5 {result.val.top5:.4f} "
         f"({result.val.images} images), {result.seconds:.0f}s; augmentation: {result.augmentation}"
