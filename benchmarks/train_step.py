@@ -4,12 +4,15 @@
 
 In interleaved rounds, on the same batch:
 - infer: one fused inference pass with the adapter loaded (torch.inference_mode);
-- step:  memvit's training step: fused forward (base rows without autograd, docs/design.md §2.3), loss,
-         backward, gradient clipping, SGD update;
+- step:  ``memvit train``'s step (adapters/training/step.py): the base's pass without autograd
+         (docs/design.md §2.3; a CUDA graph on a GPU), the class-token path written out forward and
+         backward from its activations, loss, backward, the joint clip and SGD update;
+- split: the step as it was before (kept to compare): the split path's forward recorded by
+         autograd for the class-token rows, then clip_grad_norm_ and SGD.step;
 - dense: the same step through the dense-mask model, where autograd records every row of every
          layer (how the public reproduction trains);
-- step N: the trainer's fused step (adapters/training/variant.py) training N adapters at once (a sweep's
-         variants: different learning rates and memory sizes), against the same step training one.
+- step N: the trainer's step training N adapters at once (a sweep's variants: different learning
+         rates and memory sizes), against the same step training one.
 Ratios are medians of per-round ratios. Targets: step <= 1.5 x infer, dense >= 2 x step,
 step N <= 1.3 x step 1 at N = 8 (N separate runs cost N x).
 """
@@ -23,7 +26,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import argument_parser, environment, interleaved, median_ratio, pin_malloc
 from memvit.adapters.training import TrainableAdapter, TrainConfig
-from memvit.adapters.training.variant import Variant, fused_step
+from memvit.adapters.training.step import TrainStep
+from memvit.adapters.training.variant import Variant
 from memvit.memory_core import AdapterWeights, MemoryViT
 from memvit.memory_core.reference import DenseMemoryViT
 
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             engine(x, served)
 
-    def step() -> None:
+    def split_step() -> None:
         loss = F.cross_entropy(adapter(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -94,13 +98,27 @@ def main(argv: list[str] | None = None) -> None:
                 v.adapter.head.weight.normal_(0, 0.02)
         return made
 
+    def trainer_step(chosen: list[Variant]):
+        step = TrainStep(engine, chosen)
+
+        def call() -> None:
+            step(x, y)
+            step.pending.clear()
+
+        return call
+
+    alone = TrainConfig(name="bench", train_dir="-", lr=0.01, memory_tokens=args.memory, steps=1000)
+    single = [Variant(engine, alone, classes, None, total=1000, init_images=x[:4])]
+    single[0].adapter.load_state_dict(adapter.state_dict())  # the same adapter (m = --memory) as split
     one, many = variants(1), variants(args.variants)
+    engine.train()  # as a run does (the base stays in eval mode)
     fns = {
         "infer": infer,
-        "step": step,
+        "step": trainer_step(single),
+        "split": split_step,
         "dense": dense_step,
-        "step 1": lambda: fused_step(engine, one, None, x, y),
-        f"step {args.variants}": lambda: fused_step(engine, many, None, x, y),
+        "step 1": trainer_step(one),
+        f"step {args.variants}": trainer_step(many),
     }
     times = interleaved(fns, args.rounds)
     print(
@@ -113,13 +131,15 @@ def main(argv: list[str] | None = None) -> None:
             malloc,
         )
     )
-    print("| infer ms | step ms | dense step ms | step / infer | dense step / step |")
-    print("|--:|--:|--:|--:|--:|")
+    print(
+        "| infer ms | step ms | split step ms | dense step ms | step / infer | step / split | dense / step |"
+    )
+    print("|--:|--:|--:|--:|--:|--:|--:|")
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     step_infer, dense_step_ratio = median_ratio(times, "step", "infer"), median_ratio(times, "dense", "step")
     print(
-        f"| {med['infer']:.0f} | {med['step']:.0f} | {med['dense']:.0f} "
-        f"| {step_infer:.3f} | {dense_step_ratio:.2f} |"
+        f"| {med['infer']:.0f} | {med['step']:.0f} | {med['split']:.0f} | {med['dense']:.0f} "
+        f"| {step_infer:.3f} | {median_ratio(times, 'step', 'split'):.3f} | {dense_step_ratio:.2f} |"
     )
     n = args.variants
     multi = median_ratio(times, f"step {n}", "step 1")

@@ -9,8 +9,9 @@ Order matters on a GPU, where the host queues work and the device runs it later:
    the device, which waits for the device to finish what it was given (the previous step); here that
    wait costs the least, as nothing of this step is queued yet;
 2. the base's pass (base_pass.py: a CUDA graph replay on CUDA) is queued;
-3. the class-token path, the loss, the backward pass and the joint update (update.py) are queued
-   while the device runs the base: the host's cost of launching them overlaps the base's work.
+3. the class-token path, the loss and its backward pass to the stack (step_graph.py: one CUDA graph
+   on CUDA), the rest of the backward pass and the joint update (update.py) are queued while the
+   device runs the base: the host's cost of launching them overlaps the base's work.
 No value comes back to the host during a step: each step's losses and hits stay on the device
 (``pending``) until ``flush`` reads them all in one copy, when a progress bar, a curve point, a
 checkpoint or the end needs them.
@@ -32,6 +33,7 @@ from memvit.memory_core import AdapterSet, MemoryViT, PreparedAdapter
 from memvit.memory_core.cached import CachedBatch
 
 from .base_pass import BasePass
+from .step_graph import ClassTokenPath
 from .update import JointUpdate
 from .variant import Variant
 
@@ -51,6 +53,8 @@ class TrainStep:
     ) -> None:
         self.engine, self.variants, self.parent = engine, list(variants), parent
         self.base_pass = BasePass(engine, precision, graphs=graphs)
+        self.path = ClassTokenPath(engine, [v.name for v in self.variants], graphs=graphs)
+        self.params = [p for v in self.variants for p in v.params]
         self.update = JointUpdate()
         self.pending: list[tuple[Tensor, Tensor]] = []  # per step: losses (K,), hits (K,), on the device
 
@@ -63,21 +67,26 @@ class TrainStep:
         adapter_set.stack  # noqa: B018  # built now, before this step queues anything (see above)
         if not isinstance(batch, CachedBatch):
             batch = self.base_pass(batch)
-        out = engine(batch, adapter_set)
-        logits = torch.stack([out.adapters[v.name] for v in variants]).float()  # (K, B, C)
-        K, B, C = logits.shape
-        per_image = F.cross_entropy(logits.view(K * B, C), labels.repeat(K), reduction="none")
-        losses = per_image.view(K, B).mean(1)  # (K,) each variant's mean loss
         for v in variants:
             v.optimizer.zero_grad(set_to_none=True)
         # Each loss depends on its own adapter's parameters only (rows never attend to each other), so
         # the sum's gradient for each adapter is that adapter's own loss gradient.
-        losses.sum().backward()
+        measured = self.path(adapter_set, batch, labels, self.params)
+        if measured is None:  # this base's step is not cut (step_graph.py): the whole path eagerly
+            measured = self._uncut(adapter_set, batch, labels)
         self.update([v.optimizer for v in variants], [v.config.clip_grad for v in variants])
         for v in variants:
             v.schedule.step()
-        hits = (logits.detach().argmax(-1) == labels).sum(-1)  # (K,)
-        self.pending.append((losses.detach(), hits))
+        self.pending.append(measured)
+
+    def _uncut(self, adapter_set: AdapterSet, batch: CachedBatch, labels: Tensor) -> tuple[Tensor, Tensor]:
+        out = self.engine(batch, adapter_set)
+        logits = torch.stack([out.adapters[v.name] for v in self.variants]).float()  # (K, B, C)
+        K, B, C = logits.shape
+        per_image = F.cross_entropy(logits.view(K * B, C), labels.repeat(K), reduction="none")
+        losses = per_image.view(K, B).mean(1)  # (K,) each variant's mean loss
+        losses.sum().backward()
+        return losses.detach(), (logits.detach().argmax(-1) == labels).sum(-1)
 
     def flush(self) -> None:
         """Every pending step's losses and hits, read back in one copy, into the variants."""

@@ -43,6 +43,10 @@ class Plan:
     memory_batch: int = 64
     rounds: int = 5
     train_batches: tuple[int, ...] = (64, 256)
+    train_precisions: tuple[str, ...] = ("fp32", "bf16")  # the trainer's --precision, as dtype names
+    # The training step's extras (training.py): the profiled step, the end-to-end regime against the
+    # CPU's record and ``pytest -m cuda`` of the trainer; ``--steps training`` runs them, ``--all`` not.
+    train_extras: bool = True
     variants: int = 8
     server_seconds: float = 20.0
     server_clients: tuple[int, ...] = (64,)

@@ -4,7 +4,7 @@
     python -m benchmarks.gpu.prepare --dry-run  # what it would carry, and why
 
 - ``gpu-data/``: the shared data the suite reads, in the layout of ``../shared/data`` (the real
-  DeiT-Tiny, the natural photos, the ImageNet labels; about 26 MB);
+  DeiT-Tiny, the natural photos, the ImageNet labels, the CIFAR-10 test tarball; about 30 MB);
 - ``.whl/``: wheels for the device image's Python 3.12: memvit's installed requirement closure as
   the device needs it (closure.py: markers evaluated for CPython 3.12 on x86-64 Linux, no extras),
   pinned to this environment's versions, less the GPU stack and what the device image holds; timm
@@ -28,7 +28,8 @@ from benchmarks.common import REPO, SHARED_DATA
 from . import wheels
 from .closure import IMAGE_READ, Selection, installed_version, select
 
-DATA = ("deit_tiny", "photos/natural", "imagenet_labels")
+# The CIFAR-10 test tarball (3.3 MB) is the training step's end-to-end regime (train_regime.py).
+DATA = ("deit_tiny", "photos/natural", "imagenet_labels", "cifar10/cifar10_jpg_test_10k.tar.gz")
 PREFIX = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
     "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD MEMVIT_SHARED_DATA=$PWD/gpu-data "
@@ -45,7 +46,11 @@ def copy_data(target: Path) -> None:
         if not source.exists():
             print(f"  {source} is missing: the steps that need it will say so", file=sys.stderr)
             continue
-        shutil.copytree(source, target / part, dirs_exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target / part, dirs_exist_ok=True)
+        else:
+            (target / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / part)
 
 
 def pins_of(selection: Selection) -> dict[str, str]:

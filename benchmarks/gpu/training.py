@@ -1,33 +1,70 @@
-"""Step ``training``: one adapter training step on the device, for 1 and for 8 fused variants.
+"""Step ``training``: the trainer on the device, as ``memvit train --device cuda`` runs it.
 
-The trainer's own step (``adapters/training/variant.py``, ``fused_step``: one fused pass, the base
-rows without autograd, a summed loss, each variant's own optimiser), as ``benchmarks/train_step.py``
-measures it on CPU, against one fused inference pass on the same batch. Goals (the CPU ones):
-step <= 1.5 x an inference pass; 8 variants at once <= 1.3 x one. The variants' parameters are moved
-to the device here: the trainer itself runs on CPU.
+- ``training step``: per shape, precision and batch, the trainer's own step (``TrainStep``,
+  adapters/training/step.py: the base's pass replayed as a CUDA graph, the class-token path forward
+  and back to the adapters' stack as a second graph, one joint optimiser step; whether each graph
+  was used is in the row) for 1 and for 8 variants of a sweep, against
+  one fused inference pass on the same batch as it is served (a graph replay, in the step's
+  precision: a float32 or a bfloat16 engine). Goals: step <= 1.5 x an inference pass; 8 variants
+  <= 1.3 x one.
+- ``training step, profiled`` (``--steps training``): what each call launches and waits for, per call
+  (benchmarks/gpu/trace.py): launch calls, graph launches, host syncs, aten ops.
+- ``same numbers`` (``--steps training``): the end-to-end regime of benchmarks/train_regime.py in
+  float32 and bfloat16 against the CPU's recorded run (training_regime.py).
+- ``pytest -m cuda`` of the trainer (``--steps training``): tests/adapters/training and the torchrun test.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
+from benchmarks.common import REPO
 from memvit.adapters.training import TrainConfig
-from memvit.adapters.training.variant import Variant, fused_step
+from memvit.adapters.training.step import TrainStep
+from memvit.adapters.training.variant import Variant
 
+from . import training_regime
 from .plan import Plan, engine, images, rate, ratio, timed_rounds
+from .profiling import _profiled
 from .report import Budget, StepReport, goal
 
 CLASSES = 10
+PRECISION = {"fp32": "float32", "bf16": "bfloat16"}
+PYTEST = ("tests/adapters/training", "tests/server/cli/test_train_torchrun.py")
 
 
 def run(plan: Plan, report: StepReport, budget: Budget) -> str:
     for arch in plan.archs:
-        for batch in plan.train_batches:
-            if not report.room(budget, 30):
-                report.note(f"budget spent: stopped before {arch} batch {batch}")
-                return "partial"
-            what = {"arch": arch, "dtype": "fp32", "batch": batch}
-            report.attempt("training step", what, _step, arch, batch, plan)
+        for precision in plan.train_precisions:
+            for batch in plan.train_batches:
+                if not report.room(budget, 30):
+                    report.note(f"budget spent: stopped before {arch} {precision} batch {batch}")
+                    return "partial"
+                what = {"arch": arch, "precision": precision, "batch": batch}
+                report.attempt("training step", what, _step, arch, precision, batch, plan)
+    if not plan.train_extras:
+        return "done"
+    for arch in plan.archs:
+        if not report.room(budget, 30):
+            report.note(f"budget spent: stopped before profiling {arch}")
+            return "partial"
+        for call, row in _profiled_calls(arch, plan).items():
+            report.add(
+                "training step, profiled", {"arch": arch, "batch": plan.train_batches[0], "call": call, **row}
+            )
+    if training_regime.run(plan, report, budget) != "done":
+        return "partial"
+    if plan.device.type != "cuda":
+        report.note("pytest -m cuda (trainer): not run (no CUDA device)")
+    elif budget.allows(90):
+        report.attempt("pytest -m cuda (trainer)", {}, _pytest_cuda, min(plan.pytest_s, budget.left() - 30))
+    else:
+        report.note(
+            "pytest -m cuda (trainer): not run (budget spent); run it alone: " + " ".join(_pytest_args())
+        )
     return "done"
 
 
@@ -38,42 +75,89 @@ def _variants(e, x: torch.Tensor, n: int) -> list[Variant]:
         config = TrainConfig(
             name=f"v{i}", train_dir="-", lr=0.01 * (i + 1), memory_tokens=(1, 5)[i % 2], steps=1000
         )
-        v = Variant(e, config, classes, None, total=1000, init_images=x[:4])
-        v.adapter.to(e.device)  # in place: the optimiser keeps the same parameters
+        v = Variant(e, config, classes, None, total=1000, init_images=x[:4])  # on the engine's device
         with torch.no_grad():
             v.adapter.head.weight.normal_(0, 0.02)  # every parameter gets a gradient from the first step
         made.append(v)
     return made
 
 
-def _step(arch: str, batch: int, plan: Plan) -> dict:
-    e = engine(arch, plan)
+def _calls(arch: str, precision: str, batch: int, plan: Plan) -> tuple[dict, TrainStep]:
+    """The inference pass as served and the trainer's step for 1 and ``plan.variants`` variants."""
+    e = engine(arch, plan)  # float32 weights: the trainer's bfloat16 is autocast over them
+    served_engine = e if precision == "fp32" else engine(arch, plan, precision)
     x = images(e, batch)
-    y = torch.randint(0, CLASSES, (batch,), device=e.device)
+    y = torch.randint(0, CLASSES, (batch,), generator=torch.Generator().manual_seed(0)).to(e.device)
+    e.train()  # as the run does: the base stays in eval mode (MemoryViT.train)
     one, many = _variants(e, x, 1), _variants(e, x, plan.variants)
-    served = e.prepare_set([one[0].adapter.weights()])
+    step_one = TrainStep(e, one, None, PRECISION[precision])
+    step_many = TrainStep(e, many, None, PRECISION[precision])
+    served = served_engine.prepare_set([one[0].adapter.weights()])
+    x_served = x.to(served_engine.dtype)
 
     def infer() -> None:
         with torch.inference_mode():
-            e(x, served)
+            served_engine(x_served, served)
 
-    times = timed_rounds(
-        {
-            "infer": infer,
-            "step 1": lambda: fused_step(e, one, None, x, y),
-            f"step {plan.variants}": lambda: fused_step(e, many, None, x, y),
-        },
-        plan.device,
-        plan.rounds,
-    )
+    def stepped(step: TrainStep):
+        def call() -> None:
+            step(x, y)
+            step.pending.clear()  # what flush would read back: not this benchmark's to time
+
+        return call
+
+    calls = {"infer": infer, "step 1": stepped(step_one), f"step {plan.variants}": stepped(step_many)}
+    return calls, step_one
+
+
+def _step(arch: str, precision: str, batch: int, plan: Plan) -> dict:
+    calls, step_one = _calls(arch, precision, batch, plan)
+    times = timed_rounds(calls, plan.device, plan.rounds)
+    n = plan.variants
     per_infer = ratio(times, "step 1", "infer")
-    many_over_one = ratio(times, f"step {plan.variants}", "step 1")
+    many_over_one = ratio(times, f"step {n}", "step 1")
     return {
         "infer_img_s": rate(times["infer"], batch),
         "step 1: img/s": rate(times["step 1"], batch),
-        f"step {plan.variants}: img/s": rate(times[f"step {plan.variants}"], batch),
+        f"step {n}: img/s": rate(times[f"step {n}"], batch),
         "step 1 / infer": per_infer,
         "goal <= 1.5": goal(per_infer, "<=", 1.5),
-        f"step {plan.variants} / step 1": many_over_one,
+        f"step {n} / step 1": many_over_one,
         "goal <= 1.3": goal(many_over_one, "<=", 1.3),
+        "base pass graphed": _graphed(step_one.base_pass.graphed, step_one.base_pass.failed),
+        "class-token path graphed": _graphed(step_one.path.graphed, step_one.path.failed, step_one.path.cut),
+    }
+
+
+def _graphed(graphed: bool, failed: str | None, cut: bool | None = True) -> str:
+    """Whether a part of the step ran as a CUDA graph, and if not why not."""
+    if graphed:
+        return "yes"
+    if cut is False:
+        return "no: not cut (reads parameters outside the stack)"
+    return f"no: {failed}"[:200] if failed else "no"
+
+
+def _profiled_calls(arch: str, plan: Plan) -> dict[str, dict]:
+    """Each call at the first batch in float32, profiled (profiling.py's counts per call)."""
+    calls, _ = _calls(arch, "fp32", plan.train_batches[0], plan)
+    keep = ("wall ms", "launch calls", "graph launches", "host syncs", "kernels", "aten ops", "GPU busy ms")
+    return {
+        name: {k: v for k, v in _profiled(fn, plan, None).items() if k in keep} for name, fn in calls.items()
+    }
+
+
+def _pytest_args() -> list[str]:
+    return [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *PYTEST]
+
+
+def _pytest_cuda(timeout: float) -> dict:
+    proc = subprocess.run(_pytest_args(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    return {
+        "exit code": proc.returncode,
+        "summary": lines[-1] if lines else proc.stderr[-300:],
+        "failed": "; ".join(failed)[:1500],
+        "goal: passes": goal(proc.returncode, "==", 0),
     }
