@@ -36,15 +36,16 @@ class _Graph:
 
     def __init__(self, fn, x: Tensor) -> None:
         self.x = x.clone()
-        stream = torch.cuda.Stream(device=x.device)
-        stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
-            for _ in range(2):
-                fn(self.x)
-        torch.cuda.current_stream(x.device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = fn(self.x)
+        with torch.cuda.device(x.device):  # capture on the tensors' device, whichever is current
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+                for _ in range(2):
+                    fn(self.x)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = fn(self.x)
 
     def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
         self.x.copy_(x, non_blocking=True)

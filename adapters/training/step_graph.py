@@ -158,14 +158,15 @@ class ClassTokenPath:
         fn: Callable[[], tuple] = lambda: self._path(*self._inputs, batch.store)  # noqa: E731
         device = batch.layers.device
         try:
-            stream = torch.cuda.Stream(device=device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._outputs = fn()
+            with torch.cuda.device(device):  # capture on the tensors' device, whichever is current
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # the last warm-up off the default stream
+                    fn()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self._outputs = fn()
             self._graph = graph
             log.info("captured the class-token path of the step as a CUDA graph")
         except RuntimeError as exc:
