@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -110,13 +109,3 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return "cpu"
-
-
-@contextlib.contextmanager
-def on(device: torch.device) -> Iterator[None]:
-    """``device`` as the current CUDA device (so kernels, graphs and pinned copies go there)."""
-    if device.type != "cuda":
-        yield
-        return
-    with torch.cuda.device(device):
-        yield
