@@ -43,6 +43,8 @@ from .variant import Variant
 
 log = logging.getLogger(__name__)
 
+FLUSH_EVERY = 200  # steps whose losses may wait on the device before they are read back
+
 
 class TrainingRun:
     """Configs that share the data (``config.SHARED_FIELDS``), their variants, the step loop, the
@@ -152,7 +154,10 @@ class TrainingRun:
             while self.steps < stop:
                 self.step()
                 assert self._batches is not None
-                if bar.advance(self.config.batch_size, self._batches.take_waited()):
+                due = bar.advance(self.config.batch_size, self._batches.take_waited())
+                if len(self.train_step.pending) >= FLUSH_EVERY:  # without a bar too: bounded memory
+                    self.train_step.flush()
+                if due:
                     self.train_step.flush()  # the one read-back of the steps' losses
                     best = max(self.variants, key=lambda v: v.correct)
                     bar.show(min(v.losses[-1] for v in self.variants), best.correct / max(1, self.seen))
