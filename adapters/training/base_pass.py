@@ -29,6 +29,12 @@ from .device import PRECISIONS, autocast
 log = logging.getLogger(__name__)
 
 STORE = "inputs"  # what the written-out class-token block reads (memory_core/cached_block.py)
+# Only the capturing thread is held to capture's rules: while a graph is captured, the DataLoader's
+# pin-memory thread allocates pinned buffers and the cache's reader thread gathers batches, and in
+# the default "global" mode either would invalidate the capture (and poison that thread). What a
+# graph holds follows the stream it is captured on, not the thread: the backward pass's kernels,
+# launched by autograd's device thread on that stream, are captured all the same.
+CAPTURE_MODE = "thread_local"
 
 
 class _Graph:
@@ -44,7 +50,7 @@ class _Graph:
                     fn(self.x)
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, capture_error_mode=CAPTURE_MODE):
                 self.out = fn(self.x)
 
     def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:

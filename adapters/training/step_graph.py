@@ -36,6 +36,8 @@ from torch import Tensor
 from memvit.memory_core import AdapterSet, MemoryViT
 from memvit.memory_core.cached import CachedBatch
 
+from .base_pass import CAPTURE_MODE
+
 log = logging.getLogger(__name__)
 
 WARM_UP = 2  # eager runs of the captured function before capture (lazy state, allocator, cuBLAS)
@@ -165,7 +167,7 @@ class ClassTokenPath:
                     fn()
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
                     self._outputs = fn()
             self._graph = graph
             log.info("captured the class-token path of the step as a CUDA graph")
