@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -55,6 +55,7 @@ class SlotPools:
     head_weight: Tensor  # (S, C, D)
     head_bias: Tensor  # (S, C)
     generation: int
+    _narrowed: dict = field(default_factory=dict, compare=False, repr=False)  # (P, C) -> views
 
     @property
     def capacity(self) -> int:
@@ -73,8 +74,15 @@ class SlotPools:
 
         A pass is as wide as its own adapters need, not as wide as the widest resident one, so
         that its operations, and so its float rounding, do not depend on what else is loaded."""
+        if (memory, classes) in self._narrowed:  # the views are made once per width
+            return self._narrowed[memory, classes]
         if memory > self.memory or classes > self.classes:
             raise ValueError(f"P={memory}, C={classes} exceed the pools' P={self.memory}, C={self.classes}")
+        if memory == self.memory and classes == self.classes:
+            return self
+        return self._narrowed.setdefault((memory, classes), self._views(memory, classes))
+
+    def _views(self, memory: int, classes: int) -> SlotPools:
         return SlotPools(
             keys=self.keys[..., :memory, :],
             values=self.values[..., :memory, :],
