@@ -152,6 +152,9 @@ def heads(c: Tensor, pools: SlotPools, plan: PlanTensors, shape: PlanShape, *, k
     """Final class tokens (B, R, D) -> adapter logits, (R * B, C) shared or (N, C) routed."""
     B, R, D = c.shape
     if shape.shared:  # every image asks for every row's task: batched products over the rows
+        if kernels == "triton":  # every head read in place, one launch
+            logits = triton_kernels.shared_heads(c, plan.row_slots, pools.head_weight, pools.head_bias)
+            return logits.view(R * B, -1)
         return shared_heads(c, pools, plan.row_slots).reshape(R * B, -1)
     flat = c.reshape(B * R, D)
     if kernels == "triton":
