@@ -59,21 +59,27 @@ class SlotTable:
         """The table of ``adapter_set`` on ``slots``: the slots its adapters already hold (all of them
         once installed), -1 for the others. Linear in the set's size, once per set."""
         adapters = adapter_set.adapters
-        chains = [
-            [i] if a.parent is None else [adapter_set.index(n) for n in adapter_set.lineage(a.name)]
-            for i, a in enumerate(adapters)
-        ]
-        found = (slots.slot_of(adapters[c[0]], tuple(adapters[j] for j in c[1:])) for c in chains)
-        depth = max((len(c) for c in chains), default=1)
-        lineage = np.full((len(adapters), depth), -1, dtype=np.int64)
-        for i, chain in enumerate(chains):
-            lineage[i, : len(chain)] = chain
+        K = len(adapters)
+        if all(a.parent is None for a in adapters):  # concatenation mode: each row is itself alone
+            lineage = np.arange(K, dtype=np.int64).reshape(K, 1)
+            found = (slots.slot_of(a) for a in adapters)
+            memory = np.fromiter((a.memory_keys.shape[2] for a in adapters), np.int64, K)
+        else:
+            chains = [
+                [i] if a.parent is None else [adapter_set.index(n) for n in adapter_set.lineage(a.name)]
+                for i, a in enumerate(adapters)
+            ]
+            found = (slots.slot_of(adapters[c[0]], tuple(adapters[j] for j in c[1:])) for c in chains)
+            lineage = np.full((K, max(len(c) for c in chains)), -1, dtype=np.int64)
+            for i, chain in enumerate(chains):
+                lineage[i, : len(chain)] = chain
+            memory = np.fromiter(
+                (sum(adapters[j].memory_keys.shape[2] for j in c) for c in chains), np.int64, K
+            )
         return cls(
-            slot=np.fromiter((-1 if s is None else s for s in found), np.int64, len(adapters)),
-            classes=np.fromiter((a.head_weight.shape[0] for a in adapters), np.int64, len(adapters)),
-            memory=np.fromiter(
-                (sum(adapters[j].memory_keys.shape[2] for j in c) for c in chains), np.int64, len(adapters)
-            ),
+            slot=np.fromiter((-1 if s is None else s for s in found), np.int64, K),
+            classes=np.fromiter((a.head_weight.shape[0] for a in adapters), np.int64, K),
+            memory=memory,
             lineage=lineage,
             slots=weakref.ref(slots),
         )

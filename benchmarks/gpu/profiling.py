@@ -78,7 +78,7 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
 
 
 def _passes(e: MemoryViT, x: torch.Tensor, plan: Plan) -> dict[str, Callable[[], object]]:
-    """The four passes profiled, with ``plan.loaded`` adapters resident (installed in their slots)."""
+    """The passes profiled, with ``plan.loaded`` adapters resident (installed in their slots)."""
     batch = len(x)
     loaded = LiveAdapters(e).install(e.prepare_set(adapters(e, plan.loaded, 1, plan.classes)))
     rng = random.Random(batch)
@@ -89,6 +89,7 @@ def _passes(e: MemoryViT, x: torch.Tensor, plan: Plan) -> dict[str, Callable[[],
     return {
         "base only": lambda: e(x),
         "fused, K = 8": lambda: e(x, fused),
+        f"fused, K = {n}": lambda: e(x, loaded),
         f"routed, 1 of {n} per image": lambda: e(x, loaded, tasks=one),
         f"routed, 8 of {n} per image": lambda: e(x, loaded, tasks=eight),
     }
