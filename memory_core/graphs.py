@@ -67,6 +67,7 @@ class _Graph:
     base: Tensor  # static outputs
     adapters: Tensor | None
     inputs: dict[int, Tensor] = field(default_factory=dict)  # a view of ``images`` per batch given
+    holds: object = None  # the kept all-tasks plan (memory_core/plan.py) ``plan`` holds, if any
 
     def input(self, n: int) -> Tensor:
         """The first ``n`` images of the static input (the view made once per size)."""
@@ -117,12 +118,12 @@ class GraphedPasses:
                 else:
                     self._graphs.move_to_end(full_key)
                 graph.input(x.shape[0]).copy_(x)
-                if plan is not None:
-                    if buffer is None:  # planned without this engine's buffers
+                if plan is not None and (plan.kept is None or graph.holds is not plan.kept):
+                    if buffer is None:  # a kept plan, or planned without this engine's buffers
                         buffer = self.buffers.acquire(plan.host.size)
                         buffer.array[:] = plan.host
                     self.buffers.send(buffer, graph.plan)
-                    buffer = None
+                    buffer, graph.holds = None, plan.kept
                 graph.replay()
                 base = graph.base.clone()
                 adapters = None if graph.adapters is None else graph.adapters.clone()
@@ -143,6 +144,7 @@ class GraphedPasses:
         self.captures += 1
         log.info("captured a CUDA graph for %s (%d held)", key[3:5], len(self._graphs) + 1)
         captured = _Graph(replay, images, packed, base, adapters)
+        captured.holds = None if plan is None else plan.kept  # captured with the plan copied in
         self._graphs[key] = captured
         return captured
 

@@ -99,6 +99,9 @@ class PassPlan:
     pools: SlotPools  # the pools the slots are valid in, narrowed to (shape.memory, shape.classes)
     adapter_set: AdapterSet
     buffer: HostBuffer | None = None  # the host buffer ``host`` lives in, to send from
+    # The set's kept all-tasks plan that ``host`` is (read-only, no buffer): a graph whose static plan
+    # already holds it is not sent it again (memory_core/graphs.py).
+    kept: np.ndarray | None = None
 
     @property
     def generation(self) -> int:
@@ -216,8 +219,12 @@ class _Planner:
             counts = np.full(asked.size, batch, dtype=np.int64)
             cached = shape, packed, OutputIndex(asked, starts, counts, classes, None, batch)
             if every:
+                packed.setflags(write=False)
                 table.plans[key] = cached
         shape, packed, index = cached
+        if every:  # the kept array itself: sent only to a graph that does not hold it yet
+            pools = self.slots.pools.narrowed(shape.memory, shape.classes)
+            return PassPlan(shape, batch, packed, index, pools, self.adapter_set, None, packed)
         host, buffer = self._host(shape)
         host[:] = packed
         return self._plan(shape, host, buffer, index)

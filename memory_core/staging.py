@@ -79,19 +79,19 @@ class HostBuffers:
             target.copy_(source)
             buffer.state = _FREE
             return target
-        if target.device.type == "cuda":
-            stream = stream if stream is not None else torch.cuda.current_stream(target.device)
+        if stream is not None and target.device.type == "cuda":
             with torch.cuda.stream(stream):
                 target.copy_(source, non_blocking=True)
-        else:  # a stand-in device (benchmarks/host_path.py): its events say when the copy has run
+                buffer.event.record(stream)
+        else:  # the current stream (no context to enter), or a stand-in device (benchmarks/host_path.py)
             target.copy_(source, non_blocking=True)
-        buffer.event.record(stream)
+            buffer.event.record()
         buffer.state = _FLYING
         return target
 
-    def release(self, buffer: HostBuffer) -> None:
-        """Give back a buffer that was not sent."""
-        if buffer.state == _HELD:
+    def release(self, buffer: HostBuffer | None) -> None:
+        """Give back a buffer that was not sent (None: nothing to give back)."""
+        if buffer is not None and buffer.state == _HELD:
             buffer.state = _FREE
 
     def __len__(self) -> int:

@@ -68,17 +68,25 @@ class TaskIndex:
 
     @classmethod
     def from_names(cls, adapter_set: AdapterSet, tasks: Sequence[Collection[str]]) -> TaskIndex:
-        """Per image, a collection of adapter names (an image may ask for none)."""
-        rows = [cls.positions(adapter_set, names) for names in tasks]
-        return cls.join([cls._one(row, adapter_set) for row in rows]) if rows else cls.empty(adapter_set)
+        """Per image, a collection of adapter names (an image may ask for none). One lookup per name,
+        then numpy: ascending, duplicates dropped, per image."""
+        index, flat, sizes = adapter_set.index, [], []
+        for names in tasks:  # one pass in Python: what the names are, nothing else
+            if isinstance(names, str):
+                raise InputError("tasks: give each image a collection of adapter names, not a string")
+            flat.extend(map(index, names))
+            sizes.append(len(names))
+        counts, found = np.array(sizes, dtype=np.int64), np.array(flat, dtype=np.int64)
+        K = max(len(adapter_set), 1)
+        keys = np.unique(np.repeat(np.arange(len(tasks), dtype=np.int64), counts) * K + found)
+        image, positions = np.divmod(keys, K)
+        offsets = np.zeros(len(tasks) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum(np.bincount(image, minlength=len(tasks)))
+        return cls(offsets, positions, adapter_set)
 
     @classmethod
     def empty(cls, adapter_set: AdapterSet) -> TaskIndex:
         return cls(np.zeros(1, np.int64), np.zeros(0, np.int64), adapter_set)
-
-    @classmethod
-    def _one(cls, row: np.ndarray, adapter_set: AdapterSet) -> TaskIndex:
-        return cls(np.array([0, row.size], dtype=np.int64), row, adapter_set)
 
     @classmethod
     def join(cls, parts: Sequence[TaskIndex]) -> TaskIndex:

