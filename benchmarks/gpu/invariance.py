@@ -23,8 +23,7 @@ from .report import Budget, StepReport, goal
 # the default blocks and the default (not invariant) mode: larger calls, then no blocking of the
 # per-token layers and attention at all (invariant only if cuBLAS and SDPA are row-invariant here).
 TRIED = (
-    InvariantBlocks(rows=16384, thin=64, images=64, batches=4096),
-    InvariantBlocks(rows=None, thin=64, images=None, batches=4096),
+    InvariantBlocks(rows=8192, thin=64, images=32, batches=4096),  # the blocked defaults before
     InvariantBlocks(rows=None, thin=64, images=None, batches=None),
 )
 
@@ -86,11 +85,12 @@ def _blocks(arch: str, blocks: InvariantBlocks, plan: Plan) -> dict:
     adapters = e.prepare_set(random_adapter(f"a{i}", e, m=1 + i % 3, classes=10) for i in range(8))
     asks = [["a1", "a5"]] + [[f"a{i % 8}"] for i in range(1, len(x))]  # image 0's rows: its own
     with torch.inference_mode():
-        holds = all(torch.equal(e(x[:1]).base[0], e(x[:n]).base[0]) for n in (2, 7, len(x)))
+        sizes = (2, 7, 33, len(x))
+        holds = all(torch.equal(e(x[:1]).base[0], e(x[:n]).base[0]) for n in sizes)
         alone = e(x[:1], adapters, tasks=asks[:1])
         holds_adapters = all(
             torch.equal(alone.adapters[a][0], e(x[:n], adapters, tasks=asks[:n]).adapters[a][0])
-            for n in (2, 7, len(x))
+            for n in sizes
             for a in ("a1", "a5")
         )
         times = timed_rounds(
