@@ -148,10 +148,16 @@ def plan_pass(
     """
     index = _task_index(adapter_set, tasks, batch)
     table = adapter_set.slot_table(slots)
-    if index is None:  # every adapter for every image
+    if index is None:  # every adapter for every image: the plan kept for this batch and these pools
         if len(table) == 0 or batch == 0:
             return None
-        return _Planner(table, adapter_set, slots, batch, images, rows, buffers).shared(table.every, True)
+        key, pools = (batch, images, rows), slots.pools
+        kept = table.plans.get(key)
+        if kept is not None and kept[0] is pools:
+            return kept[1]
+        plan = _Planner(table, adapter_set, slots, batch, images, rows, buffers).shared(table.every, True)
+        table.plans[key] = (pools, plan)  # the pools read before planning: still valid in them
+        return plan
     if index.tasks.size == 0:
         return None
     planner = _Planner(table, adapter_set, slots, batch, images, rows, buffers)
@@ -210,19 +216,12 @@ class _Planner:
 
     def shared(self, asked: np.ndarray, every: bool) -> PassPlan:
         """Every image asks for ``asked``: one (R,) row list, outputs (R, B), row r's images from r * B.
-        The all-tasks plan (``every``) is kept per shape and batch: a pass copies it, nothing more."""
-        table, batch = self.table, self.batch
-        key = (self.B, self.bucket(len(table)), self.bucket(table.depth), batch)
-        cached = table.plans.get(key) if every else None
-        if cached is None:
-            shape, packed, starts, classes = self._shared_arrays(asked)
-            counts = np.full(asked.size, batch, dtype=np.int64)
-            cached = shape, packed, OutputIndex(asked, starts, counts, classes, None, batch)
-            if every:
-                packed.setflags(write=False)
-                table.plans[key] = cached
-        shape, packed, index = cached
-        if every:  # the kept array itself: sent only to a graph that does not hold it yet
+        The all-tasks plan (``every``) is kept by ``plan_pass`` per batch: not even copied."""
+        batch = self.batch
+        shape, packed, starts, classes = self._shared_arrays(asked)
+        index = OutputIndex(asked, starts, np.full(asked.size, batch, dtype=np.int64), classes, None, batch)
+        if every:  # kept (plan_pass): the array itself, sent only to a graph that does not hold it yet
+            packed.setflags(write=False)
             pools = self.slots.pools.narrowed(shape.memory, shape.classes)
             return PassPlan(shape, batch, packed, index, pools, self.adapter_set, None, packed)
         host, buffer = self._host(shape)
