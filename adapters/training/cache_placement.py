@@ -70,7 +70,7 @@ def _torch(array: np.ndarray, dtype: str) -> Tensor:
 
 class PlacedCache:
     """An ``ActivationCache`` read from ``placement`` for ``device``: the same ``batch``, ``views``,
-    ``len`` and ``describe`` as the cache itself."""
+    ``len``, ``describe`` and attributes as the cache itself."""
 
     def __init__(self, cache: ActivationCache, placement: str, device: torch.device) -> None:
         self.cache, self.device = cache, device
@@ -98,6 +98,12 @@ class PlacedCache:
 
     def __len__(self) -> int:
         return len(self.cache)
+
+    def __getattr__(self, name: str):
+        """The rest is the cache's own (its directory, key, store, dtype, arrays, mapping)."""
+        if name == "cache":  # not set yet: never recurse
+            raise AttributeError(name)
+        return getattr(self.cache, name)
 
     @property
     def views(self) -> tuple[str, ...]:

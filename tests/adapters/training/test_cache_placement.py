@@ -35,6 +35,7 @@ def test_device_memory_and_disk_give_the_same_batches(tmp_path, folder, dtype) -
     disk, device = PlacedCache(cache, "disk", CPU), PlacedCache(cache, "device", CPU)
     assert (disk.placement, device.placement) == ("disk", "device")
     assert len(device) == len(cache) and device.views == cache.views and device.describe() == cache.describe()
+    assert device.directory == cache.directory and device.activations is cache.activations
     rows, views = [7, 0, 11, 7], [1, 0, 0, 0]
     for placed in (disk, device):
         batch = placed.batch(rows, views)
