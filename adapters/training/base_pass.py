@@ -1,17 +1,13 @@
-"""The frozen base's part of a training step: images -> what the adapters' class tokens read of it.
+"""The frozen base's pass alone: images -> what the adapters' class tokens read of it.
 
-A training step from images runs the base once per batch without autograd and the class-token path
-with it (docs/design.md §2.3). Here the base's pass is ``memory_core.cached.capture``, the pass that
-fills an activation cache: every layer's normed input and the base logits, as one ``CachedBatch``.
-The adapters then train from it exactly as they train from a cache (``forward_cached``: the
-class-token block written out forward and backward, about one autograd node per block), so a step
-from images and a step from a cache are the same code after the base.
-
-On CUDA the base's pass is a CUDA graph, captured once per batch shape and replayed: one launch
-instead of about 15 per block, which is what bounds a small base's step there (the inference pass
-replays its own graph, memory_core/graphs.py). The graph's output tensors are reused by every
-replay, so a ``CachedBatch`` from here is valid until the next call; the step reads it and is done.
-On the CPU the same pass runs eagerly.
+``memory_core.cached.capture`` is the pass that fills an activation cache: every layer's normed
+input and the base logits, as one ``CachedBatch``; the class-token path then runs from it as from a
+cache (``forward_cached``). ``BasePass`` runs it in a precision (device.py: bfloat16 under autocast,
+its layers kept in bfloat16 as a bfloat16 cache keeps them) and, on CUDA, as a CUDA graph captured
+once per batch shape and replayed: one launch instead of about 15 per block. Evaluation in bfloat16
+scores through it (metrics.py): the base in bfloat16, the class-token path in float32 over its
+activations. The graph's output tensors are reused by every replay, so a ``CachedBatch`` from here
+is valid until the next call. On the CPU the same pass runs eagerly.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 ``device``: "auto" is the first CUDA device when there is one, else the CPU; "cuda", "cuda:N" or
 "cpu" ask for one (a CUDA device on a machine without one is refused before any data is read).
 
-``precision``: the dtype of the frozen base's pass. "float32" is exact; "bfloat16" runs that pass
-under ``torch.autocast`` (bfloat16 matmuls and attention, float32 reductions), as timm's ``--amp``
-and Lightning's ``"bf16-mixed"`` do. What learns (the adapters' class-token path, their parameters,
-gradients and optimiser state) stays float32 and reads the base's bfloat16 activations as it reads
-a bfloat16 activation cache: that path is K rows per image against the base's T, so bfloat16 would
-save little there and would round the gradients themselves. Bundles hold float32 tensors whatever
-the precision, and load on any device.
+``precision``: "float32" is exact; "bfloat16" is mixed precision as timm's ``--amp`` and Lightning's
+``"bf16-mixed"`` have it: the forward pass runs under ``torch.autocast`` (bfloat16 matmuls and
+attention, float32 reductions and norms), while the adapters' parameters, their gradients and the
+optimiser stay float32. A pass that reads the base's activations (an activation cache, and
+evaluation in bfloat16: base_pass.py) gets them from a base pass under autocast and runs the
+class-token path in float32 over them, as it reads a bfloat16 cache. Bundles hold float32 tensors
+whatever the precision, and load on any device.
 
 Batches reach a CUDA device from page-locked (pinned) host memory, copied without blocking the
 host (``to_device``); pinning needs a CUDA device, so on the CPU nothing is pinned.

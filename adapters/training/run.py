@@ -9,12 +9,13 @@
 ``trainer.train_adapters`` and ``trainer.train_adapter`` do all of that in one call.
 
 SGD with momentum, gradient-norm clipping, linear warm-up then cosine decay stepped per optimiser
-step. The run computes on ``config.device`` (the engine is moved there) with the base's pass in
-``config.precision`` (device.py). The base runs without autograd (docs/design.md §2.3; a CUDA graph
-on CUDA, base_pass.py): only the class-token path is recorded, so a step costs about one inference
-pass. Each batch goes through the base once for every adapter (``step.TrainStep``; docs/design.md
-§2.8). The result is a ``memvit.adapter/1`` bundle per adapter whose ``training`` metadata records
-the data, the steps, the hyper-parameters, the device and the validation accuracy.
+step. The run computes on ``config.device`` (the engine is moved there) in ``config.precision``
+(device.py). The base runs without autograd (docs/design.md §2.3): only the class-token path is
+recorded, so a step costs about one inference pass; on CUDA the pass and its way back to the
+adapters are one CUDA graph (step_graph.py). Each batch goes through the base once for every adapter
+(``step.TrainStep``; docs/design.md §2.8). The result is a ``memvit.adapter/1`` bundle per adapter
+whose ``training`` metadata records the data, the steps, the hyper-parameters, the device and the
+validation accuracy.
 """
 
 from __future__ import annotations

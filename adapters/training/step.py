@@ -8,10 +8,11 @@ Order matters on a GPU, where the host queues work and the device runs it later:
 1. the adapters are prepared and stacked first: building the stack copies small index tensors to
    the device, which waits for the device to finish what it was given (the previous step); here that
    wait costs the least, as nothing of this step is queued yet;
-2. the base's pass (base_pass.py: a CUDA graph replay on CUDA) is queued;
-3. the class-token path, the loss and its backward pass to the stack (step_graph.py: one CUDA graph
-   on CUDA), the rest of the backward pass and the joint update (update.py) are queued while the
-   device runs the base: the host's cost of launching them overlaps the base's work.
+2. the pass forward (from images: the base rows without autograd and the class-token rows with it,
+   under the run's precision; from a cache: the class-token rows alone), the losses and the way
+   back to the adapters' stack are queued, on CUDA as one CUDA graph (step_graph.py);
+3. the rest of the way back, through the preparation to the parameters, and the joint update
+   (update.py) are queued while the device runs the graph.
 No value comes back to the host during a step: each step's losses and hits stay on the device
 (``pending``) until ``flush`` reads them all in one copy, when a progress bar, a curve point, a
 checkpoint or the end needs them.
@@ -32,8 +33,8 @@ from torch import Tensor
 from memvit.memory_core import AdapterSet, MemoryViT, PreparedAdapter
 from memvit.memory_core.cached import CachedBatch
 
-from .base_pass import BasePass
-from .step_graph import ClassTokenPath
+from .device import autocast
+from .step_graph import StepGraph
 from .update import JointUpdate
 from .variant import Variant
 
@@ -52,8 +53,8 @@ class TrainStep:
         graphs: bool = True,
     ) -> None:
         self.engine, self.variants, self.parent = engine, list(variants), parent
-        self.base_pass = BasePass(engine, precision, graphs=graphs)
-        self.path = ClassTokenPath(engine, [v.name for v in self.variants], graphs=graphs)
+        self.precision = precision
+        self.path = StepGraph(engine, [v.name for v in self.variants], precision, graphs=graphs)
         self.params = [p for v in self.variants for p in v.params]
         self.update = JointUpdate()
         self.pending: list[tuple[Tensor, Tensor]] = []  # per step: losses (K,), hits (K,), on the device
@@ -65,8 +66,6 @@ class TrainStep:
         prepared = tuple(engine.prepare_many([v.adapter.live_weights() for v in variants]))
         adapter_set = AdapterSet(((self.parent,) if self.parent else ()) + prepared)
         adapter_set.stack  # noqa: B018  # built now, before this step queues anything (see above)
-        if not isinstance(batch, CachedBatch):
-            batch = self.base_pass(batch)
         for v in variants:
             v.optimizer.zero_grad(set_to_none=True)
         # Each loss depends on its own adapter's parameters only (rows never attend to each other), so
@@ -79,8 +78,14 @@ class TrainStep:
             v.schedule.step()
         self.pending.append(measured)
 
-    def _uncut(self, adapter_set: AdapterSet, batch: CachedBatch, labels: Tensor) -> tuple[Tensor, Tensor]:
-        out = self.engine(batch, adapter_set)
+    def _uncut(
+        self, adapter_set: AdapterSet, batch: Tensor | CachedBatch, labels: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        if isinstance(batch, CachedBatch):
+            out = self.engine(batch, adapter_set)
+        else:
+            with autocast(batch.device, self.precision):
+                out = self.engine(batch, adapter_set)
         logits = torch.stack([out.adapters[v.name] for v in self.variants]).float()  # (K, B, C)
         K, B, C = logits.shape
         per_image = F.cross_entropy(logits.view(K * B, C), labels.repeat(K), reduction="none")

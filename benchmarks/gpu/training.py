@@ -1,9 +1,9 @@
 """Step ``training``: the trainer on the device, as ``memvit train --device cuda`` runs it.
 
 - ``training step``: per shape, precision and batch, the trainer's own step (``TrainStep``,
-  adapters/training/step.py: the base's pass replayed as a CUDA graph, the class-token path forward
-  and back to the adapters' stack as a second graph, one joint optimiser step; whether each graph
-  was used is in the row) for 1 and for 8 variants of a sweep, against
+  adapters/training/step.py: the pass forward, base included, and back to the adapters' stack as
+  one CUDA graph, one joint optimiser step; whether the graph was used is in the row) for 1 and for
+  8 variants of a sweep, against
   one fused inference pass on the same batch as it is served (a graph replay, in the step's
   precision: a float32 or a bfloat16 engine). Goals: step <= 1.5 x an inference pass; 8 variants
   <= 1.3 x one.
@@ -129,8 +129,7 @@ def _step(arch: str, precision: str, batch: int, plan: Plan) -> dict:
         "goal <= 1.5": goal(per_infer, "<=", 1.5),
         f"step {n} / step 1": many_over_one,
         "goal <= 1.3": goal(many_over_one, "<=", 1.3),
-        "base pass graphed": _graphed(step_one.base_pass.graphed, step_one.base_pass.failed),
-        "class-token path graphed": _graphed(step_one.path.graphed, step_one.path.failed, step_one.path.cut),
+        "pass graphed": _graphed(step_one.path.graphed, step_one.path.failed, step_one.path.cut),
     }
 
 

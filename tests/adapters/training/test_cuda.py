@@ -16,7 +16,7 @@ from memvit.adapters.training.device import to_device
 from memvit.adapters.training.metrics import evaluate_tasks
 from memvit.adapters.training.update import JointUpdate
 from memvit.memory_core import LiveAdapters, MemoryViT
-from memvit.memory_core.cached import capture
+from memvit.memory_core.cached import CachedBatch, capture
 from tests.conftest import images, max_diff, tiny_engine
 
 pytestmark = [
@@ -54,6 +54,37 @@ def test_the_graphed_base_pass_replays_the_eager_one(precision: str, exact_float
     _, layers = capture(engine, x, "inputs")
     if precision == "float32":
         assert max_diff(graphed(x).layers, layers) <= 1e-5
+
+
+@pytest.mark.parametrize("source", ["images", "cache"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_graphed_step_is_the_eager_step(source: str, precision: str, exact_float32) -> None:
+    from memvit.adapters.training.step import TrainStep
+    from memvit.adapters.training.step_graph import WARM_UP
+    from memvit.adapters.training.variant import Variant
+
+    runs = []
+    for graphs in (True, False):
+        engine = tiny_engine().to(CUDA).train()
+        x = images(engine, batch=6).to(CUDA)
+        variants = []
+        for i, m in enumerate((0, 2, 3)):
+            config = TrainConfig(name=f"v{i}", train_dir="-", memory_tokens=m, lr=0.05 * (i + 1), steps=20)
+            variants.append(Variant(engine, config, ("a", "b", "c"), None, total=20, init_images=x[:2]))
+        step = TrainStep(engine, variants, precision=precision, graphs=graphs)
+        for i in range(WARM_UP + 4):  # past the warm-up: the graph captured, then replayed with new data
+            batch = images(engine, batch=6, seed=10 + i).to(CUDA)
+            if source == "cache":
+                logits, layers = capture(engine, batch, "inputs")
+                batch = CachedBatch("inputs", layers, logits)
+            step(batch, torch.tensor([0, 1, 2, 2, 1, 0], device=CUDA))
+        step.flush()
+        assert step.path.graphed is graphs and step.path.failed is None and step.path.cut
+        runs.append(variants)
+    for a, b in zip(*runs, strict=True):
+        assert a.losses == pytest.approx(b.losses, abs=1e-5)
+        for p, q in zip(a.adapter.parameters(), b.adapter.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
 def test_a_run_on_the_gpu_reaches_the_cpu_runs_numbers(image_folder, tiny_weights, exact_float32) -> None:

@@ -12,6 +12,7 @@ from memvit.adapters.training.step import TrainStep
 from memvit.adapters.training.step_graph import replaced, tensors_of
 from memvit.adapters.training.variant import Variant
 from memvit.memory_core import AdapterSet
+from memvit.memory_core.cached import CachedBatch, capture
 from memvit.memory_core.memory_projection import StackedProjection
 from tests.conftest import images, tiny_engine
 
@@ -31,7 +32,7 @@ def _variants(engine, x, *, parent=None) -> list[Variant]:
     return made
 
 
-def _run(variant: str, cut: bool, steps: int = 4) -> tuple[list[Variant], TrainStep]:
+def _run(variant: str, cut: bool, steps: int = 4, cached: bool = False) -> tuple[list[Variant], TrainStep]:
     engine = tiny_engine(variant).train()
     x = images(engine, batch=6)
     variants = _variants(engine, x)
@@ -39,13 +40,18 @@ def _run(variant: str, cut: bool, steps: int = 4) -> tuple[list[Variant], TrainS
     if not cut:
         step.path.cut = False
     for i in range(steps):
-        step(images(engine, batch=6, seed=10 + i), torch.tensor([0, 1, 2, 2, 1, 0]))
+        batch = images(engine, batch=6, seed=10 + i)
+        if cached:  # the batch as an activation cache holds it
+            logits, layers = capture(engine, batch, "inputs")
+            batch = CachedBatch("inputs", layers, logits)
+        step(batch, torch.tensor([0, 1, 2, 2, 1, 0]))
     return variants, step
 
 
-def test_the_cut_step_gives_the_parameters_what_the_uncut_step_gives() -> None:
-    cut, cut_step = _run("plain", cut=True)
-    whole, whole_step = _run("plain", cut=False)
+@pytest.mark.parametrize("cached", [False, True], ids=["images", "cache"])
+def test_the_cut_step_gives_the_parameters_what_the_uncut_step_gives(cached: bool) -> None:
+    cut, cut_step = _run("plain", cut=True, cached=cached)
+    whole, whole_step = _run("plain", cut=False, cached=cached)
     assert cut_step.path.cut is True and whole_step.path.cut is False
     assert len(cut_step.pending) == 4  # nothing read back yet
     cut_step.flush()
@@ -69,12 +75,12 @@ def test_other_bases_are_cut_and_train_alike(variant: str) -> None:
 
 
 def test_a_path_that_reads_parameters_outside_the_stack_is_not_cut(monkeypatch) -> None:
-    # Without the stacked projection's rows, the written-out block reads each adapter's memory
+    # From a cache without the stacked projection's rows, the written-out block reads each adapter's memory
     # parameters themselves (memory_core/cached.py, _with_memory_rows): a cut would lose their
     # gradient, so the first step finds that and runs uncut, as it always did.
     monkeypatch.setattr(StackedProjection, "project", lambda self, blocks, memory, norm: None)
-    cut, step = _run("plain", cut=True, steps=3)
-    whole, _ = _run("plain", cut=False, steps=3)
+    cut, step = _run("plain", cut=True, steps=3, cached=True)
+    whole, _ = _run("plain", cut=False, steps=3, cached=True)
     assert step.path.cut is False
     for a, b in zip(cut, whole, strict=True):
         assert a.adapter.memory.grad is not None or not a.adapter.memory.requires_grad
