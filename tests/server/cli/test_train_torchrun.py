@@ -18,6 +18,11 @@ runner = CliRunner()
 SWEEP = ["--sweep", "lr=0.05,0.3", "--sweep", "memory-tokens=0,1"]
 
 
+def _path() -> str:
+    """The repository first, then whatever the path was (a GPU lease installs memvit elsewhere)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def _args(tiny_weights, image_folder, out) -> list[str]:
     return [
         "train", "--name", "c", "--train-dir", str(image_folder), "--weights", str(tiny_weights),
@@ -27,7 +32,7 @@ def _args(tiny_weights, image_folder, out) -> list[str]:
 
 def test_torchrun_splits_a_sweep_across_processes_and_changes_no_result(tmp_path, tiny_weights, image_folder):
     split, alone = tmp_path / "split", tmp_path / "alone"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _path()}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command = [*launcher, "-m", "memvit.server.cli", *_args(tiny_weights, image_folder, split)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, check=False)
@@ -64,7 +69,7 @@ def test_torchrun_refuses_one_adapter_and_too_few_variants(tmp_path, tiny_weight
     not __import__("torch").cuda.device_count() >= 2, reason="needs two CUDA devices on this machine"
 )
 def test_torchrun_on_two_gpus(tmp_path, tiny_weights, image_folder) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": _path()}
     args = [a if a != "cpu" else "cuda" for a in _args(tiny_weights, image_folder, tmp_path / "s")]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = subprocess.run(
