@@ -20,6 +20,9 @@ here is inherited):
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
 import shutil
@@ -28,6 +31,7 @@ import socket
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
@@ -63,6 +67,20 @@ def reserve(host: str, port: int) -> socket.socket:
     return sock
 
 
+def comm_name(name: str) -> str:
+    """A child's name as ``ps``, ``top`` and /proc/<pid>/comm show it (Linux keeps 15 characters):
+    ``memvit-model``, ``memvit-api-3``, ``replica-12``."""
+    return f"memvit-{name}" if len(name) <= 8 else name
+
+
+def run_named(name: str, target: Callable[..., None], *args: object) -> None:
+    """A child's entry point: ``target(*args)`` under ``name`` (``comm_name``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    target(*args)
+
+
 class Supervisor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -85,7 +103,10 @@ class Supervisor:
     def _start(self, child: Child) -> None:
         child.ready = self.context.Event()
         child.process = self.context.Process(
-            target=child.target, args=(*child.args, child.ready), name=f"memvit-{child.name}", daemon=False
+            target=run_named,
+            args=(comm_name(child.name), child.target, *child.args, child.ready),
+            name=f"memvit-{child.name}",
+            daemon=False,
         )
         child.process.start()
         log.info("started %s (pid %d)", child.name, child.process.pid)

@@ -1,0 +1,191 @@
+"""CPU per request of the HTTP front end, with the model pass and the pixels made negligible.
+
+    python -m benchmarks.front_end_cpu                          # 1 process against 2 API processes, ~2 min
+    python -m benchmarks.front_end_cpu --configs 1 --rounds 1   # one process only
+    python -m benchmarks.front_end_cpu --smoke                  # a few seconds of each (CI)
+
+What a request costs the processes that answer it, apart from the work of the model: the base is
+one block of width 32 on 32x32 inputs, and each upload is a 32x32 JPEG carried in a 95 KiB file
+(the size of the shared photos: APP15 segments of padding, which every decoder skips), so the bytes
+move as a photo's would while decoding and the pass cost next to nothing. 8 adapters, every task
+answered with its top label (``?top_k=1``), as the GPU suite's server step asks.
+
+Each configuration is a ``memvit serve`` (tests/server/launcher.py): ``1`` one process, ``N`` N API
+processes and one model process, ``N/replicas`` N replicas. Closed-loop clients (benchmarks/
+loadgen.py) post the upload; the CPU time of every process of the server is read from /proc before
+and after, and divided by the requests answered. CPU time, not throughput, because this machine's
+two cores also run the load generator (and other work): CPU per request says what more cores would
+do. The rounds alternate the configurations' order; the medians are reported:
+
+- front end: the processes that speak HTTP (the one process; the API processes; the replicas),
+- model: the model process (its batcher, the link, the pass),
+- group: every process of the server (the supervisor too),
+- and the group's CPU per request over the one process's, for each configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+
+from benchmarks.common import argument_parser, environment, pin_malloc
+from benchmarks.loadgen import classify_requests, load
+from memvit.adapters import bundle_for
+from memvit.memory_core import MemoryViT, save_base
+from tests.factories import random_adapter
+from tests.server.launcher import ServerProcess
+
+BASE = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=10)
+UPLOAD_BYTES = 95 * 1024
+
+
+def padded_jpeg(size: int = UPLOAD_BYTES, side: int = 32) -> bytes:
+    """A ``side`` x ``side`` JPEG of ``size`` bytes: the picture, after APP15 segments of padding."""
+    buf = io.BytesIO()
+    Image.radial_gradient("L").resize((side, side)).convert("RGB").save(buf, format="JPEG", quality=90)
+    picture = buf.getvalue()
+    padding, need = [], size - len(picture)
+    while need > 4:
+        n = min(need - 4, 65533 - 2)  # a segment's length counts its two length bytes
+        padding.append(b"\xff\xef" + (n + 2).to_bytes(2, "big") + b"\0" * n)
+        need -= n + 4
+    return picture[:2] + b"".join(padding) + picture[2:]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def roles(pid: int) -> dict[int, str]:
+    """The server's processes by role: ``front`` (HTTP), ``model`` or ``supervisor``, from the names
+    the supervisor gives its children (server/frontend/supervisor.py)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            comm = (stat.parent / "comm").read_text().strip()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found[int(stat.parent.name)] = "model" if comm == "memvit-model" else "front"
+    return {pid: "supervisor" if found else "front", **found}
+
+
+@dataclass
+class Round:
+    requests: int
+    statuses: dict[int, int]
+    per_role: dict[str, float]  # CPU seconds per request
+    client_ms: float
+    rate: float
+
+    @property
+    def group(self) -> float:
+        return sum(self.per_role.values())
+
+
+def measure(server: ServerProcess, requests: list[bytes], clients: int, seconds: float) -> Round:
+    pids = roles(server.pid)
+    before = {pid: cpu_seconds(pid) for pid in pids}
+    result = asyncio.run(load("127.0.0.1", server.port, requests, clients, seconds))
+    per_role: dict[str, float] = {}
+    for pid, role in pids.items():
+        per_role[role] = per_role.get(role, 0.0) + (cpu_seconds(pid) - before[pid]) / result.completed
+    return Round(result.completed, result.statuses, per_role, result.client_cpu_ms, result.throughput)
+
+
+def start(config: str, weights: Path, root: Path, bundles: dict[str, bytes]) -> ServerProcess:
+    processes, _, mode = config.partition("/")
+    store = root / f"store-{config.replace('/', '-')}"
+    store.mkdir()
+    for name, data in bundles.items():
+        (store / f"{name}.safetensors").write_bytes(data)
+    return ServerProcess(
+        weights,
+        store,
+        stderr=None,
+        MEMVIT_LOG_LEVEL="warning",
+        MEMVIT_ADMIN_TOKEN="",
+        MEMVIT_DECODE_DEVICE="cpu",
+        MEMVIT_STORE_POLL_SECONDS="2",
+        MEMVIT_API_PROCESSES=processes,
+        MEMVIT_FRONT_END=mode or "model-process",
+    ).start(timeout=300)
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.3f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argument_parser(__file__, __doc__)
+    parser.add_argument("--configs", nargs="+", default=["1", "2"])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per load phase")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="one short round (CI)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.seconds, args.rounds = 2.0, 1
+    malloc = pin_malloc()
+    engine = MemoryViT.from_timm("vit_tiny_patch16_224", **BASE)
+    upload = padded_jpeg()
+    bundles = {
+        f"task-{i}": bundle_for(random_adapter(f"task-{i}", engine, m=1, classes=10), engine).to_bytes()
+        for i in range(8)
+    }
+    print(environment("one block of width 32, 32x32 inputs", "8 adapters", f"{len(upload)}-byte JPEG", malloc))
+    print(f"{args.clients} clients, {args.seconds:g} s per phase, {args.rounds} rounds\n", flush=True)
+    results: dict[str, list[Round]] = {c: [] for c in args.configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        weights = save_base(engine.base, root / "base.safetensors", arch="vit_tiny_patch16_224", model_kwargs=BASE)
+        servers = {c: start(c, weights, root, bundles) for c in args.configs}
+        try:
+            requests = {c: classify_requests("127.0.0.1", s.port, [upload]) for c, s in servers.items()}
+            for c, s in servers.items():  # warm-up: connections, allocator, the first passes
+                asyncio.run(load("127.0.0.1", s.port, requests[c], args.clients, min(args.seconds, 3.0)))
+            for r in range(args.rounds):
+                for c in args.configs if r % 2 == 0 else args.configs[::-1]:
+                    got = measure(servers[c], requests[c], args.clients, args.seconds)
+                    results[c].append(got)
+                    roles_ms = ", ".join(f"{role} {ms(v)}" for role, v in sorted(got.per_role.items()))
+                    print(f"round {r + 1} {c}: {got.rate:.0f} req/s, CPU ms/request: {roles_ms}; "
+                          f"statuses {got.statuses}", flush=True)  # fmt: skip
+        finally:
+            for server in servers.values():
+                server.stop()
+    report(results, args.configs)
+
+
+def report(results: dict[str, list[Round]], configs: list[str]) -> None:
+    def median(c: str, role: str | None) -> float | None:
+        values = [r.group if role is None else r.per_role.get(role) for r in results[c]]
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    first = configs[0]
+    print("\n| config | front end ms/req | model process ms/req | group ms/req | group / "
+          f"{first}'s | load generator ms/req | req/s | non-200 |")  # fmt: skip
+    print("|---|--:|--:|--:|--:|--:|--:|--:|")
+    for c in configs:
+        group, base = median(c, None), median(first, None)
+        bad = sum(n for r in results[c] for s, n in r.statuses.items() if s != 200)
+        rate = statistics.median(r.rate for r in results[c])
+        client = statistics.median(r.client_ms for r in results[c])
+        print(
+            f"| {c} | {ms(median(c, 'front'))} | {ms(median(c, 'model'))} | {ms(group)} | "
+            f"{group / base:.3f} | {client:.3f} | {rate:.0f} | {bad} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
