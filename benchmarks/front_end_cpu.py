@@ -65,8 +65,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def roles(pid: int) -> dict[int, str]:
-    """The server's processes by role: ``front`` (HTTP), ``model`` or ``supervisor``, from the names
-    the supervisor gives its children (server/frontend/supervisor.py)."""
+    """The server's processes by role: ``front`` (HTTP), ``model``, ``supervisor`` or ``other``, from
+    the names the supervisor gives its children (server/frontend/supervisor.py)."""
     found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -74,8 +74,9 @@ def roles(pid: int) -> dict[int, str]:
             comm = (stat.parent / "comm").read_text().strip()
         except OSError:
             continue
-        if int(fields[1]) == pid:
-            found[int(stat.parent.name)] = "model" if comm == "memvit-model" else "front"
+        if int(fields[1]) == pid:  # the children; multiprocessing's resource tracker is "other"
+            front = comm.startswith(("memvit-api-", "replica-"))
+            found[int(stat.parent.name)] = "model" if comm == "memvit-model" else "front" if front else "other"
     return {pid: "supervisor" if found else "front", **found}
 
 

@@ -64,6 +64,22 @@ class MemvitAPI(FastAPI):
         stack = super().build_middleware_stack()
         return stack if self.outer is None else self.outer(stack)
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.outer is None or not serves(scope):
+            await super().__call__(scope, receive, send)
+            return
+        # Starlette's own call: FastAPI's adds its OpenTelemetry hooks, which ask the global
+        # providers whether they are configured at every request, for a route that is not FastAPI's.
+        scope["app"] = self
+        if self.middleware_stack is None:
+            self.middleware_stack = self.build_middleware_stack()
+        await self.middleware_stack(scope, receive, send)
+
+
+def serves(scope: Scope) -> bool:
+    """Whether ``scope`` is a request for the raw route."""
+    return scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) == PATH
+
 
 class RawClassify:
     """The app as uvicorn sees it: ``POST /classify`` here, every other request to ``app``."""
@@ -74,7 +90,7 @@ class RawClassify:
         assert self.row is not None and self.row.metered, "POST /classify must be a metered route"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) != PATH:
+        if not serves(scope):
             await self.app(scope, receive, send)
             return
         stages = begin_stages()
@@ -87,28 +103,29 @@ class RawClassify:
                 message = self.meter.starting(message, stages)
             await send(message)
 
+        headers = Headers(scope=scope)
         try:
             try:
-                ticket = await self.edge.admit(scope, Headers(scope=scope), self.row, PATH)
+                ticket = await self.edge.admit(scope, headers, self.row, PATH)
             except ServiceError as exc:
                 await refuse(scope, answer, exc, self.row)
                 return
             try:
-                await self._admitted(scope, receive, answer)
+                await self._admitted(scope, receive, answer, headers.get("content-type", ""))
             finally:
                 if ticket is not None:
                     ticket.release()
         finally:
             self.meter.observe(PATH, "POST", status, stages)
 
-    async def _admitted(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send, content_type: str) -> None:
         async def refused(error: ServiceError) -> None:
             await refuse(scope, send, error, None)
 
         row = self.row
         body = BodyLimits(receive, send, seconds=row.deadline, cap=row.cap, refuse=refused)
         try:
-            boundary = boundary_of(Headers(scope=scope).get("content-type", ""))
+            boundary = boundary_of(content_type)
             if boundary is None:  # FastAPI's way, which reads the body itself (or answers 415)
                 await self._to_app(scope, body.receive, body.send)
                 return
