@@ -9,6 +9,8 @@ metrics) and starts the children with ``spawn`` (a fresh interpreter each; nothi
 here is inherited):
 
 - model-process: the model process and N API processes; replicas: N replicas.
+- An API process or replica listens on the port once it can answer (listen.py); until one does,
+  the supervisor answers there (``/healthz`` 200, the rest 503 with ``Retry-After``: standin.py).
 - A child that dies is restarted; the model process restarted is reconnected to by the API
   processes, which answer 503 meanwhile. A model process or replica that exits before it was ever
   ready (bad weights, an unreachable store: its log says why) stops the group with exit status 1,
@@ -39,6 +41,7 @@ from pathlib import Path
 from ..settings import Settings
 from .api_process import api_main
 from .model_process import model_main
+from .standin import StandIn
 
 log = logging.getLogger("memvit.server.supervisor")
 MAX_RESTARTS, RESTART_WINDOW = 5, 60.0
@@ -99,6 +102,14 @@ class Supervisor:
         for i in range(n):
             args = (settings, port, self.directory, i, self.mode, n)
             self.children.append(Child(f"{role}-{i}", api_main, args, must_start=self.mode == "replicas"))
+        self.front = [c for c in self.children if c.name != "model"]  # those that listen on the port
+        self.standin = StandIn(settings.host, port, self._listening)
+        self._answered = False  # whether a child answered the port at the last look
+
+    def _listening(self) -> bool:
+        """Whether a child listens on the port (its ready event: set once it listens; a new one
+        for each start). Asked from the stand-in's thread too."""
+        return any(c.ready is not None and c.ready.is_set() for c in self.front)
 
     def _start(self, child: Child) -> None:
         child.ready = self.context.Event()
@@ -119,9 +130,14 @@ class Supervisor:
             self.settings.host, self.sock.getsockname()[1], self.mode, self.settings.api_processes,
         )  # fmt: skip
         try:
+            self.standin.start()  # probes are answered from the first moment
             for child in self.children:
                 self._start(child)
             while not self.stopping:
+                answered = self._listening()
+                if answered != self._answered:
+                    self._answered = answered
+                    self.standin.update()
                 status = self._watch()
                 if status is not None:
                     return status
@@ -129,6 +145,7 @@ class Supervisor:
             return 0
         finally:
             self._stop_all()
+            self.standin.close()
             self.sock.close()
             shutil.rmtree(self.directory, ignore_errors=True)
 
@@ -147,6 +164,7 @@ class Supervisor:
                     log.info("all %d processes ready", len(self.children))
             if process.is_alive() or self.stopping:
                 continue
+            child.ready.clear()  # it no longer listens (its socket went with it)
             if child.must_start and not child.ever_ready:
                 log.error("%s exited (status %s) before it was ready; stopping", child.name, process.exitcode)
                 return 1
