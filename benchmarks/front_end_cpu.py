@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from PIL import Image
 
 from benchmarks.common import argument_parser, environment, pin_malloc
 from benchmarks.loadgen import classify_requests, load
+from benchmarks.processes import RoleClock
 from memvit.adapters import bundle_for
 from memvit.memory_core import MemoryViT, save_base
 from tests.factories import random_adapter
@@ -59,27 +59,6 @@ def padded_jpeg(size: int = UPLOAD_BYTES, side: int = 32) -> bytes:
     return picture[:2] + b"".join(padding) + picture[2:]
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def roles(pid: int) -> dict[int, str]:
-    """The server's processes by role: ``front`` (HTTP), ``model``, ``supervisor`` or ``other``, from
-    the names the supervisor gives its children (server/frontend/supervisor.py)."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            comm = (stat.parent / "comm").read_text().strip()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # the children; multiprocessing's resource tracker is "other"
-            front = comm.startswith(("memvit-api-", "replica-"))
-            found[int(stat.parent.name)] = "model" if comm == "memvit-model" else "front" if front else "other"
-    return {pid: "supervisor" if found else "front", **found}
-
-
 @dataclass
 class Round:
     requests: int
@@ -93,13 +72,16 @@ class Round:
         return sum(self.per_role.values())
 
 
+FRONT = {"server": "front", "api": "front", "replica": "front"}  # the processes that speak HTTP
+
+
 def measure(server: ServerProcess, requests: list[bytes], clients: int, seconds: float) -> Round:
-    pids = roles(server.pid)
-    before = {pid: cpu_seconds(pid) for pid in pids}
+    clock = RoleClock(server.pid)
     result = asyncio.run(load("127.0.0.1", server.port, requests, clients, seconds))
     per_role: dict[str, float] = {}
-    for pid, role in pids.items():
-        per_role[role] = per_role.get(role, 0.0) + (cpu_seconds(pid) - before[pid]) / result.completed
+    for role, cpu in clock.seconds().items():
+        role = FRONT.get(role, role)
+        per_role[role] = per_role.get(role, 0.0) + cpu / result.completed
     return Round(result.completed, result.statuses, per_role, result.client_cpu_ms, result.throughput)
 
 
@@ -143,12 +125,14 @@ def main(argv: list[str] | None = None) -> None:
         f"task-{i}": bundle_for(random_adapter(f"task-{i}", engine, m=1, classes=10), engine).to_bytes()
         for i in range(8)
     }
-    print(environment("one block of width 32, 32x32 inputs", "8 adapters", f"{len(upload)}-byte JPEG", malloc))
+    shape = "one block of width 32, 32x32 inputs"
+    print(environment(shape, "8 adapters", f"{len(upload)}-byte JPEG", malloc))
     print(f"{args.clients} clients, {args.seconds:g} s per phase, {args.rounds} rounds\n", flush=True)
     results: dict[str, list[Round]] = {c: [] for c in args.configs}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        weights = save_base(engine.base, root / "base.safetensors", arch="vit_tiny_patch16_224", model_kwargs=BASE)
+        weights = root / "base.safetensors"
+        save_base(engine.base, weights, arch="vit_tiny_patch16_224", model_kwargs=BASE)
         servers = {c: start(c, weights, root, bundles) for c in args.configs}
         try:
             requests = {c: classify_requests("127.0.0.1", s.port, [upload]) for c, s in servers.items()}

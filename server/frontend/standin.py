@@ -108,7 +108,6 @@ class StandIn:
     def _update(self) -> None:
         serving = self.serving()
         if serving and self._sock is not None:
-            log.info("a process listens on port %d: the stand-in stops answering there", self.port)
             self._stop_listening()
         elif not serving and self._sock is None:
             self._listen()
@@ -132,6 +131,8 @@ class StandIn:
         if self._accepting is not None:
             self._accepting.cancel()
         self.loop.remove_reader(sock)  # now, not when the task sees its cancellation: the fd is reused
+        if drain:
+            log.info("a process listens on port %d: the stand-in stops answering there", self.port)
         while drain:
             try:
                 conn, _ = sock.accept()

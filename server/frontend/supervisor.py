@@ -161,7 +161,7 @@ class Supervisor:
                 child.ever_ready = True
                 if not self.all_ready and all(c.ever_ready for c in self.children):
                     self.all_ready = True
-                    log.info("all %d processes ready", len(self.children))
+                    log.warning("all %d processes ready", len(self.children))  # as "serving on" is
             if process.is_alive() or self.stopping:
                 continue
             child.ready.clear()  # it no longer listens (its socket went with it)
