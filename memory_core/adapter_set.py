@@ -30,7 +30,7 @@ class AdapterSet:
     report one number).
     """
 
-    __slots__ = ("_by_name", "_requires_grad", "_stack", "adapters", "version")
+    __slots__ = ("_by_name", "_names", "_requires_grad", "_stack", "_table", "adapters", "version")
 
     def __init__(self, adapters: tuple[PreparedAdapter, ...] = (), *, version: int | None = None) -> None:
         self.adapters = tuple(adapters)
@@ -48,6 +48,8 @@ class AdapterSet:
         # read the device slots the engine keeps, memory_core/slots.py).
         self._stack: AdapterStack | None = None
         self._requires_grad: bool | None = None
+        self._table = None  # its SlotTable on one engine's slots (memory_core/slot_table.py, table_of)
+        self._names = tuple(a.name for a in self.adapters)
         self.version = next(_versions) if version is None else version
 
     @property
@@ -72,7 +74,7 @@ class AdapterSet:
     # -- reading -------------------------------------------------------------------------------
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.adapters)
+        return self._names
 
     def __len__(self) -> int:
         return len(self.adapters)
@@ -144,12 +146,8 @@ class AdapterSet:
     def at_version(self, version: int) -> AdapterSet:
         """The same adapters under another version number (the stack is shared, not rebuilt)."""
         renumbered = object.__new__(AdapterSet)
-        renumbered.adapters, renumbered._by_name, renumbered._stack, renumbered._requires_grad = (
-            self.adapters,
-            self._by_name,
-            self._stack,
-            self._requires_grad,
-        )
+        for name in ("adapters", "_by_name", "_names", "_stack", "_requires_grad", "_table"):
+            setattr(renumbered, name, getattr(self, name))
         renumbered.version = version
         return renumbered
 

@@ -222,7 +222,7 @@ def as_output(answer: Answer) -> FusedOutput:
     rows = torch.arange(n)
     adapters = {name: torch.from_numpy(values) for name, values in answer.adapters.items()}
     answered = _AnsweredSet(answer.registry.version, answer.labels)
-    return FusedOutput(base, adapters, dict.fromkeys(adapters, rows), answered)  # type: ignore[arg-type]
+    return FusedOutput.of_tasks(base, adapters, dict.fromkeys(adapters, rows), answered)  # type: ignore[arg-type]
 
 
 class RemotePipeline(ClassifyPipeline):
