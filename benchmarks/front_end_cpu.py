@@ -11,13 +11,17 @@ move as a photo's would while decoding and the pass cost next to nothing. 8 adap
 answered with its top label (``?top_k=1``), as the GPU suite's server step asks.
 
 Each configuration is a ``memvit serve`` (tests/server/launcher.py): ``1`` one process, ``N`` N API
-processes and one model process, ``N/replicas`` N replicas. Closed-loop clients (benchmarks/
+processes and one model process, ``N/replicas`` N replicas; each decoding JPEGs as ``--decode`` says
+(``MEMVIT_DECODE_DEVICE``): ``device``, the GPU host's way (the front end only checks each upload,
+the model's batch decodes it: torchvision's decoder, here on the CPU, in the model process), and
+``cpu`` (the front end's workers decode with Pillow). Closed-loop clients (benchmarks/
 loadgen.py) post the upload; the CPU time of every process of the server is read from /proc before
 and after, and divided by the requests answered. CPU time, not throughput, because this machine's
 two cores also run the load generator (and other work): CPU per request says what more cores would
 do. The rounds alternate the configurations' order; the medians are reported:
 
-- front end: the processes that speak HTTP (the one process; the API processes; the replicas),
+- front end: the processes that speak HTTP (the one process, all of it; the API processes; the
+  replicas),
 - model: the model process (its batcher, the link, the pass),
 - group: every process of the server (the supervisor too),
 - and the group's CPU per request over the one process's, for each configuration.
@@ -85,19 +89,21 @@ def measure(server: ServerProcess, requests: list[bytes], clients: int, seconds:
     return Round(result.completed, result.statuses, per_role, result.client_cpu_ms, result.throughput)
 
 
-def start(config: str, weights: Path, root: Path, bundles: dict[str, bytes]) -> ServerProcess:
+def start(name: str, weights: Path, root: Path, bundles: dict[str, bytes]) -> ServerProcess:
+    """``name``: "<config> <decode>", e.g. "2 device" (see the module's doc)."""
+    config, decode = name.split()
     processes, _, mode = config.partition("/")
-    store = root / f"store-{config.replace('/', '-')}"
+    store = root / f"store-{name.replace('/', '-').replace(' ', '-')}"
     store.mkdir()
-    for name, data in bundles.items():
-        (store / f"{name}.safetensors").write_bytes(data)
+    for adapter, data in bundles.items():
+        (store / f"{adapter}.safetensors").write_bytes(data)
     return ServerProcess(
         weights,
         store,
         stderr=None,
         MEMVIT_LOG_LEVEL="warning",
         MEMVIT_ADMIN_TOKEN="",
-        MEMVIT_DECODE_DEVICE="cpu",
+        MEMVIT_DECODE_DEVICE=decode,
         MEMVIT_STORE_POLL_SECONDS="2",
         MEMVIT_API_PROCESSES=processes,
         MEMVIT_FRONT_END=mode or "model-process",
@@ -110,7 +116,8 @@ def ms(seconds: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__file__, __doc__)
-    parser.add_argument("--configs", nargs="+", default=["1", "2"])
+    parser.add_argument("--configs", nargs="+", default=["1", "2"], help='"1", "N" or "N/replicas"')
+    parser.add_argument("--decode", nargs="+", default=["device", "cpu"], help="MEMVIT_DECODE_DEVICE values")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=10.0, help="per load phase")
     parser.add_argument("--rounds", type=int, default=3)
@@ -128,47 +135,51 @@ def main(argv: list[str] | None = None) -> None:
     shape = "one block of width 32, 32x32 inputs"
     print(environment(shape, "8 adapters", f"{len(upload)}-byte JPEG", malloc))
     print(f"{args.clients} clients, {args.seconds:g} s per phase, {args.rounds} rounds\n", flush=True)
-    results: dict[str, list[Round]] = {c: [] for c in args.configs}
+    names = [f"{c} {d}" for d in args.decode for c in args.configs]
+    results: dict[str, list[Round]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         weights = root / "base.safetensors"
         save_base(engine.base, weights, arch="vit_tiny_patch16_224", model_kwargs=BASE)
-        servers = {c: start(c, weights, root, bundles) for c in args.configs}
+        servers = {n: start(n, weights, root, bundles) for n in names}
         try:
-            requests = {c: classify_requests("127.0.0.1", s.port, [upload]) for c, s in servers.items()}
-            for c, s in servers.items():  # warm-up: connections, allocator, the first passes
-                asyncio.run(load("127.0.0.1", s.port, requests[c], args.clients, min(args.seconds, 3.0)))
+            requests = {n: classify_requests("127.0.0.1", s.port, [upload]) for n, s in servers.items()}
+            for n, s in servers.items():  # warm-up: connections, allocator, the first passes
+                asyncio.run(load("127.0.0.1", s.port, requests[n], args.clients, min(args.seconds, 3.0)))
             for r in range(args.rounds):
-                for c in args.configs if r % 2 == 0 else args.configs[::-1]:
-                    got = measure(servers[c], requests[c], args.clients, args.seconds)
-                    results[c].append(got)
+                for n in names if r % 2 == 0 else names[::-1]:
+                    got = measure(servers[n], requests[n], args.clients, args.seconds)
+                    results[n].append(got)
                     roles_ms = ", ".join(f"{role} {ms(v)}" for role, v in sorted(got.per_role.items()))
-                    print(f"round {r + 1} {c}: {got.rate:.0f} req/s, CPU ms/request: {roles_ms}; "
+                    print(f"round {r + 1} {n}: {got.rate:.0f} req/s, CPU ms/request: {roles_ms}; "
                           f"statuses {got.statuses}", flush=True)  # fmt: skip
         finally:
             for server in servers.values():
                 server.stop()
-    report(results, args.configs)
+    report(results, names)
 
 
-def report(results: dict[str, list[Round]], configs: list[str]) -> None:
-    def median(c: str, role: str | None) -> float | None:
-        values = [r.group if role is None else r.per_role.get(role) for r in results[c]]
+def report(results: dict[str, list[Round]], names: list[str]) -> None:
+    """Medians over the rounds; each group against one process decoding the same way."""
+
+    def median(n: str, role: str | None) -> float | None:
+        values = [r.group if role is None else r.per_role.get(role) for r in results[n]]
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
-    first = configs[0]
-    print("\n| config | front end ms/req | model process ms/req | group ms/req | group / "
-          f"{first}'s | load generator ms/req | req/s | non-200 |")  # fmt: skip
+    print("\n| config, decode | front end ms/req | model process ms/req | group ms/req | group / one "
+          "process's | load generator ms/req | req/s | non-200 |")  # fmt: skip
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
-    for c in configs:
-        group, base = median(c, None), median(first, None)
-        bad = sum(n for r in results[c] for s, n in r.statuses.items() if s != 200)
-        rate = statistics.median(r.rate for r in results[c])
-        client = statistics.median(r.client_ms for r in results[c])
+    for n in names:
+        one = f"1 {n.split()[1]}"
+        group, base = median(n, None), median(one, None) if one in results else None
+        bad = sum(k for r in results[n] for s, k in r.statuses.items() if s != 200)
+        rate = statistics.median(r.rate for r in results[n])
+        client = statistics.median(r.client_ms for r in results[n])
+        against = "-" if base is None or group is None else f"{group / base:.3f}"
         print(
-            f"| {c} | {ms(median(c, 'front'))} | {ms(median(c, 'model'))} | {ms(group)} | "
-            f"{group / base:.3f} | {client:.3f} | {rate:.0f} | {bad} |"
+            f"| {n} | {ms(median(n, 'front'))} | {ms(median(n, 'model'))} | {ms(group)} | "
+            f"{against} | {client:.3f} | {rate:.0f} | {bad} |"
         )
 
 

@@ -204,6 +204,7 @@ def api_main(
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,
+        access_log=settings.access_log,
         timeout_graceful_shutdown=10,
         http=header_timeout_protocol(settings.header_timeout_seconds),
     )
