@@ -98,9 +98,13 @@ async def _run(job: Job) -> Seen:
                 began = time.time()
                 counted = began < deadline
                 open_in_window += counted
-                status, body = await http.exchange(job.requests[k])
+                try:
+                    status, body = await http.exchange(job.requests[k])
+                    reason = reason_of(status, body, job.names[k], job.references, job.tolerance)
+                except (OSError, asyncio.IncompleteReadError) as exc:  # reset, refused: counted, go on
+                    body, reason = b"", f"no answer: {type(exc).__name__}"
+                    http.writer.close()  # the next request reconnects
                 ended = time.time()
-                reason = reason_of(status, body, job.names[k], job.references, job.tolerance)
                 seen.answered += 1
                 seen.statuses[reason] += 1
                 if reason == "200":

@@ -66,7 +66,12 @@ class ListenWhenAble(uvicorn.Server):
                 config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=_loop
             )
 
-        self.servers.append(await loop.create_server(protocol, sock=self.sock, backlog=config.backlog))
+        try:
+            self.servers.append(await loop.create_server(protocol, sock=self.sock, backlog=config.backlog))
+        except OSError as exc:  # the supervisor restarts this process
+            log.error("cannot listen on port %d: %s", self.sock.getsockname()[1], exc)
+            self.should_exit = True
+            return
         log.info("listening on port %d", self.sock.getsockname()[1])
         self.listening()
 
