@@ -25,6 +25,10 @@ do. The rounds alternate the configurations' order; the medians are reported:
 - model: the model process (its batcher, the link, the pass),
 - group: every process of the server (the supervisor too),
 - and the group's CPU per request over the one process's, for each configuration.
+
+``--against DIR`` runs every configuration a second time on another checkout's code (`` then``):
+``git archive <commit> server adapters memory_core | tar -x -C DIR``. Its processes may not carry the
+role names (older code): their CPU is then all in ``group``.
 """
 
 from __future__ import annotations
@@ -89,9 +93,23 @@ def measure(server: ServerProcess, requests: list[bytes], clients: int, seconds:
     return Round(result.completed, result.statuses, per_role, result.client_cpu_ms, result.throughput)
 
 
-def start(name: str, weights: Path, root: Path, bundles: dict[str, bytes]) -> ServerProcess:
-    """``name``: "<config> <decode>", e.g. "2 device" (see the module's doc)."""
-    config, decode = name.split()
+def against(checkout: Path, root: Path) -> Path:
+    """A directory that, first on PYTHONPATH, makes ``memvit`` another checkout's code (its server/,
+    adapters/ and memory_core/; this environment's libraries)."""
+    shim = root / "then" / "memvit"
+    shim.mkdir(parents=True)
+    for part in ("server", "adapters", "memory_core"):
+        (shim / part).symlink_to((checkout / part).resolve())
+    return shim.parent
+
+
+def start(
+    name: str, weights: Path, root: Path, bundles: dict[str, bytes], then: Path | None
+) -> ServerProcess:
+    """``name``: "<config> <decode>", e.g. "2 device", and " then" for ``then``'s code (see the
+    module's doc)."""
+    config, decode, *was = name.split()
+    extra = {"PYTHONPATH": str(then)} if was and then is not None else {}
     processes, _, mode = config.partition("/")
     store = root / f"store-{name.replace('/', '-').replace(' ', '-')}"
     store.mkdir()
@@ -107,6 +125,7 @@ def start(name: str, weights: Path, root: Path, bundles: dict[str, bytes]) -> Se
         MEMVIT_STORE_POLL_SECONDS="2",
         MEMVIT_API_PROCESSES=processes,
         MEMVIT_FRONT_END=mode or "model-process",
+        **extra,
     ).start(timeout=300)
 
 
@@ -122,6 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per load phase")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="one short round (CI)")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="another checkout (e.g. git archive of a commit): each config again, on it",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.seconds, args.rounds = 2.0, 1
@@ -135,13 +159,19 @@ def main(argv: list[str] | None = None) -> None:
     shape = "one block of width 32, 32x32 inputs"
     print(environment(shape, "8 adapters", f"{len(upload)}-byte JPEG", malloc))
     print(f"{args.clients} clients, {args.seconds:g} s per phase, {args.rounds} rounds\n", flush=True)
-    names = [f"{c} {d}" for d in args.decode for c in args.configs]
+    names = [
+        f"{c} {d}{w}"
+        for d in args.decode
+        for c in args.configs
+        for w in ("", " then")[: 1 + bool(args.against)]
+    ]
     results: dict[str, list[Round]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         weights = root / "base.safetensors"
         save_base(engine.base, weights, arch="vit_tiny_patch16_224", model_kwargs=BASE)
-        servers = {n: start(n, weights, root, bundles) for n in names}
+        then = against(args.against, root) if args.against else None
+        servers = {n: start(n, weights, root, bundles, then) for n in names}
         try:
             requests = {n: classify_requests("127.0.0.1", s.port, [upload]) for n, s in servers.items()}
             for n, s in servers.items():  # warm-up: connections, allocator, the first passes
@@ -171,7 +201,7 @@ def report(results: dict[str, list[Round]], names: list[str]) -> None:
           "process's | load generator ms/req | req/s | non-200 |")  # fmt: skip
     print("|---|--:|--:|--:|--:|--:|--:|--:|")
     for n in names:
-        one = f"1 {n.split()[1]}"
+        one = " ".join(["1", *n.split()[1:]])  # one process, decoding the same way, the same code
         group, base = median(n, None), median(one, None) if one in results else None
         bad = sum(k for r in results[n] for s, k in r.statuses.items() if s != 200)
         rate = statistics.median(r.rate for r in results[n])

@@ -56,13 +56,17 @@ _JSON = (b"content-type", b"application/json")
 
 class MemvitAPI(FastAPI):
     """FastAPI, with ``outer`` (if set) wrapped around its middleware stack: a route served before
-    every layer, which hands what it does not serve to the stack."""
+    every layer, which hands what it does not serve to the stack. Middleware added after
+    ``create_app`` added its own (``own_middleware`` of them: a Ray replica's, server/ray_serve.py)
+    wraps the route as it wraps the stack."""
 
-    outer: Callable[[ASGIApp], ASGIApp] | None = None
+    outer: Callable[[ASGIApp, list], ASGIApp] | None = None
+    own_middleware = 0
 
     def build_middleware_stack(self) -> ASGIApp:
         stack = super().build_middleware_stack()
-        return stack if self.outer is None else self.outer(stack)
+        added = self.user_middleware[: len(self.user_middleware) - self.own_middleware]
+        return stack if self.outer is None else self.outer(stack, added)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.outer is None or not serves(scope):
@@ -84,15 +88,25 @@ def serves(scope: Scope) -> bool:
 class RawClassify:
     """The app as uvicorn sees it: ``POST /classify`` here, every other request to ``app``."""
 
-    def __init__(self, app: ASGIApp, state: AppState, edge: Edge, meter: RequestMeter) -> None:
+    def __init__(
+        self, app: ASGIApp, state: AppState, edge: Edge, meter: RequestMeter, added: list | None = None
+    ) -> None:
+        """``added``: middleware (Starlette's ``Middleware``) that wraps the app's own: it wraps this
+        route too, outermost first, as it does in the stack."""
         self.app, self.state, self.edge, self.meter = app, state, edge, meter
         self.row = edge.table.find("POST", PATH)
         assert self.row is not None and self.row.metered, "POST /classify must be a metered route"
+        self.route: ASGIApp = self._route
+        for cls, args, kwargs in reversed(added or []):
+            self.route = cls(self.route, *args, **kwargs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not serves(scope):
+        if serves(scope):
+            await self.route(scope, receive, send)
+        else:
             await self.app(scope, receive, send)
-            return
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         stages = begin_stages()
         status = 500  # what the metrics count if nothing is sent (the app failed)
 

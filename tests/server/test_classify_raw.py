@@ -176,3 +176,27 @@ def test_the_metrics_count_the_same(servers) -> None:
     assert _classify_counts(raw) == _classify_counts(general)  # after the test above, in file order
     posts = [c for c in cases(keys) if re.match(rb"POST /classify[ ?]", c)]
     assert sum(_classify_counts(raw).values()) == len(posts)
+
+
+class Named:
+    """A middleware added after ``create_app``, as a Ray replica adds its own (server/ray_serve.py)."""
+
+    def __init__(self, app, name: str) -> None:
+        self.app, self.name = app, name.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def named(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message["headers"], (b"x-named", self.name)]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+def test_middleware_added_after_the_app_wraps_the_raw_route_too(tiny_weights, tmp_path) -> None:
+    settings = Settings(weights=tiny_weights, adapter_store=tmp_path / "store", port=free_port())
+    app = create_app(settings)
+    app.add_middleware(Named, name="replica-7")
+    with running_server(settings, app) as url:
+        for case in (request(body(part(jpeg()))), request(b"{}", content_type="application/json")):
+            assert b"\r\nx-named: replica-7\r\n" in exchange(url, case)
