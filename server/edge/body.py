@@ -111,6 +111,11 @@ class BodyLimits:
             self.close()
         return message
 
+    @property
+    def cut(self) -> bool:
+        """Whether the deadline or the cap ended the body (and the refusal answered it)."""
+        return self._cut
+
     async def send(self, message: Message) -> None:
         if self._answered:
             return

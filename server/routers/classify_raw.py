@@ -37,7 +37,7 @@ from memvit.memory_core import MemvitError
 
 from ..deps import classify_input
 from ..edge.body import BodyLimits
-from ..edge.form import Upload, boundary_of, read_files, read_query
+from ..edge.form import ClassifyQuery, Upload, boundary_of, read_files, read_query
 from ..edge.guard import Edge, refuse, route_path
 from ..edge.send import error_body, error_json
 from ..errors import ServiceError, status_of
@@ -52,6 +52,7 @@ PATH = "/classify"
 _ROUTE = SimpleNamespace(path=PATH)  # the metrics' label, as the router would set it
 _RESPONSE = TypeAdapter(ClassifyResponse)
 _JSON = (b"content-type", b"application/json")
+PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for a body it could not read
 
 
 class MemvitAPI(FastAPI):
@@ -147,7 +148,9 @@ class RawClassify:
             while True:
                 message = await body.receive()
                 if message["type"] != "http.request":
-                    return  # refused (cap, deadline) or the client left: nothing more to answer
+                    if not body.cut:  # the client left: what FastAPI answers (to nobody), counted
+                        await _send_json(send, 400, _compact(error_json("HTTPException", PARSE_ERROR)), None)
+                    return  # else refused (cap, deadline): answered
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body", False):
                     break
@@ -160,7 +163,7 @@ class RawClassify:
         finally:
             body.close()
 
-    async def _classify(self, scope: Scope, send: Send, files: list[Upload], query) -> None:
+    async def _classify(self, scope: Scope, send: Send, files: list[Upload], query: ClassifyQuery) -> None:
         service = self.state.service
         state = scope["state"]
         principal, ticket = state["principal"], state["ticket"]
