@@ -15,8 +15,6 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
 BOUNDARY = "memvit-bench-boundary"
 
 
@@ -67,6 +65,13 @@ class RawHttpClient:
 
     async def send(self, request: bytes) -> int:
         """Send one prepared request; returns the response's status once its body is read."""
+        return (await self.exchange(request))[0]
+
+    async def exchange(self, request: bytes) -> tuple[int, bytes]:
+        """Send one prepared request; returns the response's status and body. A response that closes
+        the connection (``connection: close``) has this client reconnect for the next request."""
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         self.writer.write(request)
         head = await self.reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
@@ -74,8 +79,10 @@ class RawHttpClient:
         lengths = [int(line.split(b":", 1)[1]) for line in lines if line.startswith(b"content-length:")]
         if not lengths:
             raise RuntimeError(f"response without Content-Length: {head[:200]!r}")
-        await self.reader.readexactly(lengths[0])
-        return status
+        body = await self.reader.readexactly(lengths[0])
+        if b"connection: close" in lines:
+            self.writer.close()
+        return status, body
 
 
 @dataclass
@@ -154,6 +161,8 @@ async def load(
                     finished.set()
 
     async def registrations() -> None:
+        import httpx  # here: a load worker (benchmarks/load_procs.py) imports this module and not httpx
+
         async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=120) as http:
             while not finished.is_set():
                 files = {"bundle": ("hot.safetensors", hot_bundle)}

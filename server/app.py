@@ -23,19 +23,20 @@ from memvit.memory_core import LiveAdapters, MemoryViT
 
 from .batching import DynamicBatcher
 from .device_decode import DeviceDecoder
-from .edge.guard import GuardMiddleware
+from .edge.guard import Edge, GuardMiddleware
 from .edge.principal import check_credentials
 from .edge.routes import missing_routes, route_table
 from .errors import install_error_handlers
 from .fair_queue import FairPool
 from .images import ImageDecoder
 from .limits import Limiter
-from .metrics import Metrics, MetricsMiddleware
+from .metrics import Metrics, MetricsMiddleware, RequestMeter
 from .oip.errors import ProtocolErrorShape
 from .openapi import customise as customise_openapi
 from .pipeline import ClassifyPipeline
 from .registry import AdapterRegistry
 from .routers import adapters, classify, health, oip, ui, usage
+from .routers.classify_raw import MemvitAPI, RawClassify
 from .settings import Settings, get_settings
 from .state import AppState, Service
 from .store import StoreUnavailableError, open_store
@@ -232,10 +233,12 @@ def create_app(
     metrics: Metrics | None = None,
     start: Callable[[AppState], Awaitable[None]] | None = None,
     limiter: Limiter | None = None,
+    raw_classify: bool = True,
 ) -> FastAPI:
     """The app. The keywords are for a front end of several processes (server/frontend/): ``metrics``
     that render one view of every process, ``start`` that builds ``state.service`` (default: load the
-    model here), ``limiter`` that keeps the keys' limits (default: here)."""
+    model here), ``limiter`` that keeps the keys' limits (default: here). ``raw_classify=False``
+    serves ``POST /classify`` through FastAPI alone (the tests compare the two)."""
     settings = settings or get_settings()
 
     labels = TaskLabels(settings.metrics_tasks, settings.metrics_top_tasks)
@@ -259,7 +262,8 @@ def create_app(
         yield
         await stop_service(state)
 
-    app = FastAPI(
+    edge = Edge(settings, state.metrics, limiter)  # one for the guard and the raw /classify
+    app = MemvitAPI(
         title="memvit",
         summary="One frozen ViT plus learnable-memory adapters, served as one fused forward pass.",
         version="0.1.0",
@@ -268,10 +272,14 @@ def create_app(
     app.state.memvit = state
     # The guard (access, body cap and deadline per route) runs before the router parses any body;
     # inside the metrics middleware, so its refusals are counted as what the client got.
-    app.add_middleware(GuardMiddleware, settings=settings, metrics=state.metrics, limiter=limiter)
+    app.add_middleware(GuardMiddleware, settings=settings, edge=edge)
     # Outside the guard, so its refusals under /v2 get the Open Inference Protocol's error shape too.
     app.add_middleware(ProtocolErrorShape)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics, server_timing=settings.server_timing)
+    if raw_classify:  # POST /classify before the stack, with its code (routers/classify_raw.py)
+        meter = RequestMeter(state.metrics, settings.server_timing)
+        app.outer = lambda stack, added: RawClassify(stack, state, edge, meter, added)
+        app.own_middleware = len(app.user_middleware)
     install_error_handlers(app)
     customise_openapi(app, settings)
     app.include_router(classify.router)

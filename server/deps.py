@@ -1,5 +1,8 @@
 """Request dependencies: narrow views of the service (503 until it is ready), and validated input.
 
+Every dependency is a coroutine, even those that only look something up: FastAPI runs a plain
+function dependency in a worker thread, a thread hop per dependency per request.
+
 Who may call a route, and how large and slow its body may be, are the edge's (server/edge/): they
 are settled before a route's dependencies run. What is here reads the request the edge let through,
 and the principal it settled on (``PrincipalDep``), by which the routes filter what a key may see.
@@ -26,21 +29,26 @@ from .state import AppState, Service
 from .tasks import check_tasks, parse_tasks
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
     return request.app.state.memvit
 
 
-def get_settings(state: Annotated[AppState, Depends(get_state)]) -> Settings:
+async def get_settings(state: Annotated[AppState, Depends(get_state)]) -> Settings:
     return state.settings
 
 
-def get_service(state: Annotated[AppState, Depends(get_state)]) -> Service:
+def service_of(state: AppState) -> Service:
+    """The loaded service, or 503 while the model and the store load."""
     if state.service is None:
         raise NotReadyError("the model and the adapter store are still loading; retry shortly")
     return state.service
 
 
-def require_multipart(request: Request) -> None:
+async def get_service(state: Annotated[AppState, Depends(get_state)]) -> Service:
+    return service_of(state)
+
+
+async def require_multipart(request: Request) -> None:
     """Uploads are multipart/form-data; say so (415) before anything tries to parse another body."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
@@ -49,7 +57,7 @@ def require_multipart(request: Request) -> None:
         )
 
 
-def get_principal(request: Request) -> Principal:
+async def get_principal(request: Request) -> Principal:
     """Who is calling, as the guard resolved it (server/edge/principal.py)."""
     principal = getattr(request.state, "principal", None)
     if principal is None:  # never served without the guard: fail closed, not open
@@ -58,8 +66,7 @@ def get_principal(request: Request) -> Principal:
 
 
 async def get_ticket(request: Request) -> Ticket:
-    """The guard's admission of this request to a metered route (server/limits.py). A coroutine:
-    FastAPI runs a plain function dependency in a worker thread, a hop per request for a lookup."""
+    """The guard's admission of this request to a metered route (server/limits.py)."""
     ticket = getattr(request.state, "ticket", None)
     if ticket is None:  # a metered route served without the guard: fail closed
         raise RuntimeError("no ticket on the request: is GuardMiddleware installed and the route metered?")
@@ -73,20 +80,20 @@ async def charge(ticket: Ticket, images: int) -> Tenant:
     return Tenant(ticket.tenant, ticket.weight)
 
 
-def get_audit(request: Request) -> AuditEntry:
+async def get_audit(request: Request) -> AuditEntry:
     """The audit entry the guard opened for this state-changing request (server/audit.py)."""
     return request.state.audit
 
 
-def get_live(service: Annotated[Service, Depends(get_service)]) -> LiveAdapters:
+async def get_live(service: Annotated[Service, Depends(get_service)]) -> LiveAdapters:
     return service.live
 
 
-def get_registry(service: Annotated[Service, Depends(get_service)]) -> AdapterRegistry:
+async def get_registry(service: Annotated[Service, Depends(get_service)]) -> AdapterRegistry:
     return service.registry
 
 
-def get_pipeline(service: Annotated[Service, Depends(get_service)]) -> ClassifyPipeline:
+async def get_pipeline(service: Annotated[Service, Depends(get_service)]) -> ClassifyPipeline:
     return service.pipeline
 
 

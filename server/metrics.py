@@ -14,8 +14,11 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .stages import STAGES, begin_stages
+from .stages import STAGES, StageTimes, begin_stages
 from .task_labels import TaskLabels
+
+# Set in a request's scope by a route that counts itself (server/edge/guard.py says who sets it).
+EDGE_DONE = "memvit.edge_done"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # A stage on a GPU takes tens of microseconds (a copy, a graph replay): finer at the bottom.
@@ -137,35 +140,58 @@ class MetricsMiddleware:
 
     def __init__(self, app: ASGIApp, metrics: Metrics, server_timing: bool = False) -> None:
         self.app = app
-        self.metrics = metrics
-        self.server_timing = server_timing
-        # One child per stage, looked up once (``labels`` takes a lock and builds a key per call).
-        self._stages = {stage: metrics.stage_seconds.labels(stage) for stage in STAGES}
+        self.meter = RequestMeter(metrics, server_timing)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or EDGE_DONE in scope:  # counted by the route that set it
             await self.app(scope, receive, send)
             return
         stages = begin_stages()
-        started = stages.started
         status = 500
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                stages.responding()
-                if self.server_timing and stages.seconds:
-                    header = (b"server-timing", stages.header().encode("latin-1"))
-                    message = {**message, "headers": [*message.get("headers", []), header]}
+                message = self.meter.starting(message, stages)
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(template, scope["method"], str(status)).inc()
-            self.metrics.latency.labels(template).observe(time.perf_counter() - started)
-            for stage, seconds in stages.seconds.items():  # only requests that reached the pipeline
-                self._stages[stage].observe(seconds)
+            self.meter.observe(getattr(route, "path", None) or "unmatched", scope["method"], status, stages)
+
+
+class RequestMeter:
+    """What the metrics middleware does for one request, for it and for a route served outside it
+    (the raw ``/classify``): the Server-Timing header, the counters and the histograms."""
+
+    def __init__(self, metrics: Metrics, server_timing: bool = False) -> None:
+        self.metrics = metrics
+        self.server_timing = server_timing
+        # One child per stage, looked up once (``labels`` takes a lock and builds a key per call).
+        self._stages = {stage: metrics.stage_seconds.labels(stage) for stage in STAGES}
+        self._children: dict[tuple[str, str, int], tuple] = {}
+
+    def starting(self, message: Message, stages: StageTimes) -> Message:
+        """The response's start, as it leaves: the respond stage ends, Server-Timing if asked."""
+        stages.responding()
+        if self.server_timing and stages.seconds:
+            header = (b"server-timing", stages.header().encode("latin-1"))
+            return {**message, "headers": [*message.get("headers", []), header]}
+        return message
+
+    def observe(self, template: str, method: str, status: int, stages: StageTimes) -> None:
+        children = self._children.get((template, method, status))
+        if children is None:  # a label lookup takes a lock: once per route, method and status
+            if len(self._children) > 4096:  # bounded as the labels are; a guard against surprises
+                self._children.clear()
+            m = self.metrics
+            children = (m.requests.labels(template, method, str(status)), m.latency.labels(template))
+            self._children[(template, method, status)] = children
+        requests, latency = children
+        requests.inc()
+        latency.observe(time.perf_counter() - stages.started)
+        for stage, seconds in stages.seconds.items():  # only requests that reached the pipeline
+            self._stages[stage].observe(seconds)

@@ -180,6 +180,12 @@ class Settings(BaseSettings):
             return max(1, os.cpu_count() or 1)
 
     @property
+    def access_log(self) -> bool:
+        """uvicorn's line per request, logged at info: off above it, where it would be built per
+        request (client address, path and query) only to be dropped."""
+        return self.log_level in ("debug", "info")
+
+    @property
     def front_end_mode(self) -> Literal["single", "model-process", "replicas"]:
         """How ``memvit serve`` runs: one process, or which front end of several."""
         if self.api_processes == 1:

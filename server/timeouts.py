@@ -8,7 +8,8 @@ server/edge/body.py); the headers' is here, because it runs before there is any 
 ``header_timeout_protocol(seconds)``: uvicorn's own HTTP protocol class (httptools or h11) with a
 timer armed when a connection opens or the first byte of a kept-alive connection's next request
 arrives, disarmed when the headers are complete. When it fires the connection is closed (after a 408
-if part of a request had arrived). Pass it as ``uvicorn.run(http=...)``.
+if part of a request had arrived). Pass it as ``uvicorn.run(http=...)``. Its connections also write
+each response in one piece (server/edge/transport.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
 from .edge.send import error_bytes
+from .edge.transport import CoalescedWrites
 from .errors import RequestTimeoutError
 
 log = logging.getLogger("memvit.server.timeouts")
@@ -77,7 +79,10 @@ class _HeaderTimeoutMixin:
         return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "a client"
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+        # Not about deadlines, but this class is where memvit meets uvicorn's connections: a
+        # response's head and body leave in one write (server/edge/transport.py).
+        loop = getattr(self, "loop", None) or asyncio.get_running_loop()
+        super().connection_made(CoalescedWrites(transport, loop))  # type: ignore[misc]
         # Covers a client that connects and then says nothing or trickles: uvicorn's keep-alive
         # timer only starts after a first response.
         self._arm_header_timer()

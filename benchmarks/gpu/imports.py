@@ -44,6 +44,7 @@ MODULES = (
     "httpx",
     "benchmarks.gpu.__main__",
     "benchmarks.loadgen",
+    "benchmarks.load_procs",
     "tests.server.launcher",
     "memvit.memory_core",
     "memvit.adapters",

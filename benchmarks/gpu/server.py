@@ -1,48 +1,45 @@
-"""Step ``server``: the HTTP service on the device against its two bounds, per model.
+"""Step ``server``: the HTTP service on the device, right under load, against its two bounds.
 
-- model bound: the fused pass (8 adapters) at the server's batch size on preprocessed images, with
-  the host-to-device copy as the server pays it (pageable), from pinned memory, and with copy and
-  compute overlapped on two streams (what pinning could give);
-- decode bound: the server's own decoder (Pillow, on every core) on JPEG photos, and
-  ``torchvision.io.decode_jpeg(device="cuda")`` plus resize and normalisation on the GPU;
-- the server: ``memvit serve`` on the device (tests/server/launcher.py), closed-loop clients posting
-  the photos, in variants (``VARIANTS``): JPEGs decoded on the GPU (the default there), the same at
-  half the load it reached (paced clients: the goal p99 <= 2 x p50), and decoded on the CPU
-  workers; goal >= 0.9 x min(its decode bound, the model bound), in the model's serving dtype
-  (``SERVER_DTYPE``). Each row also gives the mean of every request stage (``memvit_stage_seconds``,
-  scraped from /metrics after the load) and the mean batch, so a miss says where the time went.
+Per model: the model bound and the decode bound (bounds.py), then ``memvit serve`` on the device
+(tests/server/launcher.py) in variants (``VARIANTS``): JPEGs decoded on the GPU (the default there),
+at full load and paced at half of it (the goal p99 <= 2 x p50); decoded on the CPU workers; the
+two front ends of several processes. The model is served in its dtype (``SERVER_DTYPE``: ViT-B/16 in
+bfloat16). For each server:
+
+- it is loaded only once the whole group is ready (its log says so), its log kept in the output
+  folder (``server-<n>.log``, cut to its first and last lines when long);
+- every photo is first sent alone (a batch of 1): its reference answer, logits included;
+- the load: closed-loop clients from several processes (benchmarks/load_procs.py), every answer
+  checked against its photo's reference (benchmarks/answers.py: logits within 1e-3 in float32,
+  0.06 in bfloat16, the top-1 where the margin allows); a row gives img/s of right answers only,
+  the answers by status and reason, p50/p99, the CPU milliseconds per image of every process
+  (API processes, model process, the one process, the load generator), the mean of every request
+  stage (``memvit_stage_seconds``) and the mean batch and pass, so a miss says where time went;
+- on the default variant of the first model, two keys (``_two_keys``): one with 32 requests in
+  flight, one light key with one; the light key's p50 beside the flood against its p50 alone.
 """
 
 from __future__ import annotations
 
-import asyncio
-import io
+import concurrent.futures
 import os
-import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
-import torch
-from PIL import Image
+from benchmarks.answers import TOLERANCE, classify_requests, references
+from benchmarks.load_procs import Load, run_load
+from benchmarks.processes import RoleClock
 
-from benchmarks.common import DEIT_TINY, NATURAL_PHOTOS
-from benchmarks.loadgen import classify_requests, load
-from memvit.adapters import bundle_for
-from memvit.memory_core import MemoryViT, save_base
-
-from .plan import ARCHS, DTYPES, Plan, adapters, engine, sync
+from .bounds import MAX_BATCH, bound, decode_bound, jpegs, model, model_bound, store
+from .plan import Plan
 from .report import Budget, StepReport, goal
 from .stage_metrics import stage_means, stage_sums
 
-MAX_BATCH = {"cuda": 64, "cpu": 8}
 # (label, the server's environment, its loads in turn): "full" is the plan's closed-loop clients,
 # "half" the same clients paced at half what "full" reached. The first model gets the plan's
-# ``server_variants`` first variants, the others the first alone.
-# The last two are the two front ends of several processes (docs/design.md §5), to be measured
-# on the GPU host and the faster kept: 8 API processes feeding one model process, or 8 replicas.
+# ``server_variants`` first variants, the others the first alone at full load. The last two are the two front
+# ends of several processes (docs/design.md §5), measured on the GPU host to choose the default.
 API_PROCESSES = "8"
 VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
     ("JPEG decode on the device", {"MEMVIT_DECODE_DEVICE": "auto"}, ("full", "half")),
@@ -60,6 +57,8 @@ VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
 )
 SERVER_DTYPE = {"vit_base_patch16_224": "bf16"}  # ViT-B/16 is served, and judged, in bfloat16
 SERVER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+HEAVY_IN_FLIGHT = 32
+LOG_HEAD, LOG_TAIL = 20_000, 60_000  # bytes of a server's log kept from its start and its end
 
 
 def run(plan: Plan, report: StepReport, budget: Budget) -> str:
@@ -69,233 +68,187 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
         report.note(f"skipped: the server's dependencies are missing ({exc}); docs/gpu.md says what to carry")
         return "skipped"
     models = plan.server_models
-    photos = _jpegs(plan)
+    photos = jpegs(plan)
     report.note(f"{len(photos)} JPEG photos, {sum(map(len, photos)) // len(photos) // 1024} KiB on average")
+    logs = iter(range(1, 100))
     for arch in models:
         if not budget.allows(3 * plan.server_seconds + 60):
             report.note(f"budget spent: stopped before {arch}")
             return "partial"
         dtype = SERVER_DTYPE.get(arch, "fp32")
         with tempfile.TemporaryDirectory(prefix="memvit-gpu-serve-") as tmp:
-            e, weights = _model(arch, plan, Path(tmp), dtype)
-            _store(e, Path(tmp) / "store")
+            e, weights = model(arch, plan, Path(tmp), dtype)
+            store(e, Path(tmp) / "store")
             what = {"model": f"{arch} ({e.source})", "dtype": dtype, "batch": MAX_BATCH[plan.device.type]}
             bounds: dict = {}
-            report.attempt("model bound", what, _bound, bounds, "model", _model_bound, e, photos, plan)
-            report.attempt("decode bound", what, _bound, bounds, "decode", _decode_bound, e, photos, plan)
+            report.attempt("model bound", what, bound, bounds, "model", model_bound, e, photos, plan)
+            report.attempt("decode bound", what, bound, bounds, "decode", decode_bound, e, photos, plan)
+            del e
             chosen = VARIANTS[: plan.server_variants] if arch == models[0] else VARIANTS[:1]
-            for label, env, loads in chosen:
+            for index, (label, env, loads) in enumerate(chosen):
                 if not budget.allows(len(loads) * plan.server_seconds + 30):
                     report.note(f"budget spent: stopped before {arch}, {label}")
                     return "partial"
                 env = {**env, "MEMVIT_DTYPE": SERVER_DTYPES[dtype]}
+                first = arch == models[0]
+                loads = loads if first else loads[:1]  # the other models: full load only
+                two_keys = first and index == 0
                 for clients in plan.server_clients:
                     row = {**what, "variant": label, "clients": clients}
-                    _serve(report, row, weights, Path(tmp), photos, clients, plan, bounds, env, loads)
+                    server = Served(report, row, weights, Path(tmp), env, next(logs), two_keys)
+                    server.run(photos, clients, plan, bounds, loads, dtype, budget)
     return "done"
 
 
-def _bound(bounds: dict, key: str, measure, *args) -> dict:
-    """``measure(*args)``, also kept in ``bounds[key]`` for the server rows that follow."""
-    bounds[key] = measure(*args)
-    return bounds[key]
+class Served:
+    """One ``memvit serve`` of the step: started, loaded, its rows added, stopped, its log kept."""
 
+    def __init__(
+        self, report: StepReport, row: dict, weights: Path, tmp: Path, env: dict, n: int, keys: bool
+    ) -> None:
+        self.report, self.row, self.weights, self.tmp = report, row, weights, tmp
+        self.log = report.out / f"server-{n}.log"
+        self.tokens: dict[str, str] = {}
+        self.env = {"MEMVIT_LOG_LEVEL": "warning", "MEMVIT_STORE_POLL_SECONDS": "60", **env}
+        if keys:  # two keys: "heavy" (every load of this server) and "light"
+            from memvit.server.keys import add_key
 
-def _jpegs(plan: Plan) -> list[bytes]:
-    """The shared data's natural photos as JPEGs (quality 90), or synthetic ones where it is absent."""
-    sources = sorted(NATURAL_PHOTOS.iterdir()) if NATURAL_PHOTOS.is_dir() and not plan.smoke else []
-    images = [Image.open(p).convert("RGB") for p in sources]
-    if not images:
-        size = (64, 48) if plan.smoke else (640, 480)
-        images = [Image.radial_gradient("L").resize(size).convert("RGB").rotate(15 * i) for i in range(4)]
-    out = []
-    for image in images:
-        buf = io.BytesIO()
-        image.save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
+            path = tmp / f"keys-{n}.json"
+            self.tokens = {k: add_key(path, k, ["*"], read=True, write=False) for k in ("heavy", "light")}
+            self.env["MEMVIT_API_KEYS_FILE"] = str(path)
 
+    def run(self, photos, clients: int, plan: Plan, bounds: dict, loads, dtype: str, budget: Budget) -> None:
+        from tests.server.launcher import ServerProcess
 
-def _model(arch: str, plan: Plan, tmp: Path, dtype: str = "fp32") -> tuple[MemoryViT, Path]:
-    """The engine the bounds time (on the device, in ``dtype``) and the weights file the server loads."""
-    like = {"device": plan.device, "dtype": DTYPES[dtype]}
-    if arch == "deit_tiny_patch16_224" and DEIT_TINY.is_file():
-        return MemoryViT.from_timm(weights=str(DEIT_TINY), **like), DEIT_TINY
-    e = engine(arch, replace(plan, device=torch.device("cpu")))  # saved from the host (safetensors)
-    spec = dict(ARCHS[arch])
-    name = spec.pop("arch", arch)
-    path = save_base(e.base, tmp / "base.safetensors", arch=name, model_kwargs=spec or None)
-    return MemoryViT.from_timm(weights=str(path), **like), path
-
-
-def _store(e: MemoryViT, path: Path) -> None:
-    """8 adapters (m=1, 100 classes) in the server's store, as benchmarks/serve.py serves: bundle files,
-    which the server registers (its store's one-time migration) when it starts."""
-    from memvit.adapters import save_bundle
-
-    path.mkdir(parents=True, exist_ok=True)
-    for w in adapters(e, 8, 1, 100, prefix="task-"):
-        save_bundle(bundle_for(w, e), path / f"{w.name}.safetensors")
-
-
-def _pixels(e: MemoryViT, photos: list[bytes], batch: int) -> torch.Tensor:
-    from memvit.server.images import ImageDecoder
-
-    decoder = ImageDecoder(e, max_bytes=1 << 30, max_pixels=1 << 40)
-    one = torch.stack([decoder(p) for p in photos])
-    return one[torch.arange(batch) % len(one)]
-
-
-def _timed(fn, device: torch.device, seconds: float, images: int) -> float:
-    fn()
-    sync(device)
-    done, start = 0, time.perf_counter()
-    while done < 3 * images or time.perf_counter() - start < seconds:
-        fn()
-        done += images
-    sync(device)
-    return done / (time.perf_counter() - start)
-
-
-def _model_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
-    batch, device = MAX_BATCH[plan.device.type], plan.device
-    s = e.prepare_set(adapters(e, 8, 1, 100))
-    host = _pixels(e, photos, batch)
-    seconds = plan.server_seconds / 3
-    with torch.inference_mode():
-        row = {"on device img/s": _timed(lambda: e(host.to(device), s), device, seconds, batch)}
-        if device.type == "cuda":
-            on = host.to(device)
-            row["resident img/s"] = _timed(lambda: e(on, s), device, seconds, batch)
-            pinned = host.pin_memory()
-            row["pinned img/s"] = _timed(
-                lambda: e(pinned.to(device, non_blocking=True), s), device, seconds, batch
-            )
-            row["pinned, overlapped img/s"] = _overlapped(e, s, pinned, seconds)
-    return row
-
-
-def _overlapped(e: MemoryViT, s, pinned: torch.Tensor, seconds: float) -> float:
-    """Copy batch i+1 on a side stream while batch i computes."""
-    copy = torch.cuda.Stream()
-    done, start = 0, time.perf_counter()
-    with torch.cuda.stream(copy):
-        nxt = pinned.to("cuda", non_blocking=True)
-    while done < 3 * len(pinned) or time.perf_counter() - start < seconds:
-        torch.cuda.current_stream().wait_stream(copy)
-        current = nxt
-        current.record_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(copy):
-            nxt = pinned.to("cuda", non_blocking=True)
-        e(current, s)
-        done += len(pinned)
-    torch.cuda.synchronize()
-    return done / (time.perf_counter() - start)
-
-
-def _decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
-    from memvit.server.images import ImageDecoder
-
-    decoder = ImageDecoder(e, max_bytes=1 << 30, max_pixels=1 << 40)
-    workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    seconds = plan.server_seconds / 3
-    with ThreadPoolExecutor(workers) as pool:
-        row = {
-            "cpu threads": workers,
-            "cpu img/s": _timed(
-                lambda: list(pool.map(decoder, photos)), torch.device("cpu"), seconds, len(photos)
-            ),
+        env = {
+            "MEMVIT_DEVICE": plan.device.type,
+            "MEMVIT_MAX_BATCH": str(MAX_BATCH[plan.device.type]),
+            "MEMVIT_MAX_QUEUE": str(max(256, 4 * clients)),
+            **self.env,
         }
-    try:
-        from torchvision.io import decode_jpeg
-        from torchvision.transforms.v2 import functional as TF
-    except ImportError:
-        return {**row, "gpu": "skipped: torchvision is not installed"}
-    if plan.device.type != "cuda":
-        return {**row, "gpu": "skipped: no CUDA device"}
-    config = e.data_config()
-    size = config["input_size"][-2:]
-    mean = torch.tensor(config["mean"], device="cuda")[:, None, None]
-    std = torch.tensor(config["std"], device="cuda")[:, None, None]
-    data = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in photos]
+        group = env.get("MEMVIT_API_PROCESSES", "1") != "1"
+        with self.log.open("wb") as log:
+            try:
+                server = ServerProcess(self.weights, self.tmp / "store", stderr=log, **env).start(timeout=300)
+                if group:
+                    _wait_for(self.log, "processes ready", 300)  # every process, not the first one
+            except Exception as exc:  # recorded, and the step goes on
+                self.report.add("server", {**self.row, "error": f"the server did not start: {exc}"[:500]})
+                _cut(self.log)
+                return
+            try:
+                self._loads(server, photos, clients, plan, bounds, loads, dtype, budget)
+            finally:
+                server.stop()
+        _cut(self.log)
 
-    def gpu_decode() -> None:
-        for image in decode_jpeg(data, device="cuda"):
-            image = TF.center_crop(
-                TF.resize(image, int(size[0] / config.get("crop_pct", 0.875)), antialias=True), size
-            )
-            _ = (image.float() / 255 - mean) / std
-
-    row["gpu img/s"] = _timed(gpu_decode, plan.device, seconds, len(photos))
-    return row
-
-
-def _serve(
-    report: StepReport,
-    row: dict,
-    weights: Path,
-    tmp: Path,
-    photos: list[bytes],
-    clients: int,
-    plan: Plan,
-    bounds: dict,
-    env: dict[str, str],
-    loads: tuple[str, ...],
-) -> None:
-    """One server with ``env``, then each of ``loads`` against it, a row each."""
-    from tests.server.launcher import ServerProcess
-
-    env = {
-        "MEMVIT_DEVICE": plan.device.type,
-        "MEMVIT_MAX_BATCH": str(MAX_BATCH[plan.device.type]),
-        "MEMVIT_MAX_QUEUE": str(max(256, 4 * clients)),
-        "MEMVIT_LOG_LEVEL": "warning",
-        "MEMVIT_STORE_POLL_SECONDS": "60",
-        **env,
-    }
-    try:
-        server = ServerProcess(weights, tmp / "store", stderr=subprocess.DEVNULL, **env).start(timeout=300)
-    except Exception as exc:  # recorded, and the step goes on
-        report.add("server", {**row, "error": f"the server did not start: {exc}"[:500]})
-        return
-    model = bounds.get("model", {})
-    model = model.get("resident img/s") or model.get("on device img/s")  # the pass on images on the device
-    on_device = env.get("MEMVIT_DECODE_DEVICE", "auto") != "cpu" and plan.device.type == "cuda"
-    decode = bounds.get("decode", {}).get("gpu img/s" if on_device else "cpu img/s")
-    bound = min(b for b in (model, decode) if b) if (model or decode) else None
-    try:
-        requests = classify_requests("127.0.0.1", server.port, photos)
+    def _loads(
+        self, server, photos, clients: int, plan: Plan, bounds: dict, loads, dtype: str, budget: Budget
+    ) -> None:
+        heavy = self.tokens.get("heavy")
+        requests, names = classify_requests("127.0.0.1", server.port, photos, token=heavy)
+        refs = references("127.0.0.1", server.port, requests, names)
+        model_bound = bounds.get("model", {})
+        model_bound = model_bound.get("resident img/s") or model_bound.get("on device img/s")
+        on_device = self.env.get("MEMVIT_DECODE_DEVICE", "auto") != "cpu" and plan.device.type == "cuda"
+        decode = bounds.get("decode", {}).get("gpu img/s" if on_device else "cpu img/s")
+        limit = min(b for b in (model_bound, decode) if b) if (model_bound or decode) else None
+        common = {"server": server, "requests": requests, "names": names, "refs": refs}
+        common["tolerance"] = TOLERANCE[dtype]
         reached = None
         for kind in loads:
             if kind == "half" and not reached:
                 continue
             rate = None if kind == "full" else reached / 2
-            what = {**row, "load": kind}
-            if report.attempt("server", what, _load, server.url, requests, clients, plan, bound, rate):
-                reached = reached or report.tables["server"][-1]["img/s"]
-    finally:
-        server.stop()
+            what = {**self.row, "load": kind}
+            if self.report.attempt("server", what, _load, common, clients, plan, limit, rate):
+                reached = reached or self.report.tables["server"][-1]["img/s"]
+        if self.tokens and budget.allows(2 * plan.server_seconds + 10):
+            light, _ = classify_requests("127.0.0.1", server.port, photos, token=self.tokens["light"])
+            self.report.attempt("two keys", dict(self.row), _two_keys, common, light, plan)
 
 
-def _load(url: str, requests: list[bytes], clients: int, plan: Plan, bound: float | None, rate) -> dict:
-    port = int(url.rsplit(":", 1)[1])
-    before = stage_sums(url)
-    result = asyncio.run(load("127.0.0.1", port, requests, clients, plan.server_seconds, rate=rate))
-    stages = stage_means(before, stage_sums(url))
-    share = result.throughput / bound if bound else None
+def _load(common: dict, clients: int, plan: Plan, limit: float | None, rate: float | None) -> dict:
+    server = common["server"]
+    before, clock = stage_sums(server.url), RoleClock(server.pid)
+    got = _run(common, common["requests"], clients, plan, rate=rate)
+    cpu = clock.seconds()
+    stages = stage_means(before, stage_sums(server.url))
+    share = got.throughput / limit if limit else None
+    images = max(got.ok, 1)
     row = {
-        "img/s": result.throughput,
-        "p50 ms": result.p50_ms,
-        "p99 ms": result.p99_ms,
-        "p99 / p50": result.p99_ms / result.p50_ms,
-        "statuses": result.statuses,
-        "bound img/s": bound,
+        "img/s": got.throughput,
+        "p50 ms": got.p50_ms,
+        "p99 ms": got.p99_ms,
+        "p99 / p50": got.p99_ms / got.p50_ms,
+        "answers": got.statuses,
+        "right": got.ok,
+        "wrong or not 200": got.answered - got.ok,
+        "bound img/s": limit,
         "server / bound": share,
+        **{f"cpu ms/img {role}": 1e3 * seconds / images for role, seconds in cpu.items() if seconds > 0},
+        "cpu ms/img load generator": 1e3 * got.client_cpu_s / images,
         **stages,
     }
+    if got.examples:
+        row["examples"] = {reason: body[:300] for reason, body in list(got.examples.items())[:3]}
+    row["goal all right"] = goal(got.answered - got.ok, "<=", 0)
     if rate is None:
         row["goal >= 0.9"] = goal(share, ">=", 0.9)
     else:
         row["offered img/s"] = rate
-        row["goal p99 <= 2 x p50"] = goal(result.p99_ms / result.p50_ms, "<=", 2.0)
+        row["goal p99 <= 2 x p50"] = goal(got.p99_ms / got.p50_ms, "<=", 2.0)
     return row
+
+
+def _run(
+    common: dict,
+    requests: list[bytes],
+    clients: int,
+    plan: Plan,
+    rate: float | None = None,
+    seconds: float = 0.0,
+) -> Load:
+    """``run_load`` against the step's server, from several processes on a host with the cores."""
+    server = common["server"]
+    processes = max(1, min(8, clients, (os.cpu_count() or 1) // 4))
+    return run_load(
+        "127.0.0.1", server.port, requests, common["names"], clients, seconds or plan.server_seconds,
+        references=common["refs"], tolerance=common["tolerance"], processes=processes, rate=rate,
+    )  # fmt: skip
+
+
+def _two_keys(common: dict, light: list[bytes], plan: Plan) -> dict:
+    """The light key alone (one request in flight), then beside the heavy key's ``HEAVY_IN_FLIGHT``."""
+    alone = _run(common, light, 1, plan, seconds=plan.server_seconds / 2)  # one client: steady soon
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        flood = pool.submit(_run, common, common["requests"], HEAVY_IN_FLIGHT, plan)
+        beside = pool.submit(_run, common, light, 1, plan).result()
+        heavy = flood.result()
+    ratio = beside.p50_ms / alone.p50_ms
+    wrong = sum(g.answered - g.ok for g in (alone, beside, heavy))
+    return {
+        "light p50 ms alone": alone.p50_ms,
+        "light p50 ms beside": beside.p50_ms,
+        "light p99 ms beside": beside.p99_ms,
+        "heavy img/s": heavy.throughput,
+        "light beside / alone": ratio,
+        "wrong or not 200": wrong,
+        "goal <= 1.5": goal(ratio, "<=", 1.5),
+    }
+
+
+def _wait_for(path: Path, text: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while text not in path.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {text!r} in the server's log after {seconds:.0f} s")
+        time.sleep(0.1)
+
+
+def _cut(path: Path) -> None:
+    """The log's first ``LOG_HEAD`` and last ``LOG_TAIL`` bytes (a lent machine returns little)."""
+    data = path.read_bytes()
+    if len(data) > LOG_HEAD + LOG_TAIL:
+        cut = len(data) - LOG_HEAD - LOG_TAIL
+        path.write_bytes(data[:LOG_HEAD] + b"\n[... %d bytes cut ...]\n" % cut + data[-LOG_TAIL:])

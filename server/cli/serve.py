@@ -67,6 +67,7 @@ def serve(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        access_log=settings.access_log,
         timeout_graceful_shutdown=10,
         http=header_timeout_protocol(settings.header_timeout_seconds),
     )

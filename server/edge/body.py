@@ -6,7 +6,7 @@
   uvicorn reads the socket only as fast as the app calls ``receive`` (flow control), so nothing much
   past the cap is read into memory or spooled to disk.
 - The deadline for the whole body: a total from the start of the request, not a per-chunk idle
-  timeout, which trickling one byte at a time would defeat.
+  timeout, which trickling one byte at a time would defeat; one timer per request.
 
 Past either, the client gets the refusal (413 or 408, if no response has started yet) with
 ``connection: close``, so the unread rest of the body is dropped with the connection instead of
@@ -61,6 +61,9 @@ class BodyLimits:
 
     ``refuse(error)`` answers the client; it is called at most once, and only before the app has
     started a response (after that, the app's response stands and the app just sees the disconnect).
+    The deadline is one timer for the whole body, armed at the first ``receive`` that waits: at the
+    deadline it cancels the task waiting for a chunk, if one is (a ``wait_for`` per chunk would
+    create a task and a timer for every chunk of every upload). ``close`` disarms it.
     """
 
     def __init__(
@@ -71,6 +74,9 @@ class BodyLimits:
         self.seconds = seconds
         self._loop = asyncio.get_running_loop()
         self._deadline = self._loop.time() + seconds
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting: asyncio.Task | None = None  # the task waiting in ``receive`` for a chunk
+        self._expired = False
         self._received = 0
         self._body_done = False
         self._cut = False  # the deadline or the cap ended the body: the app sees a disconnect
@@ -82,17 +88,33 @@ class BodyLimits:
             return await self._receive()  # after the body, receive() only waits for a disconnect
         if self._cut:
             return {"type": "http.disconnect"}
+        if self._expired or self._loop.time() >= self._deadline:
+            return await self._late()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._expire)
+        task = self._waiting = asyncio.current_task()
         try:
-            message = await asyncio.wait_for(self._receive(), max(self._deadline - self._loop.time(), 0))
-        except asyncio.TimeoutError:  # not the builtin before Python 3.11
-            return await self._cut_off(RequestTimeoutError("the request body did not arrive in time"))
+            message = await self._receive()
+        except asyncio.CancelledError:
+            # Ours (the deadline), unless someone else cancelled the task too: that one goes on.
+            if not self._expired or (hasattr(task, "uncancel") and task.uncancel() > 0):
+                raise
+            return await self._late()
+        finally:
+            self._waiting = None
         if message["type"] == "http.request":
             self._received += len(message.get("body", b""))
             if self.cap is not None and self._received > self.cap.limit:
                 return await self._cut_off(self.cap.error())
         if message["type"] != "http.request" or not message.get("more_body", False):
             self._body_done = True
+            self.close()
         return message
+
+    @property
+    def cut(self) -> bool:
+        """Whether the deadline or the cap ended the body (and the refusal answered it)."""
+        return self._cut
 
     async def send(self, message: Message) -> None:
         if self._answered:
@@ -101,9 +123,23 @@ class BodyLimits:
             self._started = True
         await self._send(message)
 
+    def close(self) -> None:
+        """The request is over (or its body is read): the deadline's timer goes."""
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    async def _late(self) -> Message:
+        return await self._cut_off(RequestTimeoutError("the request body did not arrive in time"))
+
     async def _cut_off(self, error: ServiceError) -> Message:
         # Stop reading here; to the app the client has left.
         self._cut = True
+        self.close()
         if self._started:
             log.debug("request body cut off after the response started: %s", error)
         else:

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..audit import AuditEntry, action_of, record
 from ..errors import ServiceError, status_of
 from ..limits import Limiter, Ticket
-from ..metrics import Metrics
+from ..metrics import EDGE_DONE, Metrics
 from ..settings import Settings
 from .access import check_access
 from .body import BodyLimits, content_length
@@ -42,14 +42,19 @@ from .send import send_error
 log = logging.getLogger("memvit.server.edge")
 
 
-class GuardMiddleware:
-    """Host, origin, access, body cap and body deadline, per route, from one table (see the module's doc)."""
+# ``EDGE_DONE`` is set in a request's scope by a route served outside the middleware stack (the raw
+# ``/classify``, server/edge/classify_route.py) that applied the edge itself and hands the request to
+# the app: the guard and the metrics pass it on as it is.
+
+
+class Edge:
+    """The guard's checks of one request from its headers (steps 1-6 of the module's doc), for the
+    middleware and for the raw ``/classify`` route, which shares this object (and so its limits)."""
 
     def __init__(
-        self, app: ASGIApp, settings: Settings, metrics: Metrics | None = None, limiter: Limiter | None = None
+        self, settings: Settings, metrics: Metrics | None = None, limiter: Limiter | None = None
     ) -> None:
         """``limiter``: where the keys' limits are kept (default: in this process)."""
-        self.app = app
         self.settings = settings
         self.metrics = metrics  # for the audit counter
         self.table = route_table(settings)
@@ -57,11 +62,50 @@ class GuardMiddleware:
         self.credentials = Credentials(settings)  # reads the keys file: a bad one fails at start-up
         self.limiter = limiter if limiter is not None else Limiter(metrics)
 
+    async def admit(
+        self, scope: Scope, headers: Headers, row: Route, path: str, audit: AuditEntry | None = None
+    ) -> Ticket | None:
+        """The principal (in ``scope["state"]``) and, for a metered route, the caller's ticket; or the
+        ``ServiceError`` that refuses the request."""
+        self.origins.check_host(headers, scope.get("http_version", "1.1"))
+        principal = self.credentials.resolve(headers.get("authorization"))
+        if audit is not None:
+            audit.key = principal.id
+        if row.changes_state:
+            self.origins.check_origin(headers, scope.get("scheme", "http"))
+        principal = check_access(row, self.settings, principal, self.table.name_in(row, path))
+        set_principal(scope, principal)
+        _check_length(row, headers)
+        if not row.metered:
+            return None
+        # last: a request refused for any other reason takes no slot
+        ticket = await self.limiter.admit_async(principal.id, self.credentials.policy(principal))
+        scope["state"]["ticket"] = ticket
+        return ticket
+
+
+class GuardMiddleware:
+    """Host, origin, access, body cap and body deadline, per route, from one table (see the module's doc)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        limiter: Limiter | None = None,
+        edge: Edge | None = None,
+    ) -> None:
+        """``edge``: the checks (default: new ones, with ``limiter`` or limits kept here)."""
+        self.app = app
+        self.edge = edge if edge is not None else Edge(settings, metrics, limiter)
+        self.table = self.edge.table
+        self.metrics = self.edge.metrics
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or EDGE_DONE in scope:
             await self.app(scope, receive, send)
             return
-        method, path = scope["method"], _route_path(scope)
+        method, path = scope["method"], route_path(scope)
         route = self.table.find(method, path)
         if route is None or not route.changes_state:
             await self._guard(scope, receive, send, route, path, None)
@@ -95,39 +139,32 @@ class GuardMiddleware:
         path: str,
         audit: AuditEntry | None,
     ) -> None:
-        headers = Headers(scope=scope)
         row = route or self.table.fallback(scope["method"], path)  # no route: the router answers 404/405
-        ticket: Ticket | None = None
         try:
-            self.origins.check_host(headers, scope.get("http_version", "1.1"))
-            principal = self.credentials.resolve(headers.get("authorization"))
-            if audit is not None:
-                audit.key = principal.id
-            if row.changes_state:
-                self.origins.check_origin(headers, scope.get("scheme", "http"))
-            principal = check_access(row, self.settings, principal, self.table.name_in(row, path))
-            set_principal(scope, principal)
-            _check_length(row, headers)
-            if row.metered:  # last: a request refused for any other reason takes no slot
-                ticket = await self.limiter.admit_async(principal.id, self.credentials.policy(principal))
-                scope["state"]["ticket"] = ticket
+            ticket = await self.edge.admit(scope, Headers(scope=scope), row, path, audit)
         except ServiceError as exc:
-            if route is not None:
-                # Metrics label requests by route template; the router never saw this one, and without
-                # the label it would read "unmatched".
-                scope.setdefault("route", SimpleNamespace(path=route.path))
-            await _refuse(scope, send, exc)
+            await refuse(scope, send, exc, route)
             return
 
-        async def refuse(error: ServiceError) -> None:
+        async def refused(error: ServiceError) -> None:
             await _refuse(scope, send, error)
 
-        body = BodyLimits(receive, send, seconds=row.deadline, cap=row.cap, refuse=refuse)
+        body = BodyLimits(receive, send, seconds=row.deadline, cap=row.cap, refuse=refused)
         try:
             await self.app(scope, body.receive, body.send)
         finally:
+            body.close()
             if ticket is not None:
                 ticket.release()
+
+
+async def refuse(scope: Scope, send: Send, exc: ServiceError, route: Route | None) -> None:
+    """Answers a refusal by the edge (``Edge.admit``)."""
+    if route is not None:
+        # Metrics label requests by route template; the router never saw this one, and without
+        # the label it would read "unmatched".
+        scope.setdefault("route", SimpleNamespace(path=route.path))
+    await _refuse(scope, send, exc)
 
 
 def _check_length(route: Route, headers: Headers) -> None:
@@ -136,7 +173,7 @@ def _check_length(route: Route, headers: Headers) -> None:
         raise route.cap.error()
 
 
-def _route_path(scope: Scope) -> str:
+def route_path(scope: Scope) -> str:
     # Behind a proxy prefix (--root-path) uvicorn puts the prefix in `path`; routes match without it.
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path

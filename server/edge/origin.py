@@ -70,6 +70,7 @@ class OriginPolicy:
         bind = settings.host.strip("[]").lower()
         self.checks_host = bool(self.listed) or is_loopback(bind)
         self.names = {*LOOPBACK_NAMES, bind}
+        self._allowed: set[str] = set()  # Host values seen allowed: the check is the value's alone
 
     def host_allowed(self, name: str) -> bool:
         return name in self.names or is_ip_literal(name) or any(_matches(name, p) for p in self.listed)
@@ -79,6 +80,8 @@ class OriginPolicy:
         if not self.checks_host:
             return
         host = headers.get("host")
+        if host in self._allowed:
+            return
         if host is None:
             if http_version == "1.0":  # HTTP/1.0 has no Host; no browser speaks it
                 return
@@ -92,6 +95,8 @@ class OriginPolicy:
                 f"Host {host!r} is not allowed: add it to MEMVIT_ALLOWED_HOSTS (comma-separated) if this "
                 "server is reached by that name"
             )
+        if len(self._allowed) < 1024:  # bounded: a client may send any number of spellings
+            self._allowed.add(host)
 
     def check_origin(self, headers: Headers, scheme: str = "http") -> None:
         """Raises ``CrossSiteRequestError`` (403) when another site's page sent this request."""

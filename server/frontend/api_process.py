@@ -1,5 +1,7 @@
 """An API process: the single-process server's app (routes, guard, keys, caps, error bodies, the
-protocol), served by uvicorn on the supervisor's port (``SO_REUSEPORT``), in one of two roles.
+protocol), served by uvicorn on the supervisor's port (``SO_REUSEPORT``), in one of two roles. It
+listens on the port only once it can answer (``ListenWhenAble``): until then the kernel would hand it
+its share of the connections, to be answered "not ready" while another process stands ready.
 
 - model-process front end: ``follow_model`` builds the service from the model process (server/
   frontend/remote.py) instead of loading a model, and follows it: while the model process is down
@@ -19,7 +21,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.synchronize import Event
@@ -40,6 +41,7 @@ from ..task_labels import TaskLabels
 from ..timeouts import header_timeout_protocol
 from ..usage_log import usage_log_for
 from .limits import RemoteLimiter, ShareLimiter
+from .listen import Able, ListenWhenAble, bound
 from .model_process import SOCKET, die_with_parent
 from .remote import (
     EngineInfo,
@@ -177,6 +179,7 @@ def api_main(
     if settings.decode_workers is None:  # the cores, divided among the processes that decode
         settings = settings.model_copy(update={"decode_workers": share})
     labels = TaskLabels(settings.metrics_tasks, settings.metrics_top_tasks)
+    able = Able()  # set once this process can answer: then, and only then, it listens
     if mode == "replicas":
         torch.set_num_threads(share)
         metrics = SharedMetrics(directory, f"replica-{index}", labels)
@@ -185,7 +188,7 @@ def api_main(
             state.tasks.append(asyncio.create_task(metrics.publish_forever(), name="metrics"))
             await start_service(state)
             if state.service is not None:
-                ready.set()
+                able.set()
 
         app = create_app(settings, metrics=metrics, start=start, limiter=ShareLimiter(processes, metrics))
     else:
@@ -195,24 +198,15 @@ def api_main(
 
         async def start(state: AppState) -> None:
             state.tasks.append(asyncio.create_task(metrics.publish_forever(), name="metrics"))
-            await follow_model(state, link, processes, ready.set)
+            await follow_model(state, link, processes, able.set)
 
         app = create_app(settings, metrics=metrics, start=start, limiter=RemoteLimiter(link, metrics))
     config = uvicorn.Config(
         app,
         log_level=settings.log_level,
+        access_log=settings.access_log,
         timeout_graceful_shutdown=10,
         http=header_timeout_protocol(settings.header_timeout_seconds),
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the supervisor stops the group in order
-    uvicorn.Server(config).run(sockets=[listen(settings.host, port)])
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """This process's listening socket on the port every API process shares (``SO_REUSEPORT``)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    return sock
+    ListenWhenAble(config, bound(settings.host, port), able, ready.set).run()

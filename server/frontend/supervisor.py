@@ -9,6 +9,8 @@ metrics) and starts the children with ``spawn`` (a fresh interpreter each; nothi
 here is inherited):
 
 - model-process: the model process and N API processes; replicas: N replicas.
+- An API process or replica listens on the port once it can answer (listen.py); until one does,
+  the supervisor answers there (``/healthz`` 200, the rest 503 with ``Retry-After``: standin.py).
 - A child that dies is restarted; the model process restarted is reconnected to by the API
   processes, which answer 503 meanwhile. A model process or replica that exits before it was ever
   ready (bad weights, an unreachable store: its log says why) stops the group with exit status 1,
@@ -20,6 +22,9 @@ here is inherited):
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
 import shutil
@@ -28,6 +33,7 @@ import socket
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
@@ -35,6 +41,7 @@ from pathlib import Path
 from ..settings import Settings
 from .api_process import api_main
 from .model_process import model_main
+from .standin import StandIn
 
 log = logging.getLogger("memvit.server.supervisor")
 MAX_RESTARTS, RESTART_WINDOW = 5, 60.0
@@ -63,6 +70,20 @@ def reserve(host: str, port: int) -> socket.socket:
     return sock
 
 
+def comm_name(name: str) -> str:
+    """A child's name as ``ps``, ``top`` and /proc/<pid>/comm show it (Linux keeps 15 characters):
+    ``memvit-model``, ``memvit-api-3``, ``replica-12``."""
+    return f"memvit-{name}" if len(name) <= 8 else name
+
+
+def run_named(name: str, target: Callable[..., None], *args: object) -> None:
+    """A child's entry point: ``target(*args)`` under ``name`` (``comm_name``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    target(*args)
+
+
 class Supervisor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -81,11 +102,22 @@ class Supervisor:
         for i in range(n):
             args = (settings, port, self.directory, i, self.mode, n)
             self.children.append(Child(f"{role}-{i}", api_main, args, must_start=self.mode == "replicas"))
+        self.front = [c for c in self.children if c.name != "model"]  # those that listen on the port
+        self.standin = StandIn(settings.host, port, self._listening)
+        self._answered = False  # whether a child answered the port at the last look
+
+    def _listening(self) -> bool:
+        """Whether a child listens on the port (its ready event: set once it listens; a new one
+        for each start). Asked from the stand-in's thread too."""
+        return any(c.ready is not None and c.ready.is_set() for c in self.front)
 
     def _start(self, child: Child) -> None:
         child.ready = self.context.Event()
         child.process = self.context.Process(
-            target=child.target, args=(*child.args, child.ready), name=f"memvit-{child.name}", daemon=False
+            target=run_named,
+            args=(comm_name(child.name), child.target, *child.args, child.ready),
+            name=f"memvit-{child.name}",
+            daemon=False,
         )
         child.process.start()
         log.info("started %s (pid %d)", child.name, child.process.pid)
@@ -98,9 +130,14 @@ class Supervisor:
             self.settings.host, self.sock.getsockname()[1], self.mode, self.settings.api_processes,
         )  # fmt: skip
         try:
+            self.standin.start()  # probes are answered from the first moment
             for child in self.children:
                 self._start(child)
             while not self.stopping:
+                answered = self._listening()
+                if answered != self._answered:
+                    self._answered = answered
+                    self.standin.update()
                 status = self._watch()
                 if status is not None:
                     return status
@@ -108,6 +145,7 @@ class Supervisor:
             return 0
         finally:
             self._stop_all()
+            self.standin.close()
             self.sock.close()
             shutil.rmtree(self.directory, ignore_errors=True)
 
@@ -123,9 +161,10 @@ class Supervisor:
                 child.ever_ready = True
                 if not self.all_ready and all(c.ever_ready for c in self.children):
                     self.all_ready = True
-                    log.info("all %d processes ready", len(self.children))
+                    log.warning("all %d processes ready", len(self.children))  # as "serving on" is
             if process.is_alive() or self.stopping:
                 continue
+            child.ready.clear()  # it no longer listens (its socket went with it)
             if child.must_start and not child.ever_ready:
                 log.error("%s exited (status %s) before it was ready; stopping", child.name, process.exitcode)
                 return 1

@@ -1,4 +1,5 @@
-"""Liveness, readiness and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics. The probes are coroutines (a plain function would run
+in a worker thread: a hop per probe); rendering the metrics, which takes a while, runs in one."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", response_model=Health, summary="The process is alive")
-def healthz() -> Health:
+async def healthz() -> Health:
     return Health(status="alive")
 
 
@@ -23,7 +24,7 @@ def healthz() -> Health:
     summary="The model and the adapter store are loaded",
     responses={503: {"model": Health, "description": "still loading"}},
 )
-def readyz(state: StateDep) -> Response:
+async def readyz(state: StateDep) -> Response:
     if state.service is None:
         body = Health(status="loading", detail="the model and the adapter store are still loading")
         return JSONResponse(body.model_dump(), status_code=503, headers={"Retry-After": "1"})

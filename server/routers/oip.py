@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Request, Response
 
-from ..deps import PrincipalDep, SettingsDep, StateDep, TicketDep, charge, get_service, resolve_tasks
+from ..deps import PrincipalDep, SettingsDep, StateDep, TicketDep, charge, resolve_tasks, service_of
 from ..edge.principal import Principal
 from ..errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError
 from ..oip import models
@@ -35,12 +35,12 @@ EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
 
 
 @router.get("", summary="Server metadata")
-def server_metadata(request: Request) -> dict:
+async def server_metadata(request: Request) -> dict:
     return {"name": "memvit", "version": request.app.version, "extensions": EXTENSIONS}
 
 
 @router.get("/health/live", response_class=Response, responses=NO_BODY, summary="200 while the process runs")
-def live() -> Response:
+async def live() -> Response:
     return Response(status_code=200)
 
 
@@ -50,8 +50,8 @@ def live() -> Response:
     responses={**NO_BODY, **protocol_errors(503)},
     summary="200 once the model and the adapter store are loaded, else 503",
 )
-def ready(state: StateDep) -> Response:
-    get_service(state)  # raises NotReadyError (503) while loading
+async def ready(state: StateDep) -> Response:
+    service_of(state)  # raises NotReadyError (503) while loading
     return Response(status_code=200)
 
 
@@ -61,7 +61,7 @@ def ready(state: StateDep) -> Response:
     summary="The models: the fused base model and one per adapter",
 )
 def repository_index(state: StateDep, principal: PrincipalDep) -> list[dict]:
-    service = get_service(state)
+    service = service_of(state)
     names = models.known_models(service.registry, principal)
     return [{"name": name, "version": "1", "state": "READY"} for name in names]
 
@@ -72,7 +72,7 @@ def repository_index(state: StateDep, principal: PrincipalDep) -> list[dict]:
     summary="A model's inputs and outputs",
 )
 def model_metadata(model: str, state: StateDep, principal: PrincipalDep) -> dict:
-    service = get_service(state)
+    service = service_of(state)
     return models.metadata(model, service.engine, service.registry, principal)
 
 
@@ -83,7 +83,7 @@ def model_metadata(model: str, state: StateDep, principal: PrincipalDep) -> dict
     summary="200 when the model can answer",
 )
 def model_ready(model: str, state: StateDep, principal: PrincipalDep) -> Response:
-    service = get_service(state)
+    service = service_of(state)
     models.tasks_of(model, service.registry, principal)  # 404 for a model this caller cannot see
     return Response(status_code=200)
 
@@ -101,7 +101,7 @@ async def infer(
     principal: PrincipalDep,
     ticket: TicketDep,
 ) -> Response:
-    service = get_service(state)
+    service = service_of(state)
     header = request.headers.get(HEADER_LENGTH)
     try:
         header_length = None if header is None else int(header)

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from ..deps import PrincipalDep, SettingsDep, StateDep, get_service
+from ..deps import PrincipalDep, SettingsDep, StateDep, service_of
 from ..edge.principal import Kind
 from ..errors import ForbiddenError, InvalidParameterError, NotRecordedError, ServiceError
 from ..openapi import errors
@@ -49,7 +49,7 @@ async def usage(
     until: Day = None,
     key: Annotated[str | None, Query(description="one key's id (a key sees only its own)")] = None,
 ) -> UsageReport:
-    service = get_service(state)
+    service = service_of(state)
     if service.usage.log is None:
         raise NotRecordedError("usage is not recorded on this server (MEMVIT_USAGE_LOG=false)")
     if principal.kind is Kind.KEY:

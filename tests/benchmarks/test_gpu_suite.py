@@ -27,7 +27,7 @@ TABLES = {
     "routing": {"routed vs R(n)"},
     "memory": {"peak memory"},
     "training": {"training step"},
-    "server": {"model bound", "decode bound", "server"},
+    "server": {"model bound", "decode bound", "server", "two keys"},
     "invariance": {"ops: alone == in batches of 2..32", "invariant vs default"},
     "profile": {"one pass, profiled"},
 }
@@ -36,9 +36,10 @@ TABLES = {
 def test_cpu_smoke_of_all_steps_writes_one_report(tmp_path) -> None:
     assert main(["--all", "--cpu-smoke", "--out", str(tmp_path)]) == 0
     assert set(TABLES) == set(STEPS) == {part.step for part in ALL}
-    # A lent machine returns at most 8 files: one JSON, one Markdown, the kept profile trace.
+    # A lent machine returns at most 8 files: one JSON, one Markdown, the kept profile trace, the
+    # server's log (one per server started; --all on a GPU starts two).
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["suite.json", "suite.md", "trace-tiny-routed8-graphs-off.json.gz"]
+    assert files == ["server-1.log", "suite.json", "suite.md", "trace-tiny-routed8-graphs-off.json.gz"]
     suite = json.loads((tmp_path / "suite.json").read_text())
     assert [s["step"] for s in suite["steps"]] == [part.step for part in ALL]
     assert {"device", "torch", "timm", "commit"} <= set(suite["env"]) and suite["env"]["device"] == "cpu"
@@ -51,6 +52,13 @@ def test_cpu_smoke_of_all_steps_writes_one_report(tmp_path) -> None:
         assert rows and not [row for row in rows if "error" in row], step
         assert f"## {step} (done" in text and all(f"### {t}" in text for t in TABLES[step])
     tables = {data["step"]: data["tables"] for data in suite["steps"]}
+    # Every answer under load checked against its photo's answer alone: here all right, all 200;
+    # every process's CPU per image, the load generator's too.
+    for row in tables["server"]["server"]:
+        assert row["answers"] == {"200": row["right"]} and row["wrong or not 200"] == 0, row
+        assert row["cpu ms/img server"] > 0 and row["cpu ms/img load generator"] > 0
+    (keys,) = tables["server"]["two keys"]
+    assert keys["light p50 ms beside"] > 0 and keys["wrong or not 200"] == 0
     # Goals sit next to their figures.
     assert all(row["goal <= 1.10"] in ("PASS", "MISS") for row in tables["engine"]["fused vs R(K)"])
     assert all(row["goal >= 2"] in ("PASS", "MISS") for row in tables["engine"]["dense reference"])
@@ -104,6 +112,7 @@ def test_all_covers_the_goals_table_in_one_command() -> None:
         before = sum(p.estimate_s for p in ALL[:i])
         assert BUDGET_S - before - sum(p.reserve_s for p in ALL[i + 1 :]) >= part.estimate_s, part.step
     server = plan_of("server")
+    assert server.server_models == (deit, b16)  # ViT-B/16 served too (in bfloat16: server.py)
     (part,) = [p for p in ALL if p.step == "server"]
     assert part.reserve_s >= 3 * server.server_seconds + 60  # what server.py asks before a model
 

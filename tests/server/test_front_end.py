@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -229,6 +230,39 @@ def test_a_killed_process_is_answered_503_then_restarted(group) -> None:
             group.wait_for_log("started api-0", count=2, timeout=30)
             statuses = [post_image(client, jpeg()).status_code for _ in range(4)]
             assert set(statuses) <= {200, 503} and 200 in statuses  # a new one may still be connecting
+
+
+def test_a_restarting_replica_takes_no_traffic_until_it_can_answer(group) -> None:
+    """A replica killed under traffic is restarted; while it loads, every request is answered by the
+    other, never 503 "not ready" by the one loading (it listens once it can answer)."""
+    if group.mode != "replicas":
+        pytest.skip("the API processes of the model-process front end load nothing")
+    answers: list[tuple[float, int]] = []  # (when, status); 0 for a connection that broke
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with fresh(group.url) as client:
+            while not stop.is_set():
+                try:
+                    answers.append((time.monotonic(), post_image(client, jpeg()).status_code))
+                except httpx.TransportError:
+                    answers.append((time.monotonic(), 0))
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        killed = time.monotonic()
+        os.kill(group.started("replica-1"), signal.SIGKILL)
+        group.wait_for_log("started replica-1", count=2, timeout=60)
+        group.wait_for_log("listening on port", count=3, timeout=120)  # the new one listens
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join()
+    statuses = [status for _, status in answers]
+    assert set(statuses) <= {0, 200} and statuses.count(200) > 10, sorted(set(statuses))
+    assert all(when - killed < 1 for when, status in answers if status == 0)  # only what the kill cut
 
 
 def test_sigterm_stops_every_child(group) -> None:

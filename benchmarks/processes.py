@@ -1,0 +1,50 @@
+"""A server's processes by role, and the CPU time each has used (Linux /proc).
+
+``memvit serve`` is one process, or a supervisor whose children the supervisor names by role
+(server/frontend/supervisor.py): ``memvit-model``, ``memvit-api-<i>``, ``replica-<i>``; whatever
+else it started (multiprocessing's resource tracker) is ``other``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds ``pid`` (all its threads) has used; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def roles(pid: int) -> dict[int, str]:
+    """``pid``'s process and its children by role: ``server`` (one process), or ``supervisor``,
+    ``model``, ``api``, ``replica`` and ``other``."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            comm = (stat.parent / "comm").read_text().strip()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            role = "model" if comm == "memvit-model" else "api" if comm.startswith("memvit-api-") else None
+            found[int(stat.parent.name)] = role or ("replica" if comm.startswith("replica-") else "other")
+    return {pid: "supervisor" if found else "server", **found}
+
+
+class RoleClock:
+    """CPU seconds by role between ``__init__`` and ``seconds()`` (processes found at the start)."""
+
+    def __init__(self, pid: int) -> None:
+        self.roles = roles(pid)
+        self.before = {p: cpu_seconds(p) for p in self.roles}
+
+    def seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p, role in self.roles.items():
+            out[role] = out.get(role, 0.0) + cpu_seconds(p) - self.before[p]
+        return out
