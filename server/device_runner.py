@@ -138,19 +138,18 @@ class DeviceRunner:
         encoded = [i for i, item in enumerate(items) if not isinstance(item, Tensor)]
         if not encoded:  # every image decoded on the CPU: the staged copy is the batch
             return torch.stack(list(items)) if not self.cuda else self._copied(list(items), clock)
-        shape = self._shape(items)
-        x = torch.zeros(len(items), *shape, device=device)  # images that fail stay zeros, unread
-        if on_cpu:
-            x.index_copy_(0, self._index(on_cpu), self._copied([items[i] for i in on_cpu], clock))
-        clock.start("decode")
-        decoded = self.decoder.decode([items[i] for i in encoded])
-        ok = [(i, t) for i, t in zip(encoded, decoded, strict=True) if isinstance(t, Tensor)]
-        for i, t in zip(encoded, decoded, strict=True):
-            if not isinstance(t, Tensor):
-                failed[i] = t
-        if ok:
-            x.index_copy_(0, self._index([i for i, _ in ok]), torch.stack([t for _, t in ok]))
-        clock.stop("decode")
+        clock.start("decode", self.decoder.stream)
+        decoded, refused = self.decoder.decode_batch([items[i] for i in encoded])
+        clock.stop("decode", self.decoder.stream)
+        if self.cuda:  # read on this stream, made on the decoder's: kept until the pass has read it
+            torch.cuda.current_stream(device).wait_stream(self.decoder.stream)
+            decoded.record_stream(torch.cuda.current_stream(device))
+        failed.update({encoded[i]: why for i, why in refused.items()})
+        if not on_cpu:
+            return decoded
+        x = torch.empty(len(items), *decoded.shape[1:], device=device)
+        x.index_copy_(0, self._index(encoded), decoded)
+        x.index_copy_(0, self._index(on_cpu), self._copied([items[i] for i in on_cpu], clock))
         return x
 
     def _index(self, rows: list[int]) -> Tensor:
@@ -160,13 +159,6 @@ class DeviceRunner:
         if not self.cuda:
             return index
         return index.pin_memory().to(self.engine.device, non_blocking=True)
-
-    def _shape(self, items: Sequence[Item]) -> tuple[int, ...]:
-        for item in items:
-            if isinstance(item, Tensor):
-                return tuple(item.shape)
-        config = self.engine.data_config()
-        return tuple(config["input_size"])
 
     def _copied(self, images: list[Tensor], clock: _Clock) -> Tensor:
         """CPU-decoded images on the device: through pinned memory, on the copy stream (GPU)."""

@@ -57,13 +57,13 @@ def timings(response: httpx.Response) -> dict[str, float]:
 def test_jpegs_decoded_with_their_batch_answer_as_the_cpu_path(settings, tiny_weights, monkeypatch) -> None:
     settings = settings.model_copy(update={"decode_device": "device", "server_timing": True})
     on_device: list[str] = []
-    decode = DeviceDecoder.decode
+    decode = DeviceDecoder.decode_batch
 
     def spy(self, items):
         on_device.extend(item.name for item in items)
         return decode(self, items)
 
-    monkeypatch.setattr(DeviceDecoder, "decode", spy)
+    monkeypatch.setattr(DeviceDecoder, "decode_batch", spy)
     uploads = [jpeg(photo(0)), png(photo(1)), jpeg(photo(2).convert("L"))]
     engine = MemoryViT.from_timm(weights=tiny_weights)
     cpu = ImageDecoder(engine, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
