@@ -154,6 +154,12 @@ class AdapterRegistry(CatalogReads):
     async def acquire_async(self, names: Iterable[str], *, optional: bool = False) -> Pin:
         return await self.resident.acquire_async(self.closure(names), optional=optional)
 
+    def acquire_then(
+        self, names: Iterable[str], then: Callable[[Pin | BaseException], None], *, optional: bool = False
+    ) -> None:
+        """``acquire`` without waiting: ``then(pin)`` or ``then(error)`` once loaded (ResidentSet)."""
+        self.resident.acquire_then(self.closure(names), optional=optional, then=then)
+
     def lookup_refresh(self) -> None:
         """Catch up with the journal before calling a name unknown (rate-limited, single flight)."""
         with self.live.exclusive():

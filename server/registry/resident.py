@@ -32,7 +32,7 @@ from ..errors import ResidentSetFullError, TooManyTasksError, UnknownTaskError
 from ..metrics import Metrics
 from ..store import Entry, StoreUnavailableError
 from .eviction import SegmentedLRU
-from .flight import Load, Pin
+from .flight import Load, Pin, when_loaded
 
 log = logging.getLogger(__name__)
 _STALE_RETRIES = 3
@@ -124,6 +124,16 @@ class ResidentSet:
             pin.release()
             raise
         return pin
+
+    def acquire_then(
+        self, names: Iterable[str], *, optional: bool = False, then: Callable[[Pin | BaseException], None]
+    ) -> None:
+        """``acquire`` without waiting, for a caller that is neither an event loop nor a thread that may
+        block (the model process's link reader): ``then(pin)`` once every load is done, at once when
+        every adapter is resident, else on the thread that finished the last load; ``then(error)``
+        when one failed (nothing pinned then). Raises at once what ``acquire`` raises before loading."""
+        pin, loads = self._begin(tuple(names))
+        when_loaded(pin, loads, lambda name, load: _settle(pin, name, load, optional), then)
 
     def _begin(self, names: tuple[str, ...]) -> tuple[Pin, list[tuple[str, Load]]]:
         if len(names) > self.max_adapters:

@@ -1,0 +1,191 @@
+"""A batch's answers, computed for the whole batch at once and cut per request with one fancy index.
+
+A fused pass returns the base's logits (B, C_0) and every asked (image, task)'s logits as rows of one
+tensor (N, C), each task's classes padded to C (memory_core/output.py). Answering per request and
+per task, in Python, is what cost the CPU (a softmax, a top-k and a ``.tolist()`` per task per
+request). Here, on the pass's device, for the batch:
+
+- one table ``L`` (N + B, C') of every row the batch computed, the base's rows last;
+- the padded classes of each row masked (``-inf``), then one softmax and one top-k (k = the largest
+  any request of the batch asked for) over every row;
+- one flag per row: every logit finite;
+- copied to the host (into pinned memory on a GPU: the host waits on one event, not on each copy);
+  the logits themselves only when some request of the batch asked for them.
+
+A request is then ``rows`` (n images x T tasks) of that table, in the order it asked for its tasks:
+``probs[rows]``, ``index[rows]``, ``logits[rows]`` (numpy, on the host), an ``Answer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from memvit.memory_core import BASE_TASK, FusedOutput
+
+from .errors import NonFiniteOutputError
+
+Labels = tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's answer: its n images' T tasks (in the order asked, each once), from one snapshot.
+
+    ``probs``/``index`` hold each (image, task)'s most probable classes, best first: the first
+    ``min(top_k, classes[t])`` of task t's k columns are real. ``logits`` (when asked) hold each
+    task's logits in its first ``classes[t]`` columns."""
+
+    tasks: tuple[str, ...]
+    classes: np.ndarray  # (T,) int64
+    probs: np.ndarray  # (n, T, k) float32 softmax probabilities
+    index: np.ndarray  # (n, T, k) int64 class indices
+    logits: np.ndarray | None  # (n, T, C) float32
+    labels: tuple[Labels, ...]  # (T,) each task's class names, from the snapshot that answered
+    version: int  # the snapshot's version: the registry's, when it was built
+    registered: int  # adapters registered at that version
+    stages: dict[str, float] = field(default_factory=dict)  # seconds: queue, decode, copy, pass
+
+    def __len__(self) -> int:
+        return self.probs.shape[0]
+
+    def task_logits(self, t: int) -> np.ndarray:
+        """Task t's (n, classes[t]) logits (asked for with ``logits``)."""
+        assert self.logits is not None
+        return self.logits[:, t, : self.classes[t]]
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one request of a batch wants back: its images [lo, hi), and ``top_k``/``logits``."""
+
+    lo: int
+    hi: int
+    top_k: int
+    logits: bool
+
+
+class BatchAnswers:
+    """Every row a pass computed, reduced on its device; ``cut`` gives one request's ``Answer``."""
+
+    def __init__(self, out: FusedOutput, base_labels: Labels, wants: Sequence[Want]) -> None:
+        """Queues the device work (on the current stream); the host arrays are valid once the stream
+        has run it (``ready``: a CUDA event recorded after the copies, or None on a CPU)."""
+        self.adapter_set = out.adapter_set
+        self.base_labels = base_labels
+        base = out.base
+        B = base.shape[0]
+        flat = _flat(out)
+        self.n_rows = 0 if flat is None else flat.shape[0]
+        self.spans: dict[str, tuple[int, int, np.ndarray]] = {}  # task -> (first row, classes, images)
+        classes = np.empty(self.n_rows + B, dtype=np.int64)
+        classes[: self.n_rows] = 1  # padding rows (a bucketed plan's): never read
+        if flat is not None:
+            for name, (start, stop, c) in _spans(out).items():
+                self.spans[name] = (start, c, out.images[name].numpy())
+                classes[start:stop] = c
+        classes[self.n_rows :] = base.shape[1]
+        self.classes = classes
+        width = max(base.shape[1], 0 if flat is None else flat.shape[1])
+        k = min(max((w.top_k for w in wants), default=0), width)
+        cuda = base.device.type == "cuda"
+        table = _pad(base.float(), width)
+        if flat is not None:
+            table = torch.cat([_pad(flat.float(), width), table])
+        host: dict[str, Tensor] = {}
+        if k > 0:
+            row_classes = torch.from_numpy(classes)
+            if cuda:  # through pinned memory: a pageable copy would wait for the pass
+                row_classes = row_classes.pin_memory().to(base.device, non_blocking=True)
+            padding = torch.arange(width, device=base.device) >= row_classes[:, None]
+            masked = table.masked_fill(padding, -torch.inf)
+            top = masked.softmax(-1).topk(k, dim=-1)
+            host["probs"], host["index"] = top.values, top.indices
+        host["finite"] = torch.isfinite(table).all(-1)
+        if any(w.logits for w in wants):
+            host["logits"] = table
+        self._host = {name: t.to("cpu", non_blocking=cuda) for name, t in host.items()}
+        self.ready = None
+        if cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self.k = k
+
+    def wait(self) -> None:
+        """Until the host arrays hold the values (a GPU's copies have run)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        self._arrays = {name: t.numpy() for name, t in self._host.items()}
+
+    def cut(self, want: Want, tasks: Sequence[str] | None, version: int, registered: int) -> Answer:
+        """Images [lo, hi)'s answer to ``tasks`` (None: the base and every adapter computed for them),
+        after ``wait``. Raises ``NonFiniteOutputError`` naming a task that produced a non-finite
+        logit (refused at registration; float16 serving could still overflow)."""
+        lo, hi = want.lo, want.hi
+        names = self._computed(lo) if tasks is None else tuple(dict.fromkeys(tasks))
+        n, T = hi - lo, len(names)
+        rows = np.empty((n, T), dtype=np.int64)
+        span = np.arange(n)
+        labels: list[Labels] = []
+        for t, name in enumerate(names):  # per task, not per (image, task)
+            if name == BASE_TASK:
+                rows[:, t] = self.n_rows + lo + span
+                labels.append(self.base_labels)
+            else:
+                start, _, images = self.spans[name]
+                rows[:, t] = start + int(np.searchsorted(images, lo)) + span
+                labels.append(self.adapter_set[name].weights.labels)
+        arrays = self._arrays
+        finite = arrays["finite"][rows]
+        if not finite.all():
+            bad = names[int(np.flatnonzero(~finite.all(axis=0))[0])]
+            raise NonFiniteOutputError(f"task {bad!r} produced non-finite logits; not answering with null")
+        k = min(want.top_k, self.k)
+        if k > 0:
+            probs, index = arrays["probs"][rows, :k], arrays["index"][rows, :k]
+        else:
+            probs = np.empty((n, T, 0), dtype=np.float32)
+            index = np.empty((n, T, 0), dtype=np.int64)
+        logits = arrays["logits"][rows] if want.logits else None
+        classes = self.classes[rows[0]] if n else np.zeros(T, dtype=np.int64)
+        return Answer(names, classes, probs, index, logits, tuple(labels), version, registered)
+
+    def _computed(self, lo: int) -> tuple[str, ...]:
+        """The base and every adapter computed for image ``lo`` (and so for its request), set order."""
+        asked = [name for name, (_, _, images) in self.spans.items() if _holds(images, lo)]
+        return (BASE_TASK, *asked)
+
+
+def _holds(images: np.ndarray, i: int) -> bool:
+    at = int(np.searchsorted(images, i))
+    return at < len(images) and images[at] == i
+
+
+def _flat(out: FusedOutput) -> Tensor | None:
+    """Every asked (image, task)'s logits as one (N, C) tensor: the pass's own, or (a batch run in
+    parts) its tasks' concatenated."""
+    if not out.adapters:
+        return None
+    if out.flat is not None and out.spans is not None:
+        return out.flat
+    width = max(t.shape[1] for t in out.adapters.values())
+    return torch.cat([_pad(t, width) for t in out.adapters.values()])
+
+
+def _spans(out: FusedOutput) -> dict[str, tuple[int, int, int]]:
+    if out.flat is not None and out.spans is not None:
+        return out.spans
+    spans, start = {}, 0
+    for name, t in out.adapters.items():
+        spans[name] = (start, start + t.shape[0], t.shape[1])
+        start += t.shape[0]
+    return spans
+
+
+def _pad(t: Tensor, width: int) -> Tensor:
+    return t if t.shape[1] == width else F.pad(t, (0, width - t.shape[1]))
