@@ -91,6 +91,16 @@ class BatchAnswers:
                 classes[start:stop] = c
         classes[self.n_rows :] = base.shape[1]
         self.classes = classes
+        # (image, task) -> row, for every task the batch computed (the base's column first): a
+        # request's rows are one slice and one index of it.
+        self.every = (BASE_TASK, *self.spans)
+        self.column = {name: c for c, name in enumerate(self.every)}
+        rows = np.full((B, len(self.every)), -1, dtype=np.int64)
+        rows[:, 0] = self.n_rows + np.arange(B)
+        for c, (start, _, images) in enumerate(self.spans.values(), start=1):
+            rows[images, c] = start + np.arange(len(images))
+        self.rows = rows
+        self._asked: dict[tuple[str, ...] | None, tuple] = {}  # a request's tasks -> (names, columns, labels)
         width = max(base.shape[1], 0 if flat is None else flat.shape[1])
         k = min(max((w.top_k for w in wants), default=0), width)
         cuda = base.device.type == "cuda"
@@ -126,20 +136,8 @@ class BatchAnswers:
         """Images [lo, hi)'s answer to ``tasks`` (None: the base and every adapter computed for them),
         after ``wait``. Raises ``NonFiniteOutputError`` naming a task that produced a non-finite
         logit (refused at registration; float16 serving could still overflow)."""
-        lo, hi = want.lo, want.hi
-        names = self._computed(lo) if tasks is None else tuple(dict.fromkeys(tasks))
-        n, T = hi - lo, len(names)
-        rows = np.empty((n, T), dtype=np.int64)
-        span = np.arange(n)
-        labels: list[Labels] = []
-        for t, name in enumerate(names):  # per task, not per (image, task)
-            if name == BASE_TASK:
-                rows[:, t] = self.n_rows + lo + span
-                labels.append(self.base_labels)
-            else:
-                start, _, images = self.spans[name]
-                rows[:, t] = start + int(np.searchsorted(images, lo)) + span
-                labels.append(self.adapter_set[name].weights.labels)
+        names, columns, labels = self._columns(tasks)
+        rows = self.rows[want.lo : want.hi][:, columns]  # (n, T): one index for the whole request
         arrays = self._arrays
         finite = arrays["finite"][rows]
         if not finite.all():
@@ -149,21 +147,26 @@ class BatchAnswers:
         if k > 0:
             probs, index = arrays["probs"][rows, :k], arrays["index"][rows, :k]
         else:
-            probs = np.empty((n, T, 0), dtype=np.float32)
-            index = np.empty((n, T, 0), dtype=np.int64)
+            n, T = rows.shape
+            probs, index = np.empty((n, T, 0), dtype=np.float32), np.empty((n, T, 0), dtype=np.int64)
         logits = arrays["logits"][rows] if want.logits else None
-        classes = self.classes[rows[0]] if n else np.zeros(T, dtype=np.int64)
-        return Answer(names, classes, probs, index, logits, tuple(labels), version, registered)
+        classes = self.classes[rows[0]] if len(rows) else np.zeros(len(names), dtype=np.int64)
+        return Answer(names, classes, probs, index, logits, labels, version, registered)
 
-    def _computed(self, lo: int) -> tuple[str, ...]:
-        """The base and every adapter computed for image ``lo`` (and so for its request), set order."""
-        asked = [name for name, (_, _, images) in self.spans.items() if _holds(images, lo)]
-        return (BASE_TASK, *asked)
-
-
-def _holds(images: np.ndarray, i: int) -> bool:
-    at = int(np.searchsorted(images, i))
-    return at < len(images) and images[at] == i
+    def _columns(self, tasks: Sequence[str] | None) -> tuple:
+        """A request's tasks (each once; None: every one computed), their columns and labels, worked
+        out once per batch for every request asking the same."""
+        key = None if tasks is None else tuple(tasks)
+        found = self._asked.get(key)
+        if found is None:
+            names = self.every if key is None else tuple(dict.fromkeys(key))
+            columns = np.array([self.column[name] for name in names], dtype=np.int64)
+            labels = tuple(
+                self.base_labels if name == BASE_TASK else self.adapter_set[name].weights.labels
+                for name in names
+            )
+            found = self._asked[key] = (names, columns, labels)
+        return found
 
 
 def _flat(out: FusedOutput) -> Tensor | None:

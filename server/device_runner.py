@@ -98,9 +98,12 @@ class Ran:
     def cut(self, want: Want, tasks: Sequence[str] | None, version: int, registered: int) -> Answer:
         """Images [lo, hi)'s answer (one request's); raises what answers an image of them that has
         no output (its decoder's 4xx, or running out of device memory)."""
-        for i in range(want.lo, want.hi):
-            if i in self.failed:
-                raise self.failed[i]
+        if self.failed:
+            for i in range(want.lo, want.hi):
+                if i in self.failed:
+                    raise self.failed[i]
+        if len(self.parts) == 1 and self.parts[0][0] == 0:  # the batch ran whole
+            return self.parts[0][2].cut(want, tasks, version, registered)
         pieces = []
         for lo, hi, answers in self.parts:
             if lo < want.hi and want.lo < hi:  # the part's own image numbers
@@ -251,6 +254,8 @@ class DeviceRunner:
 
 def _within(wants: list[Want], lo: int, hi: int) -> list[Want]:
     """The requests' wants on images [lo, hi) of the batch, numbered from lo."""
+    if lo == 0 and all(w.hi <= hi for w in wants):
+        return wants
     return [
         Want(max(w.lo, lo) - lo, min(w.hi, hi) - lo, w.top_k, w.logits)
         for w in wants

@@ -67,10 +67,10 @@ class Job:
     context: Any = None  # the submitter's own (its future, its call): the engine never reads it
     queued: float = 0.0  # perf_counter when it was queued
     seconds: dict[str, float] = field(default_factory=dict)  # its stages: queue, decode, copy, pass
+    size: int = field(init=False)
 
-    @property
-    def size(self) -> int:
-        return len(self.items)
+    def __post_init__(self) -> None:
+        self.size = len(self.items)
 
 
 @dataclass
@@ -101,12 +101,14 @@ class EngineLoop:
         depth: int | None = None,
         registered: Callable[[int], int] = lambda version: 0,
         warm: Callable[[AdapterSet], int] | None = None,
+        count: Callable[[list[tuple[Job, Answer]]], None] | None = None,
     ) -> None:
         self.live, self.runner = live, runner
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.metrics, self.fair, self.registered = metrics, fair, registered
         self.warm = warm  # captures the graphs of a snapshot's passes (server/warmup.py)
         self._warmed: int | None = None  # the slot pools' generation they were captured for
+        self.count = count  # what a batch answered, counted for the keys that asked (usage, metrics)
         self.depth = depth if depth is not None else (3 if runner.cuda else 1)
         self._queue: FairQueue[Job] = FairQueue()
         self._lock = threading.Condition()
@@ -175,7 +177,6 @@ class EngineLoop:
             job.queued = time.perf_counter()
             self._queue.put(flow, job, n, job.weight)
             self._lock.notify_all()
-        self.metrics.queue_depth.set(self._waiting)
 
     # -- the batcher -----------------------------------------------------------------------------------
     def _batcher(self) -> None:
@@ -233,6 +234,8 @@ class EngineLoop:
                 jobs.append(queue_.pop())
                 size += head
             self._in_flight += 1
+            waiting = self._waiting
+        self.metrics.queue_depth.set(waiting)  # once a batch, not once a request
         return _Batch(jobs, size)
 
     def _route(self, batch: _Batch) -> None:
@@ -310,6 +313,11 @@ class EngineLoop:
                 except Exception as exc:  # its image failed to decode, or did not fit on the device
                     answer = exc
                 finished.append((job, answer))
+            if self.count is not None:
+                try:
+                    self.count([(job, a) for job, a in finished if isinstance(a, Answer)])
+                except Exception:  # counting must never cost an answer
+                    log.exception("counting a batch's answers failed")
             self._finish(batch, finished)
 
     def _finish(self, batch: _Batch, finished: list[tuple[Job, Result]]) -> None:

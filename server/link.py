@@ -246,17 +246,21 @@ class LinkClient:
         self._reader_task = asyncio.create_task(self._answers(reader), name="link-answers")
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        future = self.send(method, *args, **kwargs)
+        await self._writer.drain()
+        return await future
+
+    def send(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+        """The call's frame written now (so calls and notifications leave in the order they are made);
+        the future of its answer."""
         if not self.connected:
             raise LinkDownError("the model process is not reachable yet; retry shortly")
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        try:
-            self._writer.write(_frame((call_id, method, args, kwargs)))
-            await self._writer.drain()
-            return await future
-        finally:
-            self._pending.pop(call_id, None)
+        future.add_done_callback(lambda _: self._pending.pop(call_id, None))
+        self._writer.write(_frame((call_id, method, args, kwargs)))
+        return future
 
     def notify(self, method: str, *args: Any) -> None:
         """A call nobody waits for (its answer is never sent): a delivery, a release."""

@@ -13,15 +13,16 @@ What the runner does for a request, in the process that runs the pass:
   run, so no other request's cold load evicts them;
 - its images queued as its key's (its share of the passes by its weight), in one batch with others;
 - its answer cut from the batch's (server/answers.py), from the one snapshot that computed it;
-- what was computed counted for the key that asked: usage per key and task (server/usage.py) and
-  the bounded per-key and per-task metrics (server/metrics.py).
+- what was computed counted for the key that asked, by the engine loop for each batch
+  (``counting``): usage per key and task (server/usage.py) and the bounded per-key and per-task
+  metrics (server/metrics.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,16 +80,23 @@ def as_items(images: Images, count: int) -> list[Item]:
     return items
 
 
-def counted(
-    answer: Answer, tenant: str, count: int, usage: UsageMeter | None, metrics: Metrics | None
-) -> Answer:
-    """Count what the pass computed for the key that asked (base always; adapters as asked)."""
-    adapters = [t for t in answer.tasks if t != BASE_TASK]
-    if usage is not None:
-        usage.record(tenant, count, [BASE_TASK, *adapters])
-    if metrics is not None:  # per task asked (base too, when asked), and per key
-        metrics.answered(tenant, count, answer.tasks, rows=count * len(adapters))
-    return answer
+def counting(usage: UsageMeter | None, metrics: Metrics | None) -> Callable[[list[tuple[Job, Answer]]], None]:
+    """What the engine loop calls with each batch's answers: what the pass computed counted for the
+    key that asked (usage: base always, adapters as asked; metrics: per task asked and per key), each
+    counter touched once per batch."""
+
+    def count(answered: list[tuple[Job, Answer]]) -> None:
+        usage_records, metric_records = [], []
+        for job, answer in answered:
+            adapters = [t for t in answer.tasks if t != BASE_TASK]
+            usage_records.append((job.flow, job.size, (BASE_TASK, *adapters)))
+            metric_records.append((job.flow, job.size, answer.tasks, job.size * len(adapters)))
+        if usage is not None:
+            usage.record_batch(usage_records)
+        if metrics is not None:
+            metrics.answered_batch(metric_records)
+
+    return count
 
 
 class LoopSink:
@@ -115,16 +123,8 @@ def _settle(finished: list[tuple[Job, Result]]) -> None:
 class LocalRunner:
     """Runs requests on this process's engine loop (server/engine_loop.py)."""
 
-    def __init__(
-        self,
-        registry: AdapterRegistry,
-        engine: EngineLoop,
-        *,
-        usage: UsageMeter | None = None,
-        metrics: Metrics | None = None,
-    ) -> None:
+    def __init__(self, registry: AdapterRegistry, engine: EngineLoop) -> None:
         self.registry, self.engine = registry, engine
-        self.usage, self.metrics = usage, metrics
         self._sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
 
     async def run(self, ask: Ask, images: Awaitable[Images]) -> Answer:
@@ -134,7 +134,7 @@ class LocalRunner:
         were checked."""
         adapters = ask.adapters
         # Unfiltered (a small registry): every adapter, less any deleted meanwhile or invalid here.
-        wanted = self.registry.all_names() if adapters is None else adapters
+        wanted = self.registry.every_name() if adapters is None else adapters
         pinning = asyncio.ensure_future(self.registry.acquire_async(wanted, optional=adapters is None))
         loop = asyncio.get_running_loop()
         self.engine.announce(ask.count)
@@ -161,7 +161,7 @@ class LocalRunner:
             answer = await future
         finally:
             await _unpin(pinning)
-        return counted(answer, ask.tenant.id, ask.count, self.usage, self.metrics)
+        return answer
 
     def _sink(self, loop: asyncio.AbstractEventLoop) -> LoopSink:
         sink = self._sinks.get(loop)

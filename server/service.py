@@ -34,7 +34,7 @@ from .images import ImageDecoder
 from .metrics import Metrics
 from .pipeline import ClassifyPipeline
 from .registry import AdapterRegistry
-from .runner import LocalRunner, Runner
+from .runner import LocalRunner, Runner, counting
 from .settings import Settings
 from .state import AppState, Service
 from .store import StoreUnavailableError, open_store
@@ -188,7 +188,8 @@ async def start_service(state: AppState) -> None:
         return
     usage_log = usage_log_for(registry.store) if settings.usage_log else None
     meter = UsageMeter(usage_log, replica_name(settings.replica_name), settings.usage_interval_seconds)
-    runner = LocalRunner(registry, loop, usage=meter, metrics=state.metrics)
+    loop.count = counting(meter, state.metrics)  # before ready: no batch has run yet
+    runner = LocalRunner(registry, loop)
     state.service = assemble(
         settings,
         engine=engine,

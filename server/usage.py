@@ -80,6 +80,16 @@ class UsageMeter:
                 tally[0] += 1
                 tally[1] += images
 
+    def record_batch(self, requests: Iterable[tuple[str, int, Iterable[str]]]) -> None:
+        """``record`` for many requests (a batch's), under one lock."""
+        with self._lock:
+            for key, images, tasks in requests:
+                per_task = self._counts.setdefault(key, {})
+                for task in tasks:
+                    tally = per_task.setdefault(task, [0, 0])
+                    tally[0] += 1
+                    tally[1] += images
+
     def close_interval(self) -> None:
         """End the interval now: what was counted becomes a record to write (none if nothing was)."""
         now = self._clock()

@@ -57,9 +57,37 @@ class LabelKeys:
             self._by_key.remember(key, labels)
         return key
 
+    def cached(self) -> _BatchKeys:
+        """``key`` for one batch's answers: each label tuple looked up once, without the lock."""
+        return _BatchKeys(self)
+
     def labels(self, keys: Sequence[bytes]) -> dict[bytes, tuple[str, ...]]:
         with self._lock:
             return {k: self._by_key[k] for k in keys if k in self._by_key}
+
+
+class _BatchKeys:
+    def __init__(self, keys: LabelKeys) -> None:
+        self._keys = keys
+        self._seen: dict[int, bytes | None] = {}  # the batch's answers hold the tuples: ids stay theirs
+        self._tuples: dict[int, tuple[bytes | None, ...]] = {}
+
+    def key(self, labels: Labels) -> bytes | None:
+        known = self._seen.get(id(labels), _MISSING)
+        if known is _MISSING:
+            known = self._seen[id(labels)] = self._keys.key(labels)
+        return known  # type: ignore[return-value]
+
+    def keys(self, labels: tuple[Labels, ...]) -> tuple[bytes | None, ...]:
+        """Each task's key, once per tuple of labels (the requests of a batch asking the same tasks
+        share theirs: server/answers.py)."""
+        known = self._tuples.get(id(labels))
+        if known is None:
+            known = self._tuples[id(labels)] = tuple(self.key(one) for one in labels)
+        return known
+
+
+_MISSING = object()
 
 
 class LabelCache:

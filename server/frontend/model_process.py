@@ -41,7 +41,7 @@ from ..engine_loop import Job, Result
 from ..errors import RetryLaterError
 from ..link import Connection, LinkServer, _frame
 from ..registry import Pin
-from ..runner import as_items, counted
+from ..runner import as_items
 from ..service import start_service, stop_service, update_gauges
 from ..settings import Settings
 from ..shm_arena import Reader
@@ -92,12 +92,11 @@ class ConnectionSink:
         self.handlers, self.connection = handlers, connection
 
     def deliver(self, finished: list[tuple[Job, Result]]) -> None:
-        service, keys, frames = self.handlers.service, self.handlers.keys, []
+        keys, frames = self.handlers.keys.cached(), []
         for job, result in finished:
             pending: Pending = job.context
             pending.release()
             if isinstance(result, Answer):
-                counted(result, pending.tenant, pending.count, service.usage, self.handlers.metrics)
                 frames.append(_frame((pending.call_id, True, answer_to_wire(result, keys))))
             else:
                 frames.append(self.connection.failure(pending.call_id, result))
@@ -117,6 +116,7 @@ class ModelHandlers:
         self.keys = LabelKeys()
         self._pending: dict[tuple[int, int], Pending] = {}
         self._sinks: dict[int, ConnectionSink] = {}
+        self._early: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
 
     def inline(self) -> dict[str, Callable[..., None]]:
@@ -140,9 +140,10 @@ class ModelHandlers:
         key = (connection.peer, number)
         with self._lock:
             self._pending[key] = pending
+            pending.images = self._early.pop(key, _WAITING)  # a deliver read first (never, in order)
         self.engine.announce(count)
         # Unfiltered (a small registry): every adapter, less any deleted meanwhile or invalid here.
-        wanted = self.service.registry.all_names() if adapters is None else adapters
+        wanted = self.service.registry.every_name() if adapters is None else adapters
         try:
             self.service.registry.acquire_then(
                 wanted, lambda pin: self._arrived(key, pin=pin), optional=adapters is None
@@ -157,6 +158,8 @@ class ModelHandlers:
         with self._lock:
             pending = self._pending.get(key)
             if pending is None:
+                if "images" in part and len(self._early) < 1024:
+                    self._early[key] = part["images"]
                 return
             for name, value in part.items():
                 setattr(pending, name, value)

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from memvit.adapters import AdapterBundle, read_bundle
@@ -37,13 +38,13 @@ from ..answers import Answer
 from ..link import LinkClient, LinkDownError
 from ..registry import RegistryInfo
 from ..registry.catalog import Catalog
-from ..registry.registry import CatalogReads
+from ..registry.reads import CatalogReads
 from ..runner import Ask, Images
 from ..shm_arena import Arena
 from ..store import AdapterStore, Entry
 from ..store.base import legacy_name
 from ..usage_log import UsageLog
-from .labels import LabelCache, LabelKeys
+from .labels import LabelCache
 from .wire import pack
 
 
@@ -70,6 +71,13 @@ class ModelLink:
         if client is None or not client.connected:
             raise LinkDownError("the model process is not reachable; retry shortly")
         return await client.call(method, *args, **kwargs)
+
+    def send(self, method: str, *args: Any) -> asyncio.Future:
+        """A call whose frame leaves now, before any made after it; the future of its answer."""
+        client = self.client
+        if client is None or not client.connected:
+            raise LinkDownError("the model process is not reachable; retry shortly")
+        return client.send(method, *args)
 
     def call_soon(self, method: str, *args: Any) -> None:
         """A call nobody waits for (a delivery, a release); dropped while the link is down."""
@@ -178,11 +186,29 @@ class RemoteRegistry(CatalogReads):
         return info
 
 
-def answer_to_wire(answer: Answer, keys: LabelKeys) -> tuple:
-    """An answer as the model process sends it: its arrays as they are, each task's labels by key."""
-    labels = tuple(keys.key(labels) for labels in answer.labels)
-    return (answer.tasks, answer.classes, answer.probs, answer.index, answer.logits, labels,
-            answer.version, answer.registered, answer.stages)  # fmt: skip
+def answer_to_wire(answer: Answer, keys: Any) -> tuple:
+    """An answer as the model process sends it: its arrays as raw bytes (a numpy array pickles at ten
+    times a bytes object's cost), each task's labels by key (``keys``: ``LabelKeys.cached()``)."""
+    probs, logits = answer.probs, answer.logits
+    shape = (*probs.shape, 0 if logits is None else logits.shape[2])
+    return (answer.tasks, shape, answer.classes.tobytes(), probs.tobytes(), answer.index.tobytes(),
+            None if logits is None else logits.tobytes(), keys.keys(answer.labels), answer.version,
+            answer.registered, tuple(answer.stages.items()))  # fmt: skip
+
+
+def answer_from_wire(wire: tuple, labels: tuple) -> Answer:
+    tasks, (n, T, k, C), classes, probs, index, logits, _, version, registered, stages = wire
+    return Answer(
+        tasks,
+        np.frombuffer(classes, dtype=np.int64),
+        np.frombuffer(probs, dtype=np.float32).reshape(n, T, k),
+        np.frombuffer(index, dtype=np.int64).reshape(n, T, k),
+        None if logits is None else np.frombuffer(logits, dtype=np.float32).reshape(n, T, C),
+        labels,
+        version,
+        registered,
+        dict(stages),
+    )
 
 
 class RemoteRunner:
@@ -228,10 +254,9 @@ class RemoteRunner:
         finally:
             if not delivered:  # a bad image, or the client went away: the model process stops waiting
                 self.link.call_soon("deliver", number, None)
-        tasks, classes, probs, index, logits, keys, version, registered, stages = wire
+        tasks, keys, version, registered = wire[0], wire[6], wire[7], wire[8]
         self.registry.remember(RegistryInfo(version, registered))
-        labels = await self.labels.resolve(tasks, keys)
-        return Answer(tasks, classes, probs, index, logits, labels, version, registered, stages)
+        return answer_from_wire(wire, await self.labels.resolve(tasks, keys))
 
 
 class ResidentCount:

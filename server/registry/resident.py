@@ -70,6 +70,7 @@ class ResidentSet:
         self.loads = 0  # cold loads started (each reads one bundle): what single flight keeps low
         # Adapters asked for, resident ("hit") or not ("miss": loaded, or joining a load under way).
         self.lookups: Counter[str] = Counter(hit=0, miss=0)
+        self._series: dict[str, object] = {}
         self._resident: dict[str, Resident] = {}
         self._order = SegmentedLRU(max_adapters)  # which to evict first
         self._pins: Counter[str] = Counter()
@@ -143,19 +144,20 @@ class ResidentSet:
                 field="tasks",
             )
         loads, started = [], []
+        pins = self._pins
         with self._lock:
             for name in names:
-                self._pins[name] += 1
+                pins[name] = pins.get(name, 0) + 1
                 if name in self._resident and name not in self._stale:
                     self._order.touch(name)
-                    self._lookup("hit")
                     continue
-                self._lookup("miss")
                 load = self._loading.get(name)
                 if load is None:
                     load = self._loading[name] = Load()
                     started.append((name, load))
                 loads.append((name, load))
+            self._lookup("hit", len(names) - len(loads))  # once per request, not per adapter
+            self._lookup("miss", len(loads))
         for name, load in started:
             self._pool.submit(self._run, name, load)
         return Pin(self._unpin, names), loads
@@ -163,9 +165,11 @@ class ResidentSet:
     def _unpin(self, names: tuple[str, ...]) -> None:
         with self._lock:
             for name in names:
-                self._pins[name] -= 1
-                if self._pins[name] <= 0:
+                left = self._pins[name] - 1
+                if left <= 0:
                     del self._pins[name]
+                else:
+                    self._pins[name] = left
 
     # -- loading -----------------------------------------------------------------------------------
     def _run(self, name: str, load: Load) -> None:
@@ -310,10 +314,14 @@ class ResidentSet:
             self._bytes -= held.nbytes
         self._stale.discard(name)
 
-    def _lookup(self, result: str) -> None:
-        self.lookups[result] += 1
-        if self.metrics is not None:
-            self.metrics.adapter_lookups.labels(result).inc()
+    def _lookup(self, result: str, n: int = 1) -> None:
+        if n:
+            self.lookups[result] += n
+            if self.metrics is not None:
+                series = self._series.get(result)
+                if series is None:  # a label lookup takes a lock: once per result
+                    series = self._series[result] = self.metrics.adapter_lookups.labels(result)
+                series.inc(n)
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:

@@ -210,17 +210,18 @@ def test_weights_from_the_keys_file_reach_the_fused_passes(tiny_weights, store, 
     app = create_app(settings)
     colours = {"one": (250, 10, 10), "three": (10, 10, 250)}
     with running_server(settings, app) as url:
-        batcher = app.state.memvit.service.batcher
+        engine_loop = app.state.memvit.service.engine_loop
+        runner = engine_loop.runner
         held, passes = threading.Event(), []
-        forward = batcher._launch
+        decode = runner.decode
 
-        def recording(items, adapter_set, tasks=None):
+        def recording(items):
             passes.append([float(item[0, 0, 0]) for item in items])  # the red channel tells the keys apart
             if len(passes) == 1:
                 held.wait(30)
-            return forward(items, adapter_set, tasks)
+            return decode(items)
 
-        batcher._launch = recording
+        runner.decode = recording
 
         async def clients() -> None:
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
@@ -238,7 +239,7 @@ def test_weights_from_the_keys_file_reach_the_fused_passes(tiny_weights, store, 
                     for k, w in ((one, "one"), (three, "three"))
                 ]
                 deadline = time.monotonic() + 20
-                while batcher._queue.waiting < 16 and time.monotonic() < deadline:
+                while engine_loop._queue.waiting < 16 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)  # every request decoded and queued behind the held pass
                 held.set()
                 assert all(r.status_code == 200 for r in await asyncio.gather(first, *rest))
