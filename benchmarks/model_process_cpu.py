@@ -56,10 +56,11 @@ def cpu_seconds(pid: int) -> float:
 
 def _stubbed_forward(self, x, adapter_set=None, *, tasks=None, path="auto"):
     """The pass's outputs, zeros, in their shapes: every adapter for every image (``tasks`` None), or
-    each image's own."""
+    each image's own (a ``TaskIndex``, or names per image)."""
+    import numpy as np
     import torch
 
-    from memvit.memory_core import AdapterSet, FusedOutput
+    from memvit.memory_core import AdapterSet, FusedOutput, TaskIndex
 
     adapter_set = adapter_set if adapter_set is not None else AdapterSet()
     B = x.shape[0]
@@ -67,14 +68,16 @@ def _stubbed_forward(self, x, adapter_set=None, *, tasks=None, path="auto"):
     if tasks is None:
         adapters = {a.name: torch.zeros(B, a.head_weight.shape[0]) for a in adapter_set}
         return FusedOutput.every_image(base, adapters, adapter_set)
-    askers: dict[str, list[int]] = {}
-    for b, names in enumerate(tasks):
-        for name in names:
-            askers.setdefault(name, []).append(b)
-    order = [a for a in adapter_set.adapters if a.name in askers]
-    adapters = {a.name: torch.zeros(len(askers[a.name]), a.head_weight.shape[0]) for a in order}
-    images = {a.name: torch.tensor(askers[a.name]) for a in order}
-    return FusedOutput(base, adapters, images, adapter_set)
+    if not isinstance(tasks, TaskIndex):
+        tasks = TaskIndex.from_names(adapter_set, tasks)
+    image = np.repeat(np.arange(B), tasks.counts)
+    adapters, images = {}, {}
+    for position in np.unique(tasks.tasks).tolist():
+        adapter = adapter_set.adapters[position]
+        who = torch.from_numpy(image[tasks.tasks == position])
+        adapters[adapter.name] = torch.zeros(len(who), adapter.head_weight.shape[0])
+        images[adapter.name] = who
+    return FusedOutput.of_tasks(base, adapters, images, adapter_set)
 
 
 def _model(settings, directory: str, ready, stub: bool, profile: bool) -> None:

@@ -25,10 +25,13 @@ from .flops import AdapterCost, adapter_flops, base_flops, flop_ratio, fused_flo
 from .live import LiveAdapters
 from .model import MemoryViT
 from .output import FusedOutput
+from .output_index import Answers, OutputIndex
 from .plan import PassPlan, PlanShape, plan_pass
+from .slot_table import SlotTable
 from .slots import AdapterSlots, SlotPools
 from .spec import ViTSpec, check_supported
 from .stack import AdapterStack, PreparedAdapter
+from .task_index import TaskIndex
 
 __all__ = [
     "BASE_TASK",
@@ -42,6 +45,7 @@ __all__ = [
     "AdapterSlots",
     "AdapterStack",
     "AdapterWeights",
+    "Answers",
     "BaseModel",
     "DuplicateAdapterError",
     "FusedOutput",
@@ -51,10 +55,13 @@ __all__ = [
     "MemoryViT",
     "MemvitError",
     "MissingParentError",
+    "OutputIndex",
     "PassPlan",
     "PlanShape",
     "PreparedAdapter",
     "SlotPools",
+    "SlotTable",
+    "TaskIndex",
     "UnknownAdapterError",
     "UnsupportedModelError",
     "ViTSpec",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from .errors import (
     AdapterInUseError,
@@ -17,7 +18,11 @@ from .errors import (
     MissingParentError,
     UnknownAdapterError,
 )
+from .slot_table import SlotTable
 from .stack import AdapterStack, PreparedAdapter, stack_adapters
+
+if TYPE_CHECKING:
+    from .slots import AdapterSlots
 
 _versions = itertools.count(1)
 
@@ -30,7 +35,7 @@ class AdapterSet:
     report one number).
     """
 
-    __slots__ = ("_by_name", "_requires_grad", "_stack", "adapters", "version")
+    __slots__ = ("_by_name", "_names", "_requires_grad", "_stack", "_table", "adapters", "version")
 
     def __init__(self, adapters: tuple[PreparedAdapter, ...] = (), *, version: int | None = None) -> None:
         self.adapters = tuple(adapters)
@@ -48,6 +53,8 @@ class AdapterSet:
         # read the device slots the engine keeps, memory_core/slots.py).
         self._stack: AdapterStack | None = None
         self._requires_grad: bool | None = None
+        self._table: SlotTable | None = None  # built for one engine's slots on first use
+        self._names = tuple(a.name for a in self.adapters)
         self.version = next(_versions) if version is None else version
 
     @property
@@ -56,6 +63,15 @@ class AdapterSet:
         if self._stack is None and self.adapters:
             self._stack = stack_adapters(self.adapters, group_heads=True)
         return self._stack
+
+    def slot_table(self, slots: AdapterSlots) -> SlotTable:
+        """What a plan needs of each adapter on ``slots``, as arrays (memory_core/slot_table.py):
+        built once (``LiveAdapters.install`` builds it for the server's sets), writing any slot
+        missing. Rebuilt only if asked for another engine's slots."""
+        table = self._table
+        if table is None or table.slots() is not slots:
+            table = self._table = SlotTable.build(self, slots)
+        return table
 
     @property
     def requires_grad(self) -> bool:
@@ -72,7 +88,7 @@ class AdapterSet:
     # -- reading -------------------------------------------------------------------------------
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.adapters)
+        return self._names
 
     def __len__(self) -> int:
         return len(self.adapters)
@@ -144,12 +160,8 @@ class AdapterSet:
     def at_version(self, version: int) -> AdapterSet:
         """The same adapters under another version number (the stack is shared, not rebuilt)."""
         renumbered = object.__new__(AdapterSet)
-        renumbered.adapters, renumbered._by_name, renumbered._stack, renumbered._requires_grad = (
-            self.adapters,
-            self._by_name,
-            self._stack,
-            self._requires_grad,
-        )
+        for name in ("adapters", "_by_name", "_names", "_stack", "_requires_grad", "_table"):
+            setattr(renumbered, name, getattr(self, name))
         renumbered.version = version
         return renumbered
 

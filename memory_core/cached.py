@@ -117,7 +117,7 @@ def forward_cached(engine: Engine, batch: CachedBatch, adapter_set: AdapterSet) 
         )
     stack = adapter_set.stack
     if stack is None:
-        return FusedOutput(batch.base_logits, {}, {}, adapter_set)
+        return FusedOutput(batch.base_logits, adapter_set)
     if stack.cls.device != engine.device or stack.cls.dtype != engine.dtype:
         raise AdapterShapeError(
             f"these adapters were prepared for {stack.cls.device}/{stack.cls.dtype}, the engine runs "

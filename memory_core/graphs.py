@@ -15,8 +15,15 @@ slot and recaptures nothing. What varies between batches is bucketed so that few
 - the pools' generation: when they grow (more slots, longer memory, more classes), the graphs of
   older generations are dropped and captured again on first use.
 
+Per pass the host does four things and no more, whatever the tasks: copy the images into the
+graph's static input, send the plan's host buffer into its static plan (one non-blocking copy, the
+buffer reused once its event says the copy has run: memory_core/staging.py), replay, and clone the
+two outputs (the next replay overwrites them). No host sync, no event created, no allocation.
+
 ``MemoryViT`` uses this on CUDA unless ``engine.cuda_graphs`` is False. Graphs of one engine share a
 memory pool and replay one at a time (a lock), each output copied out before the next replay.
+``_record`` is the one CUDA-only step: benchmarks/host_path.py replaces it with a stand-in (the
+replay a no-op) to measure the host path on a CPU.
 """
 
 from __future__ import annotations
@@ -25,13 +32,13 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .plan import PassPlan, PlanTensors
-from .staging import PinnedStaging
+from .staging import HostBuffers
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +61,33 @@ def bucket_rows(n: int) -> int:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], None]
     images: Tensor  # static input (B, C, H, W)
     plan: Tensor | None  # static input: the packed plan (int64)
     base: Tensor  # static outputs
     adapters: Tensor | None
+    inputs: dict[int, Tensor] = field(default_factory=dict)  # a view of ``images`` per batch given
+    holds: object = None  # the kept all-tasks plan (memory_core/plan.py) ``plan`` holds, if any
+
+    def input(self, n: int) -> Tensor:
+        """The first ``n`` images of the static input (the view made once per size)."""
+        if n == self.images.shape[0]:
+            return self.images
+        view = self.inputs.get(n)
+        if view is None:
+            view = self.inputs[n] = self.images[:n]
+        return view
 
 
 class GraphedPasses:
     """CUDA graphs of one engine's device pass, keyed by everything that fixes their shapes."""
 
-    def __init__(self, *, max_graphs: int = 64) -> None:
+    def __init__(self, *, max_graphs: int = 64, buffers: HostBuffers | None = None) -> None:
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._generation = 0
-        self._pool = torch.cuda.graph_pool_handle()
-        self._staging = PinnedStaging()
+        self._pool = None  # the graphs' shared memory pool, made with the first
+        self.buffers = buffers if buffers is not None else HostBuffers()  # the plans' host buffers
         self._lock = threading.Lock()
         self.captures = 0  # graphs captured (a test and the benchmarks read it)
 
@@ -81,26 +99,37 @@ class GraphedPasses:
     ) -> tuple[Tensor, Tensor | None]:
         """Replay (capturing first if needed) ``device_pass`` of images ``x`` (B, C, H, W) on the device
         and a plan bucketed for graphs (``plan_pass(..., images=bucket_images, rows=bucket_rows,
-        pad_outputs=True)``); ``key`` names whatever else selects the device work (kernels, path).
-        Returns copies of the outputs: base logits for the first B images, and the adapter logits."""
+        pad_outputs=True)``, its host buffer from ``self.buffers``); ``key`` names whatever else selects
+        the device work (kernels, path). Returns copies of the outputs: base logits for the padded
+        batch (its first B rows are the images'), and the adapter logits."""
         shape = None if plan is None else plan.shape
         batch = bucket_images(x.shape[0]) if plan is None else shape.images
-        generation = None if plan is None else plan.pools.generation  # a base-only pass reads no pool
+        generation = None if plan is None else plan.generation  # a base-only pass reads no pool
         full_key = (key, tuple(x.shape[1:]), x.dtype, batch, shape, generation)
-        with self._lock:
-            if generation is not None and generation > self._generation:  # the pools grew: stale graphs
-                self._drop(lambda k: k[-1] is not None and k[-1] < generation)
-                self._generation = generation
-            graph = self._graphs.get(full_key)
-            if graph is None:
-                graph = self._capture(full_key, x, plan, batch, device_pass)
-            self._graphs.move_to_end(full_key)
-            graph.images[: x.shape[0]].copy_(x)
-            if plan is not None:
-                self._staging.copy(plan.host, graph.plan)
-            graph.graph.replay()
-            base = graph.base[: x.shape[0]].clone()
-            adapters = None if graph.adapters is None else graph.adapters.clone()
+        buffer = None if plan is None else plan.buffer
+        try:
+            with self._lock:
+                if generation is not None and generation > self._generation:  # the pools grew
+                    self._drop(lambda k: k[-1] is not None and k[-1] < generation)
+                    self._generation = generation
+                graph = self._graphs.get(full_key)
+                if graph is None:
+                    graph = self._capture(full_key, x, plan, batch, device_pass)
+                else:
+                    self._graphs.move_to_end(full_key)
+                graph.input(x.shape[0]).copy_(x)
+                if plan is not None and (plan.kept is None or graph.holds is not plan.kept):
+                    if buffer is None:  # a kept plan, or planned without this engine's buffers
+                        buffer = self.buffers.acquire(plan.host.size)
+                        buffer.array[:] = plan.host
+                    self.buffers.send(buffer, graph.plan)
+                    buffer, graph.holds = None, plan.kept
+                graph.replay()
+                base = graph.base.clone()
+                adapters = None if graph.adapters is None else graph.adapters.clone()
+        finally:
+            if buffer is not None:  # not sent: failed before the copy
+                self.buffers.release(buffer)
         return base, adapters
 
     def _capture(
@@ -109,23 +138,33 @@ class GraphedPasses:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
         images = torch.zeros(batch, *x.shape[1:], device=x.device, dtype=x.dtype)
-        images[: x.shape[0]].copy_(x)
-        packed = None if plan is None else plan.host.to(x.device)
+        packed = None if plan is None else torch.from_numpy(plan.host.copy()).to(x.device)
         tensors = None if plan is None else PlanTensors.unpack(packed, plan.shape)
-        stream = torch.cuda.Stream(device=x.device)
-        stream.wait_stream(torch.cuda.current_stream(x.device))
+        replay, base, adapters = self._record(images, tensors, plan, device_pass)
+        self.captures += 1
+        log.info("captured a CUDA graph for %s (%d held)", key[3:5], len(self._graphs) + 1)
+        captured = _Graph(replay, images, packed, base, adapters)
+        captured.holds = None if plan is None else plan.kept  # captured with the plan copied in
+        self._graphs[key] = captured
+        return captured
+
+    def _record(
+        self, images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, device_pass: DevicePass
+    ) -> tuple[Callable[[], None], Tensor, Tensor | None]:
+        """Capture ``device_pass`` over the static inputs: its replay and its static outputs."""
+        device = images.device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # warm up off the capture: Triton compiles, cuBLAS plans
             for _ in range(2):
                 device_pass(images, tensors, plan)
-        torch.cuda.current_stream(x.device).wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             base, adapters = device_pass(images, tensors, plan)
-        self.captures += 1
-        log.info("captured a CUDA graph for %s (%d held)", key[3:5], len(self._graphs) + 1)
-        captured = _Graph(graph, images, packed, base, adapters)
-        self._graphs[key] = captured
-        return captured
+        return graph.replay, base, adapters
 
     def _drop(self, stale: Callable[[tuple], bool]) -> None:
         for key in [k for k in self._graphs if stale(k)]:

@@ -65,9 +65,13 @@ class InvariantBlocks:
     @classmethod
     def for_device(cls, device: torch.device) -> InvariantBlocks:
         if device.type == "cuda":
-            # cuBLAS and the flash kernels pick tiles and split-K/split-KV from the whole shape,
-            # batch count included: bound every call's shape (sizes to be tuned on the device).
-            return cls(rows=4096, thin=64, keys=8, images=16, batches=4096)
+            # What changes with the batch on an H200 (the GPU suite's op probe): the thin products
+            # (class-token scores, memory einsums over images, heads on few rows), which stay
+            # blocked. The per-token layers and the base attention were invariant by themselves,
+            # and left whole they held (base and routed adapters, image 0 alone against batches of
+            # 2, 7 and 64, bf16) at 0.985 (DeiT-Tiny) and 0.996 (ViT-B/16) of the default mode's
+            # speed, against 0.50-0.72 with them blocked by 4,096 rows (benchmarks/RESULTS.md §1.6).
+            return cls(rows=None, thin=64, keys=8, images=None, batches=4096)
         # MKL's product kernel depends on the row count only below 4 rows (measured: 1, 2-3 and 4+
         # rows take three kernels, at any thread count), and a pass has more token rows than that:
         # blocking them would only cost. Other CPU BLAS libraries get blocks.

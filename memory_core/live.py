@@ -77,9 +77,10 @@ class LiveAdapters:
             check_prepared_for(fresh, *target)
             # Each new adapter gets its device slot now, on the installing thread, so that passes
             # never pay for the copy (memory_core/slots.py); a slot is freed with its adapter.
-            self.engine.slots.assign(
-                [tuple(adapter_set[n] for n in adapter_set.lineage(a.name)) for a in fresh]
-            )
+            slots = self.engine.slots
+            slots.assign([tuple(adapter_set[n] for n in adapter_set.lineage(a.name)) for a in fresh])
+            # And the set's slot table (memory_core/slot_table.py), so that no pass builds it.
+            adapter_set.slot_table(slots)
             self._current = adapter_set  # one reference assignment
             self._checked_for = target
         # Debug, not info: a server swaps the set on every cold load and eviction (many per second

@@ -39,7 +39,8 @@ from .preparation import AdapterPreparation
 from .slots import AdapterSlots
 from .spec import ViTSpec
 from .stack import AdapterStack
-from .staging import PinnedStaging
+from .staging import HostBuffers
+from .task_index import TaskIndex
 
 _BASE_ONLY = AdapterSet()  # what a pass without a set runs: no adapters
 
@@ -66,7 +67,8 @@ class MemoryViT(AdapterPreparation, nn.Module):
         self.cuda_graphs = True
         self._slots: AdapterSlots | None = None  # built for the device and dtype on first use
         self._graphed_passes: GraphedPasses | None = None
-        self._staging = PinnedStaging()  # pinned buffers for the plan's copy to a CUDA device
+        self._graphs_given = False  # ``use_graphs`` installed a stand-in
+        self._host_buffers = HostBuffers()  # host buffers (pinned on CUDA) for the plan's copy to the device
         self.spec = ViTSpec.from_model(base.model, base.arch)  # raises UnsupportedModelError
         self.base = base.model.eval().requires_grad_(False)
         self._stacked_projection = StackedProjection()  # training's memory projection, built on first use
@@ -134,7 +136,7 @@ class MemoryViT(AdapterPreparation, nn.Module):
         x: Tensor | CachedBatch,
         adapter_set: AdapterSet | None = None,
         *,
-        tasks: Sequence[Collection[str]] | None = None,
+        tasks: Sequence[Collection[str]] | TaskIndex | None = None,
         path: str = "auto",
     ) -> FusedOutput:
         """Images (B, C, H, W) -> base logits and adapter logits, from one pass.
@@ -143,8 +145,10 @@ class MemoryViT(AdapterPreparation, nn.Module):
         None runs the base alone. ``tasks``: None computes every adapter for every image; otherwise
         ``tasks[b]`` names the adapters image b asks for, and only those rows (plus, in extension
         mode, their ancestors') are built: an image pays for the base pass plus what it asks for,
-        whatever else the set holds. ``path``: "auto"/"merged" (class-token rows share the base's
-        linear layers) or "split" (kept apart, as training computes them; docs/design.md §2.3).
+        whatever else the set holds; a ``TaskIndex`` says the same as set positions (what a server
+        builds per request, memory_core/task_index.py). ``path``: "auto"/"merged" (class-token rows
+        share the base's linear layers) or "split" (kept apart, as training computes them;
+        docs/design.md §2.3).
 
         ``x`` may also be a ``CachedBatch``: the base's cached activations for a batch of images
         (training and evaluation from an activation cache, docs/design.md §2.9). Then only the
@@ -174,16 +178,20 @@ class MemoryViT(AdapterPreparation, nn.Module):
             images=bucket_images if graphed else None,
             rows=bucket_rows if graphed else None,
             pad_outputs=graphed,
+            buffers=self._graphs().buffers if graphed else None,
         )
         base_logits, adapter_logits = self.run_plan(x, plan, path="split" if path == "split" else "merged")
+        if plan is None:
+            return FusedOutput(base_logits, adapter_set, batch=x.shape[0])
         return FusedOutput.of_plan(base_logits, adapter_logits, plan, adapter_set)
 
     def run_plan(
         self, x: Tensor, plan: PassPlan | None, *, path: str = "merged"
     ) -> tuple[Tensor, Tensor | None]:
-        """The device part of a pass: images and a plan -> base logits (B, C_0) and the adapter logits
+        """The device part of a pass: images and a plan -> base logits (B', C_0) and the adapter logits
         of the plan's output rows (planned.py), or None without a plan (the base alone). On CUDA, a
-        replay of the pass's graph (graphs.py) unless ``cuda_graphs`` is off."""
+        replay of the pass's graph (graphs.py) unless ``cuda_graphs`` is off; B' is then the graph's
+        padded batch (its first B rows are the images'), else B."""
 
         def device_pass(images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None):
             return self._device_pass(images, tensors, plan, path)
@@ -191,7 +199,7 @@ class MemoryViT(AdapterPreparation, nn.Module):
         if self.graphed:
             key = (self.resolved_kernels, path, self.batch_invariant)
             return self._graphs().run(x, plan, key, device_pass)
-        tensors = None if plan is None else plan.tensors(self.device, self._staging)
+        tensors = None if plan is None else plan.tensors(self.device, self._host_buffers)
         return device_pass(x, tensors, plan)
 
     def _device_pass(
@@ -216,12 +224,18 @@ class MemoryViT(AdapterPreparation, nn.Module):
 
     @property
     def graphed(self) -> bool:
-        """Whether inference passes run as CUDA graphs: on CUDA, while ``cuda_graphs`` is on."""
-        return self.cuda_graphs and self.device.type == "cuda"
+        """Whether inference passes run as CUDA graphs: on CUDA, while ``cuda_graphs`` is on (or on
+        any device once ``use_graphs`` gave a stand-in)."""
+        return self.cuda_graphs and (self.device.type == "cuda" or self._graphs_given)
+
+    def use_graphs(self, passes: GraphedPasses) -> None:
+        """Run inference passes through ``passes``: a stand-in that replays nothing lets a benchmark
+        measure a graphed pass's host path on a CPU (benchmarks/host_path.py)."""
+        self._graphed_passes, self._graphs_given = passes, True
 
     def _graphs(self) -> GraphedPasses:
         if self._graphed_passes is None:
-            self._graphed_passes = GraphedPasses()
+            self._graphed_passes = GraphedPasses(buffers=self._host_buffers)
         return self._graphed_passes
 
     @property
@@ -289,7 +303,7 @@ class MemoryViT(AdapterPreparation, nn.Module):
         blocks = self._blocks() if self.batch_invariant else None
         base_logits = self.base.forward_head(x) if blocks is None else invariant.head(self.base, x, blocks)
         if c is None:  # no adapter rows: the base alone
-            return FusedOutput(base_logits, {}, {}, adapter_set)
+            return FusedOutput(base_logits, adapter_set)
         stack = adapter_set.stack
         heads = stack.apply_heads(c) if blocks is None else invariant.adapter_heads(stack, c, blocks)
         return FusedOutput.every_image(

@@ -15,8 +15,14 @@ Two layouts:
 - *routed*: rows differ per image, (B, R) slots. The outputs are the (image, asked task) pairs, one
   per asked task and image, ordered by task then image, each naming its class-token row and its slot.
 
-Either way each asked task's logits are one contiguous run of output rows (``TaskRows``), so the
-output is cut per task with views, not copies.
+Either way each asked task's logits are one contiguous run of output rows, which the plan's
+``OutputIndex`` locates (memory_core/output_index.py): the output is cut when read, not per pass.
+
+The plan is numpy over the set's slot table (memory_core/slot_table.py) and the batch's ``TaskIndex``
+(memory_core/task_index.py): a few vectorised operations (repeat, unique, searchsorted, fancy
+indexing), no Python loop over images or tasks and no aten operation, written into a host buffer
+that one non-blocking copy sends to the device (memory_core/staging.py). The all-tasks plan is the
+slot table itself, kept per set and shape: O(1) per pass.
 """
 
 from __future__ import annotations
@@ -25,13 +31,16 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .adapter_set import AdapterSet
 from .errors import InputError
+from .output_index import OutputIndex
 from .slots import NULL_SLOT, AdapterSlots, SlotPools, widths
-from .staging import PinnedStaging
+from .staging import HostBuffer, HostBuffers
+from .task_index import TaskIndex
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,11 @@ class PlanShape:
     outputs: int  # N, output rows of a routed plan (0 when shared: the outputs are (R, B))
     memory: int  # P, memory entries each row reads (a power of two: slots.widths)
     classes: int  # C, head columns computed (a power of two)
+
+    @property
+    def size(self) -> int:
+        """Entries of the packed plan."""
+        return sum(self.lengths)
 
     @property
     def lengths(self) -> tuple[int, int, int, int]:
@@ -76,34 +90,35 @@ class PlanTensors(NamedTuple):
         return cls(rows, lineage, parts[2], parts[3])
 
 
-@dataclass(frozen=True)
-class TaskRows:
-    """Where one asked task's logits are among a pass's output rows."""
-
-    name: str
-    start: int
-    stop: int
-    classes: int  # C_k: the first C_k of the padded head's columns
-    images: Tensor  # (stop - start,) long, on the host: the images these rows answer, ascending
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PassPlan:
     shape: PlanShape
     batch: int  # images given (shape.images may pad them)
-    host: Tensor  # int64 (sum of shape.lengths,): the packed plan, on the host
-    tasks: tuple[TaskRows, ...]  # in the set's order
+    host: np.ndarray  # int64 (shape.size,): the packed plan, on the host (``buffer``'s memory if any)
+    index: OutputIndex  # where each asked task's answers are among the output rows
     pools: SlotPools  # the pools the slots are valid in, narrowed to (shape.memory, shape.classes)
     adapter_set: AdapterSet
+    buffer: HostBuffer | None = None  # the host buffer ``host`` lives in, to send from
+    # The set's kept all-tasks plan that ``host`` is (read-only, no buffer): a graph whose static plan
+    # already holds it is not sent it again (memory_core/graphs.py).
+    kept: np.ndarray | None = None
 
-    def tensors(self, device: torch.device, staging: PinnedStaging | None = None) -> PlanTensors:
-        """The plan on ``device``: one copy of the packed buffer, through ``staging``'s pinned buffers
-        on CUDA so that the host does not wait for it."""
-        if device.type == "cuda" and staging is not None:
-            buffer = staging.copy(self.host, torch.empty_like(self.host, device=device))
-        else:
-            buffer = self.host.to(device)
-        return PlanTensors.unpack(buffer, self.shape)
+    @property
+    def generation(self) -> int:
+        return self.pools.generation
+
+    def tensors(self, device: torch.device, buffers: HostBuffers | None = None) -> PlanTensors:
+        """The plan on ``device``: on the host, the packed array itself; on CUDA one non-blocking
+        copy from a (pinned) host buffer."""
+        if device.type == "cpu":
+            return PlanTensors.unpack(torch.from_numpy(self.host), self.shape)
+        buffers = buffers if buffers is not None else HostBuffers()
+        buffer = self.buffer
+        if buffer is None:
+            buffer = buffers.acquire(self.host.size)
+            buffer.array[:] = self.host
+        target = torch.empty(self.host.size, dtype=torch.long, device=device)
+        return PlanTensors.unpack(buffers.send(buffer, target), self.shape)
 
 
 Bucket = Callable[[int], int]
@@ -112,132 +127,175 @@ Bucket = Callable[[int], int]
 def plan_pass(
     adapter_set: AdapterSet,
     slots: AdapterSlots,
-    tasks: Sequence[Collection[str]] | None,
+    tasks: Sequence[Collection[str]] | TaskIndex | None,
     batch: int,
     *,
     images: Bucket | None = None,
     rows: Bucket | None = None,
     pad_outputs: bool = False,
+    buffers: HostBuffers | None = None,
 ) -> PassPlan | None:
-    """Plan ``batch`` images through ``adapter_set``: ``tasks[b]`` names what image b asks for (None:
-    every adapter, for every image). Returns None when no image asks for any adapter (the base alone).
+    """Plan ``batch`` images through ``adapter_set``: ``tasks`` says what each image asks for (a
+    ``TaskIndex``, or per image a collection of names; None: every adapter, for every image).
+    Returns None when no image asks for any adapter (the base alone).
 
     ``images``/``rows``: bucket functions rounding the batch and the rows per image (and the lineage
     width) up, to the shapes a captured graph exists for; None keeps them exact. ``pad_outputs``
     gives a routed plan B * R outputs, the most it can have, so that its shape is (B, R)'s alone.
-    Writes a slot for every adapter the pass needs that has none yet. Unknown names raise
+    ``buffers``: where the packed plan is written (a host buffer to send from); None: a new array.
+    The set's slot table is built on first use (writing any slot missing). Unknown names raise
     ``UnknownAdapterError``.
     """
-    asked = _asked(adapter_set, tasks, batch)
-    if asked is None:
+    index = _task_index(adapter_set, tasks, batch)
+    table = adapter_set.slot_table(slots)
+    if index is None:  # every adapter for every image: the plan kept for this batch and these pools
+        if len(table) == 0 or batch == 0:
+            return None
+        key, pools = (batch, images, rows), slots.pools
+        kept = table.plans.get(key)
+        if kept is not None and kept[0] is pools:
+            return kept[1]
+        plan = _Planner(table, adapter_set, slots, batch, images, rows, buffers).shared(table.every, True)
+        table.plans[key] = (pools, plan)  # the pools read before planning: still valid in them
+        return plan
+    if index.tasks.size == 0:
         return None
-    adapters = adapter_set.adapters
-    lineages: dict[int, list[int]] = {}  # every adapter needed: itself, then its ancestors
-    for k in sorted({k for ks in asked for k in ks}):
-        chain = [adapter_set.index(n) for n in adapter_set.lineage(adapters[k].name)]
-        for i, j in enumerate(chain):
-            lineages.setdefault(j, chain[i:])
-    needed = [sorted({j for k in ks for j in lineages[k]}) for ks in asked]
-    everything = sorted(lineages)
-    slot_list, pools = slots.assign([tuple(adapters[j] for j in lineages[k]) for k in everything])
-    slot_of = dict(zip(everything, slot_list, strict=True))
-    B = images(batch) if images is not None else batch
-    R = max(len(rows_b) for rows_b in needed)
-    R = rows(R) if rows is not None else R
-    A = max(len(chain) for chain in lineages.values())
-    A = rows(A) if rows is not None and A > 1 else A
-    # The pass reads the pools only as wide as its own adapters need: its operations, and so its
-    # rounding, are the same whatever else is resident (docs/design.md §2.10).
-    memory = max(sum(adapters[j].memory_keys.shape[2] for j in chain) for chain in lineages.values())
-    classes = max(adapters[k].head_weight.shape[0] for ks in asked for k in ks)
-    P, C = widths(memory, classes)
-    layout = _Layout(adapter_set, lineages, slot_of, batch, B, R, A, P, C, pools.narrowed(P, C))
-    if all(rows_b == needed[0] for rows_b in needed) and all(ks == asked[0] for ks in asked):
-        return layout.shared(needed[0], asked[0])
-    return layout.routed(needed, asked, pad_outputs)
+    planner = _Planner(table, adapter_set, slots, batch, images, rows, buffers)
+    counts, asked = index.counts, index.tasks
+    n = int(counts[0])
+    if (counts == n).all() and (asked.reshape(batch, n) == asked[:n]).all():
+        return planner.shared(asked[:n], n == len(table))
+    return planner.routed(index, pad_outputs)
 
 
-def _asked(adapter_set: AdapterSet, tasks: Sequence[Collection[str]] | None, batch: int) -> list | None:
-    """Per image, the set indices it asks for (sorted); None when nobody asks for anything."""
+def _task_index(
+    adapter_set: AdapterSet, tasks: Sequence[Collection[str]] | TaskIndex | None, batch: int
+) -> TaskIndex | None:
     if tasks is None:
-        every = list(range(len(adapter_set)))
-        return [every] * batch if every and batch else None
+        return None
+    if isinstance(tasks, TaskIndex):
+        if tasks.batch != batch:
+            raise InputError(f"tasks: {tasks.batch} images indexed for a batch of {batch}")
+        return tasks.remap(adapter_set)
     if len(tasks) != batch:
         raise InputError(f"tasks: {len(tasks)} entries for {batch} images; give one collection per image")
-    asked = []
-    for names in tasks:
-        if isinstance(names, str):
-            raise InputError("tasks: give each image a collection of adapter names, not a string")
-        asked.append(sorted({adapter_set.index(name) for name in names}))  # raises for an unknown name
-    return asked if any(asked) else None
+    return TaskIndex.from_names(adapter_set, tasks)
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """What both layouts need: the set, each needed adapter's lineage and slot, and the shape."""
+def _exclusive_cumsum(counts: np.ndarray) -> np.ndarray:
+    return np.cumsum(counts) - counts
 
-    adapter_set: AdapterSet
-    lineages: dict[int, list[int]]
-    slot_of: dict[int, int]
-    batch: int
-    B: int
-    R: int
-    A: int
-    P: int
-    C: int
-    pools: SlotPools
 
-    def row_slots(self, rows: list[int]) -> list[int]:
-        """One image's R row slots: its rows', then the null slot."""
-        return [self.slot_of[k] for k in rows] + [NULL_SLOT] * (self.R - len(rows))
+class _Planner:
+    """One plan's arrays, from the slot table: the shared layout or the routed one."""
 
-    def lineage_rows(self, rows: list[int]) -> list[int]:
-        """One image's (R, A) lineage as row positions (itself first), -1 on padding; a padding row
-        attends to itself alone. Empty in concatenation mode (A = 1)."""
-        if self.A == 1:
-            return []
-        position = {k: i for i, k in enumerate(rows)}
-        out = []
-        for r in range(self.R):
-            chain = [position[j] for j in self.lineages[rows[r]]] if r < len(rows) else [r]
-            out += chain + [-1] * (self.A - len(chain))
-        return out
+    def __init__(self, table, adapter_set, slots, batch, images, rows, buffers) -> None:
+        self.table, self.adapter_set, self.slots, self.batch = table, adapter_set, slots, batch
+        self.B = images(batch) if images is not None else batch
+        self.bucket = rows if rows is not None else (lambda n: n)
+        self.buffers = buffers
 
-    def task(self, k: int, start: int, stop: int, images: Tensor) -> TaskRows:
-        adapter = self.adapter_set.adapters[k]
-        return TaskRows(adapter.name, start, stop, adapter.head_weight.shape[0], images)
+    def _depth(self, needed: np.ndarray) -> int:
+        """A: the longest lineage among the rows (1 in concatenation mode)."""
+        if self.table.depth == 1:
+            return 1
+        return int((self.table.lineage[needed] >= 0).sum(axis=1).max())
 
-    def shared(self, rows: list[int], asked: list[int]) -> PassPlan:
-        """Every image the same rows: outputs are (R, B), row r's B images from r * B."""
-        shape = PlanShape(self.B, self.R, self.A, shared=True, outputs=0, memory=self.P, classes=self.C)
-        every = torch.arange(self.batch)
-        tasks = []
-        for k in asked:
-            start = rows.index(k) * self.B
-            tasks.append(self.task(k, start, start + self.batch, every))
-        host = torch.tensor(self.row_slots(rows) + self.lineage_rows(rows), dtype=torch.long)
-        return PassPlan(shape, self.batch, host, tuple(tasks), self.pools, self.adapter_set)
+    def _host(self, shape: PlanShape) -> tuple[np.ndarray, HostBuffer | None]:
+        """Where the packed plan is written: a host buffer to send from, or a new array."""
+        if self.buffers is None:
+            return np.empty(shape.size, dtype=np.int64), None
+        buffer = self.buffers.acquire(shape.size)
+        return buffer.array, buffer
 
-    def routed(self, needed: list[list[int]], asked: list[list[int]], pad_outputs: bool) -> PassPlan:
+    def _plan(self, shape: PlanShape, host, buffer, index: OutputIndex) -> PassPlan:
+        # The pass reads the pools only as wide as its own adapters need: its operations, and so its
+        # rounding, are the same whatever else is resident (docs/design.md §2.10). Views made once.
+        pools = self.slots.pools.narrowed(shape.memory, shape.classes)  # read after any slot written
+        return PassPlan(shape, self.batch, host, index, pools, self.adapter_set, buffer)
+
+    def shared(self, asked: np.ndarray, every: bool) -> PassPlan:
+        """Every image asks for ``asked``: one (R,) row list, outputs (R, B), row r's images from r * B.
+        The all-tasks plan (``every``) is kept by ``plan_pass`` per batch: not even copied."""
+        batch = self.batch
+        shape, packed, starts, classes = self._shared_arrays(asked)
+        index = OutputIndex(asked, starts, np.full(asked.size, batch, dtype=np.int64), classes, None, batch)
+        if every:  # kept (plan_pass): the array itself, sent only to a graph that does not hold it yet
+            packed.setflags(write=False)
+            pools = self.slots.pools.narrowed(shape.memory, shape.classes)
+            return PassPlan(shape, batch, packed, index, pools, self.adapter_set, None, packed)
+        host, buffer = self._host(shape)
+        host[:] = packed
+        return self._plan(shape, host, buffer, index)
+
+    def _shared_arrays(self, asked: np.ndarray) -> tuple:
+        table, B = self.table, self.B
+        lineage = table.lineage
+        needed = asked if table.depth == 1 else np.unique(lineage[asked][lineage[asked] >= 0])
+        R, A = needed.size, self._depth(needed)
+        Rb = self.bucket(R)
+        Ab = self.bucket(A) if A > 1 else 1
+        table.ensure(needed, self.adapter_set, self.slots)
+        P, C = widths(int(table.memory[needed].max()), int(table.classes[asked].max()))
+        shape = PlanShape(B, Rb, Ab, shared=True, outputs=0, memory=P, classes=C)
+        packed = np.empty(shape.size, dtype=np.int64)
+        packed[:Rb] = NULL_SLOT
+        packed[:R] = table.slot[needed]
+        if Ab > 1:  # each row's lineage as row positions, itself first; padding rows see themselves
+            chain = lineage[needed, :A]
+            lin = packed[Rb:].reshape(Rb, Ab)
+            lin[:] = -1
+            lin[:, 0] = np.arange(Rb)
+            lin[:R, :A] = np.where(chain >= 0, np.searchsorted(needed, chain), -1)
+        starts = np.searchsorted(needed, asked) * B
+        return shape, packed, starts, table.classes[asked]
+
+    def routed(self, index: TaskIndex, pad_outputs: bool) -> PassPlan:
         """Rows per image; outputs are the (image, asked task) pairs, by task then image."""
-        padding = [[]] * (self.B - self.batch)  # images added by bucketing: null rows only
-        row_slots = [s for rows in needed + padding for s in self.row_slots(rows)]
-        lineage = [p for rows in needed + padding for p in self.lineage_rows(rows)]
-        askers: dict[int, list[int]] = {}
-        for b, ks in enumerate(asked):
-            for k in ks:
-                askers.setdefault(k, []).append(b)
-        out_rows: list[int] = []
-        out_slots: list[int] = []
-        tasks = []
-        for k in sorted(askers):  # the set's order
-            start = len(out_rows)
-            out_rows += [b * self.R + needed[b].index(k) for b in askers[k]]
-            out_slots += [self.slot_of[k]] * len(askers[k])
-            tasks.append(self.task(k, start, len(out_rows), torch.tensor(askers[k], dtype=torch.long)))
-        N = self.B * self.R if pad_outputs else len(out_rows)
-        out_rows += [0] * (N - len(out_rows))  # padding outputs: row 0's null head, never read
-        out_slots += [NULL_SLOT] * (N - len(out_slots))
-        shape = PlanShape(self.B, self.R, self.A, shared=False, outputs=N, memory=self.P, classes=self.C)
-        host = torch.tensor(row_slots + lineage + out_rows + out_slots, dtype=torch.long)
-        return PassPlan(shape, self.batch, host, tuple(tasks), self.pools, self.adapter_set)
+        table, batch, B = self.table, self.batch, self.B
+        K = len(table)
+        image = np.repeat(np.arange(batch, dtype=np.int64), index.counts)  # (M,) per asked pair
+        asked = index.tasks
+        if table.depth == 1:  # the rows are the tasks asked (unique and ascending per image)
+            keys, row_image, needed, first = None, image, asked, index.offsets[:-1]
+        else:  # and their ancestors, image-major, in set order within an image
+            chain = table.lineage[asked]
+            keys = np.unique((image[:, None] * K + chain)[chain >= 0])
+            row_image, needed = np.divmod(keys, K)
+            first = _exclusive_cumsum(np.bincount(row_image, minlength=batch))
+        position = np.arange(needed.size) - first[row_image]  # each row's place among its image's
+        R, A = int(position.max()) + 1, self._depth(needed)
+        Rb = self.bucket(R)
+        Ab = self.bucket(A) if A > 1 else 1
+        table.ensure(needed, self.adapter_set, self.slots)
+        # Outputs, task-major: one run per task, its images ascending.
+        order = np.argsort(asked * batch + image, kind="stable")
+        task, who = asked[order], image[order]
+        row = position[order] if keys is None else np.searchsorted(keys, who * K + task) - first[who]
+        runs = np.flatnonzero(np.concatenate(([True], task[1:] != task[:-1])))  # each task's run
+        counts = np.concatenate((runs[1:], [task.size])) - runs
+        tasks = task[runs]
+        P, C = widths(int(table.memory[needed].max()), int(table.classes[tasks].max()))
+        N = B * Rb if pad_outputs else task.size
+        shape = PlanShape(B, Rb, Ab, shared=False, outputs=N, memory=P, classes=C)
+        # Written straight into the host buffer, in ``PlanShape.lengths`` order.
+        host, buffer = self._host(shape)
+        n, at = task.size, B * Rb
+        row_slots = host[:at].reshape(B, Rb)
+        row_slots[:] = NULL_SLOT
+        row_slots[row_image, position] = table.slot[needed]
+        if Ab > 1:
+            chain = table.lineage[needed, :A]
+            found = np.searchsorted(keys, row_image[:, None] * K + chain) - first[row_image][:, None]
+            lin = host[at : at + B * Rb * Ab].reshape(B, Rb, Ab)
+            lin[:] = -1
+            lin[:, :, 0] = np.arange(Rb)
+            lin[row_image, position, :A] = np.where(chain >= 0, found, -1)
+            at += lin.size
+        host[at : at + n] = who * Rb + row  # the output's class-token row
+        host[at + n : at + N] = 0  # padding outputs: row 0's null head, never read
+        host[at + N : at + N + n] = table.slot[task]
+        host[at + N + n : at + 2 * N] = NULL_SLOT
+        return self._plan(
+            shape, host, buffer, OutputIndex(tasks, runs, counts, table.classes[tasks], who, batch)
+        )

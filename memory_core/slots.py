@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -41,6 +41,7 @@ from .spec import ViTSpec
 from .stack import PreparedAdapter, check_prepared_for
 
 NULL_SLOT = 0
+WRITE_CHUNK = 4096  # slots written per stacked copy (100,000 heads of ViT-B would stack 15 GB at once)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class SlotPools:
     head_weight: Tensor  # (S, C, D)
     head_bias: Tensor  # (S, C)
     generation: int
+    _narrowed: dict = field(default_factory=dict, compare=False, repr=False)  # (P, C) -> views
 
     @property
     def capacity(self) -> int:
@@ -73,8 +75,15 @@ class SlotPools:
 
         A pass is as wide as its own adapters need, not as wide as the widest resident one, so
         that its operations, and so its float rounding, do not depend on what else is loaded."""
+        if (memory, classes) in self._narrowed:  # the views are made once per width
+            return self._narrowed[memory, classes]
         if memory > self.memory or classes > self.classes:
             raise ValueError(f"P={memory}, C={classes} exceed the pools' P={self.memory}, C={self.classes}")
+        if memory == self.memory and classes == self.classes:
+            return self
+        return self._narrowed.setdefault((memory, classes), self._views(memory, classes))
+
+    def _views(self, memory: int, classes: int) -> SlotPools:
         return SlotPools(
             keys=self.keys[..., :memory, :],
             values=self.values[..., :memory, :],
@@ -146,49 +155,75 @@ class AdapterSlots:
                     slot = NULL_SLOT  # filled below
                 slots.append(slot)
             if missing:
-                fresh: dict[tuple[int, ...], int] = {}
+                fresh: dict[tuple[int, ...], tuple[PreparedAdapter, ...]] = {}
+                for _, chain in missing:  # the same adapter twice in one call: one slot
+                    fresh.setdefault(_key(chain), chain)
+                written = self._write(list(fresh.values()))
                 for at, chain in missing:
-                    key = _key(chain)
-                    if key not in fresh:  # the same adapter twice in one call: one slot
-                        fresh[key] = self._write(chain)
-                    slots[at] = fresh[key]
+                    slots[at] = written[_key(chain)]
             return slots, self.pools
 
     def slot_of(self, adapter: PreparedAdapter, ancestors: tuple[PreparedAdapter, ...] = ()) -> int | None:
         """The slot holding ``adapter`` (with these ancestors), or None."""
         return self._slot_of.get(_key((adapter, *ancestors)))
 
-    def _write(self, chain: tuple[PreparedAdapter, ...]) -> int:
-        adapter, ancestors = chain[0], chain[1:]
-        check_prepared_for(chain, self.device, self.dtype)
-        memory = sum(a.memory_keys.shape[2] for a in chain)
-        classes = adapter.head_weight.shape[0]
-        if not self._free or memory > self.pools.memory or classes > self.pools.classes:
-            self._grow(memory=memory, classes=classes)
-        slot = self._free.pop()
+    def _write(self, chains: list[tuple[PreparedAdapter, ...]]) -> dict[tuple[int, ...], int]:
+        """A slot for each chain, written: the pools grown once for all, then one write per group of
+        chains of the same widths (installing 100,000 adapters is a few hundred writes, not millions)."""
+        check_prepared_for([a for chain in chains for a in chain], self.device, self.dtype)
+        sizes = [(sum(a.memory_keys.shape[2] for a in c), c[0].head_weight.shape[0]) for c in chains]
+        memory, classes = max(m for m, _ in sizes), max(c for _, c in sizes)
         p = self.pools
+        if len(self._free) < len(chains) or memory > p.memory or classes > p.classes:
+            self._grow(memory=memory, classes=classes, slots=len(chains))
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, size in enumerate(sizes):
+            groups.setdefault(size, []).append(i)
+        written: dict[tuple[int, ...], int] = {}
+        for (memory, classes), group in groups.items():
+            for start in range(0, len(group), WRITE_CHUNK):  # the stacked copies stay small
+                members = group[start : start + WRITE_CHUNK]
+                picked = [self._free.pop() for _ in members]
+                self._write_group([chains[i] for i in members], picked, memory, classes)
+                written.update(self._record(chains, members, picked, memory, classes))
+        self.writes += len(chains)
+        return written
+
+    def _record(self, chains, members, picked, memory, classes) -> dict[tuple[int, ...], int]:
+        """Which adapter holds which slot, each slot handed back when its adapter is freed."""
+        written = {}
+        for i, slot in zip(members, picked, strict=True):
+            chain = chains[i]
+            key = _key(chain)
+            self._slot_of[key] = slot
+            self._records[slot] = _Slot(weakref.ref(chain[0]), chain[1:], classes, memory)
+            weakref.finalize(chain[0], self._released.append, key)
+            written[key] = slot
+        return written
+
+    def _write_group(
+        self, chains: list[tuple[PreparedAdapter, ...]], slots: list[int], memory: int, classes: int
+    ) -> None:
+        p = self.pools
+        index = torch.tensor(slots, device=self.device)
         # Pools are normal tensors written outside autograd, whether or not the caller runs in
         # inference mode (a pass assigns slots inside one, a server's install outside it).
         with torch.inference_mode(False), torch.no_grad():
             if memory:
-                p.keys[:, slot, :, :memory] = torch.cat([a.memory_keys for a in chain], dim=2)
-                p.values[:, slot, :, :memory] = torch.cat([a.memory_values for a in chain], dim=2)
-            p.keys[:, slot, :, memory:] = 0
-            p.values[:, slot, :, memory:] = 0
-            p.memory_bias[slot, :memory] = 0
-            p.memory_bias[slot, memory:] = float("-inf")
-            p.memory_length[slot] = memory
-            p.cls[slot] = adapter.cls
-            p.head_weight[slot, :classes] = adapter.head_weight
-            p.head_weight[slot, classes:] = 0
-            p.head_bias[slot, :classes] = adapter.head_bias
-            p.head_bias[slot, classes:] = 0
-        key = _key(chain)
-        self._slot_of[key] = slot
-        self._records[slot] = _Slot(weakref.ref(adapter), ancestors, classes, memory)
-        weakref.finalize(adapter, self._released.append, key)
-        self.writes += 1
-        return slot
+                keys = torch.stack([_visible(c, "memory_keys") for c in chains], dim=1)
+                values = torch.stack([_visible(c, "memory_values") for c in chains], dim=1)
+                p.keys[:, index, :, :memory] = keys  # (L, n, H, m, d)
+                p.values[:, index, :, :memory] = values
+            p.keys[:, index, :, memory:] = 0
+            p.values[:, index, :, memory:] = 0
+            p.memory_bias[index, :memory] = 0
+            p.memory_bias[index, memory:] = float("-inf")
+            p.memory_length[index] = memory
+            p.cls[index] = torch.stack([c[0].cls for c in chains])
+            p.head_weight[index, :classes] = torch.stack([c[0].head_weight for c in chains])
+            p.head_weight[index, classes:] = 0
+            p.head_bias[index, :classes] = torch.stack([c[0].head_bias for c in chains])
+            p.head_bias[index, classes:] = 0
 
     def _take_back_released(self) -> None:
         while self._released:
@@ -199,9 +234,12 @@ class AdapterSlots:
                 self._free.append(slot)
 
     # -- growing -------------------------------------------------------------------------------
-    def _grow(self, *, memory: int, classes: int) -> None:
+    def _grow(self, *, memory: int, classes: int, slots: int = 1) -> None:
+        """Copy the pools into larger ones: room for ``slots`` more (doubling), ``memory``, ``classes``."""
         old = self.pools
-        capacity = old.capacity * 2 if not self._free else old.capacity
+        capacity = old.capacity
+        while capacity - old.capacity + len(self._free) < slots:
+            capacity *= 2
         # Memory and classes round up to powers of two: adapters of m = 1, 2, 3, 5 grow the pools
         # twice, not four times, and a pass narrowed to its own adapters' widths (``widths``)
         # always fits. Padding costs the Triton kernel nothing (it stops at each slot's length).
@@ -235,6 +273,13 @@ class AdapterSlots:
                 head_bias=torch.zeros(capacity, classes, **like),
                 generation=generation,
             )
+
+
+def _visible(chain: tuple[PreparedAdapter, ...], field: str) -> Tensor:
+    """A chain's visible memory keys or values (L, H, m, d): its own, then its ancestors'."""
+    return (
+        getattr(chain[0], field) if len(chain) == 1 else torch.cat([getattr(a, field) for a in chain], dim=2)
+    )
 
 
 def _key(chain: tuple[PreparedAdapter, ...]) -> tuple[int, ...]:

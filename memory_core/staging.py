@@ -1,61 +1,125 @@
-"""Host-to-device copies that do not make the host wait: small pinned buffers, reused in turn.
+"""Host-to-device copies that never make the host wait: host buffers reused once their copy has run.
 
 A copy from pageable host memory is staged by the driver and returns only when it is done; from
 pinned (page-locked) memory it is queued on the stream and the host goes on. Pinning is slow
-(``cudaHostAlloc``), so the buffers are kept and reused round-robin; a buffer is written again only
-after the copy that last read it has run (an event per buffer, almost always long past).
+(``cudaHostAlloc``), so buffers are kept, a ring per size, and each carries one event, created with
+it and recorded after every copy that reads it. A buffer is written again only once its event has
+completed, which the host asks (``event.query()``) and never waits for: when every buffer of a size
+is still being read, the ring grows by one. In steady state a ring holds as many buffers as copies
+are in flight, and a copy costs no allocation, no event creation and no host sync.
+
+Off CUDA the buffers are plain memory, the copy is done when it returns, and there are no events. A
+benchmark of the host path (benchmarks/host_path.py) gives its own event factory to count them.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+log = logging.getLogger(__name__)
 
-class PinnedStaging:
-    """A ring of pinned host buffers for ``copy`` to a CUDA device."""
+_FREE, _HELD, _FLYING = 0, 1, 2
 
-    def __init__(self, buffers: int = 4) -> None:
-        self._buffers: list[Tensor | None] = [None] * buffers
-        self._events: list[torch.cuda.Event | None] = [None] * buffers
-        self._next = 0
+
+class HostBuffer:
+    """One host buffer (pinned on CUDA), a numpy view of it, and the event of its last copy."""
+
+    __slots__ = ("array", "event", "state", "tensor")
+
+    def __init__(self, tensor: Tensor, event: Any) -> None:
+        self.tensor = tensor  # 1-d
+        self.array = tensor.numpy()  # the same memory: the plan is written here, in numpy
+        self.event = event  # None off CUDA
+        self.state = _FREE
+
+    def ready(self) -> bool:
+        """Free, or its last copy has run (asked, not waited for)."""
+        if self.state == _FLYING and self.event.query():
+            self.state = _FREE
+        return self.state == _FREE
+
+
+class HostBuffers:
+    """Rings of host buffers per (length, dtype), for copies queued on a device's stream."""
+
+    def __init__(self, *, pinned: bool | None = None, new_event: Callable[[], Any] | None = None) -> None:
+        cuda = torch.cuda.is_available()
+        self.pinned = cuda if pinned is None else pinned
+        self.new_event = new_event if new_event is not None else (torch.cuda.Event if cuda else None)
+        self._rings: dict[tuple[int, torch.dtype], list[HostBuffer]] = {}
         self._lock = threading.Lock()
 
-    def copy(self, source: Tensor, target: Tensor, *, stream: torch.cuda.Stream | None = None) -> Tensor:
-        """Queue ``target.copy_(source)`` (``source`` on the host, ``target`` on a CUDA device) on
-        ``stream`` (the current one by default), through a pinned buffer; returns ``target``."""
-        slot, staged = self.stage(source.shape, source.dtype)
-        staged.copy_(source)
-        return self.send(slot, staged, target, stream=stream)
+    def acquire(self, n: int, dtype: torch.dtype = torch.int64) -> HostBuffer:
+        """A buffer of ``n`` elements to fill, then ``send`` (or ``release``). Never waits."""
+        with self._lock:
+            ring = self._rings.setdefault((n, dtype), [])
+            for buffer in ring:
+                if buffer.ready():
+                    buffer.state = _HELD
+                    return buffer
+            tensor = torch.empty(max(n, 1), dtype=dtype, pin_memory=self.pinned)[:n]
+            buffer = HostBuffer(tensor, self.new_event() if self.new_event is not None else None)
+            buffer.state = _HELD
+            ring.append(buffer)
+            if len(ring) > 8:
+                log.debug("%d host buffers of %d %s in flight", len(ring), n, dtype)
+            return buffer
 
-    def stage(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> tuple[int, Tensor]:
-        """The next pinned buffer, as a view of ``shape``: fill it, then ``send`` it. Waits (rarely) for
-        the copy that last read it."""
+    def send(self, buffer: HostBuffer, target: Tensor, *, stream: Any = None) -> Tensor:
+        """Queue ``target.copy_(buffer)`` on ``stream`` (the target device's current stream by
+        default); the buffer is free again once the copy has run. Returns ``target``."""
+        source = buffer.tensor if target.shape == buffer.tensor.shape else buffer.tensor.view(target.shape)
+        if buffer.event is None:  # plain memory, no events: the copy is done when it returns
+            target.copy_(source)
+            buffer.state = _FREE
+            return target
+        if stream is not None and target.device.type == "cuda":
+            with torch.cuda.stream(stream):
+                target.copy_(source, non_blocking=True)
+                buffer.event.record(stream)
+        else:  # the current stream (no context to enter), or a stand-in device (benchmarks/host_path.py)
+            target.copy_(source, non_blocking=True)
+            buffer.event.record()
+        buffer.state = _FLYING
+        return target
+
+    def release(self, buffer: HostBuffer | None) -> None:
+        """Give back a buffer that was not sent (None: nothing to give back)."""
+        if buffer is not None and buffer.state == _HELD:
+            buffer.state = _FREE
+
+    def __len__(self) -> int:
+        return sum(len(ring) for ring in self._rings.values())
+
+
+class PinnedStaging:
+    """Stage a host tensor for a copy to the device (server/device_runner.py's images)."""
+
+    def __init__(self, buffers: HostBuffers | None = None) -> None:
+        self.buffers = buffers if buffers is not None else HostBuffers()
+
+    def stage(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> tuple[HostBuffer, Tensor]:
+        """A host buffer viewed as ``shape``: fill the view, then ``send`` it. Never waits."""
         n = 1
         for side in shape:
             n *= side
-        with self._lock:
-            i = self._next
-            self._next = (i + 1) % len(self._buffers)
-            event = self._events[i]
-            if event is not None:
-                event.synchronize()  # the copy that last read this buffer has run
-                self._events[i] = None
-            buffer = self._buffers[i]
-            if buffer is None or buffer.dtype != dtype or buffer.numel() < n:
-                buffer = self._buffers[i] = torch.empty(max(n, 1024), dtype=dtype, pin_memory=True)
-        return i, buffer[:n].view(shape)
+        buffer = self.buffers.acquire(n, dtype)
+        return buffer, buffer.tensor.view(shape)
 
     def send(
-        self, slot: int, staged: Tensor, target: Tensor, *, stream: torch.cuda.Stream | None = None
+        self, slot: HostBuffer, staged: Tensor, target: Tensor, *, stream: torch.cuda.Stream | None = None
     ) -> Tensor:
-        """Queue ``target.copy_(staged)`` on ``stream``, ``staged`` being buffer ``slot``'s view."""
-        stream = stream or torch.cuda.current_stream(target.device)
-        with torch.cuda.stream(stream):
-            target.copy_(staged, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        self._events[slot] = event
-        return target
+        """Queue ``target.copy_(staged)`` on ``stream``, ``staged`` being ``slot``'s view."""
+        return self.buffers.send(slot, target, stream=stream)
+
+    def copy(self, source: Tensor, target: Tensor, *, stream: torch.cuda.Stream | None = None) -> Tensor:
+        """``target.copy_(source)`` through a host buffer, queued without waiting."""
+        slot, staged = self.stage(source.shape, source.dtype)
+        staged.copy_(source)
+        return self.send(slot, staged, target, stream=stream)

@@ -10,7 +10,9 @@ Memory is read only up to the longest real memory in the tile (``memory_length``
 elsewhere in the pool costs the other rows nothing.
 
 ``gathered_heads`` applies each output row's head, found by its slot in the head pool (vLLM's and
-Punica's BGMV): no head is copied, and any mix of tasks is one launch.
+Punica's BGMV): no head is copied, and any mix of tasks is one launch. ``shared_heads`` is the
+all-tasks layout's: every row's head applied to every image, one launch, each head read once per
+tile of images where it lies in the pool (SGMV), instead of gathering every head into a copy.
 
 Both run on CUDA tensors as compiled kernels and on CPU tensors through Triton's interpreter, which
 is how CI holds them to the dense reference without a GPU (slow: tests use tiny shapes). The torch
@@ -154,6 +156,31 @@ if triton is not None:
         acc += tl.load(bias_ptr + slot * sbs + cc * sbc, mask=cmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + n * son + cc * soc, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
+    @triton.jit
+    def _shared_heads_kernel(
+        c_ptr, slots_ptr, w_ptr, bias_ptr, out_ptr,
+        B, C, D, scb, scr, scd, sws, swc, swd, sbs, sbc, sor, sob, soc,
+        BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        # Row r's head, read where it lies in the pool, applied to a tile of images on the tensor cores.
+        r = tl.program_id(0)
+        cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        bb = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
+        cmask, bmask = cc < C, bb < B
+        slot = tl.load(slots_ptr + r)
+        acc = tl.zeros([BLOCK_B, BLOCK_C], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + tl.arange(0, BLOCK_D)
+            dmask = dd < D
+            x = tl.load(c_ptr + bb[:, None] * scb + r * scr + dd[None, :] * scd,
+                        mask=bmask[:, None] & dmask[None, :], other=0.0)  # fmt: skip
+            w = tl.load(w_ptr + slot * sws + cc[:, None] * swc + dd[None, :] * swd,
+                        mask=cmask[:, None] & dmask[None, :], other=0.0)  # fmt: skip
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        acc += tl.load(bias_ptr + slot * sbs + cc * sbc, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + r * sor + bb[:, None] * sob + cc[None, :] * soc
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=bmask[:, None] & cmask[None, :])
+
 
 def _launcher(kernel, device: torch.device):
     """``kernel`` for tensors on ``device``: compiled on CUDA; on CPU, only as Triton's interpreter
@@ -231,5 +258,26 @@ def gathered_heads(
         c, out_rows, out_slots, head_weight, head_bias, out,
         C, D, *c.stride(), *head_weight.stride(), *head_bias.stride(), *out.stride(),
         BLOCK_C=BLOCK_C, BLOCK_D=BLOCK_D,
+    )  # fmt: skip
+    return out
+
+
+def shared_heads(c: Tensor, row_slots: Tensor, head_weight: Tensor, head_bias: Tensor) -> Tensor:
+    """Final class tokens (B, R, D), row r's head (slot ``row_slots[r]`` of the pool (S, C, D) / (S, C))
+    applied to every image -> (R, B, C): one launch for every row, each head read in place (Punica's
+    SGMV: no head is copied, whatever the number of rows)."""
+    B, R, D = c.shape
+    C = head_weight.shape[1]
+    out = c.new_empty(R, B, C)
+    if R == 0 or B == 0:
+        return out
+    BLOCK_B = min(max(_next_power_of_2(B), 16), 64)
+    BLOCK_C = min(max(_next_power_of_2(C), 16), 64)
+    BLOCK_D = min(max(_next_power_of_2(D), 16), 64)
+    grid = (R, triton.cdiv(C, BLOCK_C), triton.cdiv(B, BLOCK_B))
+    _launcher(_shared_heads_kernel, c.device)[grid](
+        c, row_slots, head_weight, head_bias, out,
+        B, C, D, *c.stride(), *head_weight.stride(), *head_bias.stride(), *out.stride(),
+        BLOCK_B=BLOCK_B, BLOCK_C=BLOCK_C, BLOCK_D=BLOCK_D,
     )  # fmt: skip
     return out

@@ -80,25 +80,21 @@ class BatchAnswers:
         self.base_labels = base_labels
         base = out.base
         B = base.shape[0]
-        flat = _flat(out)
+        flat, every = out.answers()  # every (image, task) answer's row of ``flat``: numpy, no cutting
         self.n_rows = 0 if flat is None else flat.shape[0]
-        self.spans: dict[str, tuple[int, int, np.ndarray]] = {}  # task -> (first row, classes, images)
-        classes = np.empty(self.n_rows + B, dtype=np.int64)
-        classes[: self.n_rows] = 1  # padding rows (a bucketed plan's): never read
-        if flat is not None:
-            for name, (start, stop, c) in _spans(out).items():
-                self.spans[name] = (start, c, out.images[name].numpy())
-                classes[start:stop] = c
+        classes = np.ones(self.n_rows + B, dtype=np.int64)  # padding rows (a bucketed plan's): never read
+        classes[every.row] = every.classes
         classes[self.n_rows :] = base.shape[1]
         self.classes = classes
         # (image, task) -> row, for every task the batch computed (the base's column first): a
-        # request's rows are one slice and one index of it.
-        self.every = (BASE_TASK, *self.spans)
+        # request's rows are one slice and one index of it. Built with numpy, no Python per answer.
+        positions = np.unique(every.task)
+        adapters = self.adapter_set.adapters
+        self.every = (BASE_TASK, *(adapters[p].name for p in positions.tolist()))
         self.column = {name: c for c, name in enumerate(self.every)}
         rows = np.full((B, len(self.every)), -1, dtype=np.int64)
         rows[:, 0] = self.n_rows + np.arange(B)
-        for c, (start, _, images) in enumerate(self.spans.values(), start=1):
-            rows[images, c] = start + np.arange(len(images))
+        rows[every.image, np.searchsorted(positions, every.task) + 1] = every.row
         self.rows = rows
         self._asked: dict[tuple[str, ...] | None, tuple] = {}  # a request's tasks -> (names, columns, labels)
         width = max(base.shape[1], 0 if flat is None else flat.shape[1])
@@ -167,27 +163,6 @@ class BatchAnswers:
             )
             found = self._asked[key] = (names, columns, labels)
         return found
-
-
-def _flat(out: FusedOutput) -> Tensor | None:
-    """Every asked (image, task)'s logits as one (N, C) tensor: the pass's own, or (a batch run in
-    parts) its tasks' concatenated."""
-    if not out.adapters:
-        return None
-    if out.flat is not None and out.spans is not None:
-        return out.flat
-    width = max(t.shape[1] for t in out.adapters.values())
-    return torch.cat([_pad(t, width) for t in out.adapters.values()])
-
-
-def _spans(out: FusedOutput) -> dict[str, tuple[int, int, int]]:
-    if out.flat is not None and out.spans is not None:
-        return out.spans
-    spans, start = {}, 0
-    for name, t in out.adapters.items():
-        spans[name] = (start, start + t.shape[0], t.shape[1])
-        start += t.shape[0]
-    return spans
 
 
 def _pad(t: Tensor, width: int) -> Tensor:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from memvit.memory_core import AdapterSet, MemoryViT
+from memvit.memory_core import AdapterSet, MemoryViT, TaskIndex
 from memvit.memory_core.staging import PinnedStaging
 
 from .answers import Answer, BatchAnswers, Want
@@ -225,7 +225,7 @@ class DeviceRunner:
         """Images [lo, hi) through the pass, split in halves while the device runs out of memory."""
         try:
             clock.start("pass")
-            out = self.engine(x[lo:hi], adapter_set, tasks=None if tasks is None else tasks[lo:hi])
+            out = self.engine(x[lo:hi], adapter_set, tasks=_window(tasks, lo, hi, x.shape[0]))
             clock.stop("pass")
             return [(lo, hi, out)]
         except torch.OutOfMemoryError:
@@ -250,6 +250,16 @@ class DeviceRunner:
         for _, _, answers in launched.parts:
             answers.wait()
         return Ran(launched.parts, launched.failed, launched.clock.seconds())
+
+
+def _window(tasks: TaskIndex | list | None, lo: int, hi: int, n: int) -> TaskIndex | list | None:
+    """Images [lo, hi)'s asks (a batch run in parts)."""
+    if tasks is None or (lo == 0 and hi == n):
+        return tasks
+    if not isinstance(tasks, TaskIndex):
+        return tasks[lo:hi]
+    first, last = int(tasks.offsets[lo]), int(tasks.offsets[hi])
+    return TaskIndex(tasks.offsets[lo : hi + 1] - first, tasks.tasks[first:last], tasks.adapter_set)
 
 
 def _within(wants: list[Want], lo: int, hi: int) -> list[Want]:

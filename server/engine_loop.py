@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from memvit.memory_core import AdapterSet, LiveAdapters
+from memvit.memory_core import AdapterSet, LiveAdapters, TaskIndex
 
 from .answers import Answer, Want
 from .device_runner import DeviceRunner, Item
@@ -78,7 +78,7 @@ class _Batch:
     jobs: list[Job]
     size: int  # images counted against the queue (every job's, the refused ones too)
     adapter_set: AdapterSet | None = None
-    tasks: list | None = None
+    tasks: TaskIndex | None = None  # per image, the set positions it asks for (None: every one)
     wants: list[Want] = field(default_factory=list)
     stage: Any = None  # what the last stage handed on
     started: float = 0.0
@@ -255,11 +255,14 @@ class EngineLoop:
         if refused:
             self._deliver(refused)
         batch.jobs = runnable
-        if any(job.adapters is not None for job in runnable):  # routed: per image, its job's adapters
-            every = adapter_set.names if any(job.adapters is None for job in runnable) else ()
-            batch.tasks = [
-                every if job.adapters is None else job.adapters for job in runnable for _ in job.items
+        if any(job.adapters is not None for job in runnable):  # routed: each job's adapters, as positions
+            parts = [
+                TaskIndex.every(adapter_set, job.size)
+                if job.adapters is None
+                else TaskIndex.uniform(adapter_set, job.adapters, job.size)
+                for job in runnable
             ]
+            batch.tasks = TaskIndex.join(parts)
         start = 0
         for job in runnable:
             batch.wants.append(Want(start, start + job.size, job.top_k, job.logits))

@@ -60,6 +60,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--all", action="store_true", help="every step on its own grid, one report")
     parser.add_argument("--steps", default=",".join(STEPS), help="comma-separated, run in this order")
+    parser.add_argument("--skip", help="with --all: comma-separated steps to leave out")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-results"))
     parser.add_argument(
         "--budget-s", type=float, help=f"seconds for the whole command ({BUDGET_S:.0f} with --all, else 540)"
@@ -98,7 +99,8 @@ def overrides(args: argparse.Namespace) -> dict:
 
 def parts_for(args: argparse.Namespace) -> tuple[Part, ...]:
     if args.all:
-        return ALL
+        skipped = set(_names(args.skip, STEPS) or ())
+        return tuple(part for part in ALL if part.step not in skipped)
     return tuple(Part(step) for step in _names(args.steps, STEPS) or ())
 
 

@@ -108,16 +108,19 @@ def _real(dtype: str, plan: Plan) -> dict:
 
 def _pytest_cuda(timeout: float) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests/memory_core"],
+        [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfE", "-p", "no:cacheprovider", "tests"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    failing = [line.split(" ", 1)[1].split(" - ")[0] for line in failed]
     return {
         "exit code": proc.returncode,
         "summary": lines[-1] if lines else proc.stderr[-300:],
+        "failing": ", ".join(failing) if failing else "-",
         "goal: passes": goal(proc.returncode, "==", 0),
     }
 

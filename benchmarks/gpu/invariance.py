@@ -14,12 +14,18 @@ import torch
 
 from benchmarks.batch_invariance import bench, op_probe
 from memvit.memory_core.invariant import InvariantBlocks
+from tests.factories import random_adapter
 
 from .plan import ARCHS, DTYPES, Plan, engine, images, timed_rounds
 from .report import Budget, StepReport, goal
 
-# On CUDA, other block sizes than the defaults, each checked and timed (rows, thin, images).
-TRIED = (InvariantBlocks(rows=2048, thin=32, images=8), InvariantBlocks(rows=8192, thin=64, images=32))
+# On CUDA, other block sizes than the defaults, each checked (base and adapters) and timed against
+# the default blocks and the default (not invariant) mode: larger calls, then no blocking of the
+# per-token layers and attention at all (invariant only if cuBLAS and SDPA are row-invariant here).
+TRIED = (
+    InvariantBlocks(rows=8192, thin=64, images=32, batches=4096),  # the blocked defaults before
+    InvariantBlocks(rows=None, thin=64, images=None, batches=None),
+)
 
 
 def run(plan: Plan, report: StepReport, budget: Budget) -> str:
@@ -74,11 +80,27 @@ def _blocks(arch: str, blocks: InvariantBlocks, plan: Plan) -> dict:
     e = engine(arch, plan, "bf16", batch_invariant=True)
     default = engine(arch, plan, "bf16", batch_invariant=True)
     e.invariant_blocks = blocks
+    plain = engine(arch, plan, "bf16")
     x = images(e, max(plan.batches))
+    adapters = e.prepare_set(random_adapter(f"a{i}", e, m=1 + i % 3, classes=10) for i in range(8))
+    asks = [["a1", "a5"]] + [[f"a{i % 8}"] for i in range(1, len(x))]  # image 0's rows: its own
     with torch.inference_mode():
-        holds = all(torch.equal(e(x[:1]).base[0], e(x[:n]).base[0]) for n in (2, 7, len(x)))
-        times = timed_rounds(
-            {"default blocks": lambda: default(x), "these": lambda: e(x)}, plan.device, plan.rounds
+        sizes = (2, 7, 33, len(x))
+        holds = all(torch.equal(e(x[:1]).base[0], e(x[:n]).base[0]) for n in sizes)
+        alone = e(x[:1], adapters, tasks=asks[:1])
+        holds_adapters = all(
+            torch.equal(alone.adapters[a][0], e(x[:n], adapters, tasks=asks[:n]).adapters[a][0])
+            for n in sizes
+            for a in ("a1", "a5")
         )
-    faster = sum(times["default blocks"]) / sum(times["these"])
-    return {"holds (base, bf16)": holds, "speed vs default blocks": faster}
+        times = timed_rounds(
+            {"default blocks": lambda: default(x), "these": lambda: e(x), "default mode": lambda: plain(x)},
+            plan.device,
+            plan.rounds,
+        )
+    return {
+        "holds (base, bf16)": holds,
+        "holds (routed adapters)": holds_adapters,
+        "speed vs default blocks": sum(times["default blocks"]) / sum(times["these"]),
+        "of the default mode (goal >= 0.8)": sum(times["default mode"]) / sum(times["these"]),
+    }

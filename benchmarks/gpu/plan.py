@@ -38,6 +38,9 @@ class Plan:
     ms: tuple[int, ...] = (1, 5)
     classes: int = 100  # adapter head rows (1,000 heads of 100 classes: 400 MB at ViT-L in fp32)
     loaded: int = 1000  # adapters loaded for the routed pass
+    # Adapters resident for the routed pass at scale (routing and memory steps, the largest arch):
+    # ViT-B/16 bf16, m = 1, 100 classes holds ~40 GB; the all-tasks pass over them is skipped.
+    huge_loaded: int = 100_000
     dense_k: int = 64
     memory_ks: tuple[int, ...] = (1000, 10000)
     memory_batch: int = 64
@@ -69,6 +72,7 @@ class Plan:
             ms=(1,),
             classes=5,
             loaded=16,
+            huge_loaded=64,
             dense_k=8,
             memory_ks=(8, 32),
             memory_batch=2,
@@ -111,6 +115,23 @@ def adapters(engine: MemoryViT, k: int, m: int, classes: int, prefix: str = "a")
     return [
         random_adapter(f"{prefix}{i:05d}", engine, m=m, classes=classes, memory_std=0.02) for i in range(k)
     ]
+
+
+def bank_adapters(
+    engine: MemoryViT, k: int, m: int, classes: int, *, distinct: int = 256, prefix: str = "h"
+) -> list[AdapterWeights]:
+    """``k`` adapters sharing the tensors of ``distinct`` random ones, already on the engine's device
+    and dtype: 100,000 of them in seconds and without 35 GB of host tensors. Each is its own adapter
+    (its own name, prepared tensors and device slot); only its values repeat."""
+    like = {"device": engine.device, "dtype": engine.dtype}
+    bank = [
+        replace(w, **{t: getattr(w, t).to(**like) for t in _TENSORS})
+        for w in adapters(engine, min(k, distinct), m, classes, prefix="bank")
+    ]
+    return [replace(bank[i % len(bank)], name=f"{prefix}{i:06d}", check_values=False) for i in range(k)]
+
+
+_TENSORS = ("memory", "cls_token", "head_weight", "head_bias")
 
 
 def sync(device: torch.device) -> None:

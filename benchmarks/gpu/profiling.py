@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from memvit.memory_core import AdapterSet, LiveAdapters, MemoryViT
+from memvit.memory_core import AdapterSet, LiveAdapters, MemoryViT, TaskIndex
 
 from .plan import Plan, adapters, engine, images, sync, timed_rounds
 from .report import Budget, StepReport
@@ -78,17 +78,21 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
 
 
 def _passes(e: MemoryViT, x: torch.Tensor, plan: Plan) -> dict[str, Callable[[], object]]:
-    """The four passes profiled, with ``plan.loaded`` adapters resident (installed in their slots)."""
+    """The passes profiled, with ``plan.loaded`` adapters resident (installed in their slots)."""
     batch = len(x)
     loaded = LiveAdapters(e).install(e.prepare_set(adapters(e, plan.loaded, 1, plan.classes)))
     rng = random.Random(batch)
-    one = [[rng.choice(loaded.names)] for _ in range(batch)]
-    eight = [rng.sample(loaded.names, min(8, len(loaded))) for _ in range(batch)]
+    # As a server hands a batch to the engine: set positions, built per request before the pass.
+    one = TaskIndex.from_names(loaded, [[rng.choice(loaded.names)] for _ in range(batch)])
+    eight = TaskIndex.from_names(
+        loaded, [rng.sample(loaded.names, min(8, len(loaded))) for _ in range(batch)]
+    )
     fused = AdapterSet(loaded.adapters[:8])  # the same prepared adapters: their slots are shared
     n = f"{len(loaded):,}"
     return {
         "base only": lambda: e(x),
         "fused, K = 8": lambda: e(x, fused),
+        f"fused, K = {n}": lambda: e(x, loaded),
         f"routed, 1 of {n} per image": lambda: e(x, loaded, tasks=one),
         f"routed, 8 of {n} per image": lambda: e(x, loaded, tasks=eight),
     }

@@ -57,12 +57,15 @@ def environment(device: torch.device) -> dict[str, Any]:
             cudnn=torch.backends.cudnn.version(),
             tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
         )
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    manifest = REPO / ".whl" / "manifest.json"  # prepare's record of the commit it was built from
+    commit = json.loads(manifest.read_text()).get("commit") if manifest.is_file() else None
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
     env["commit"] = commit or None
     return env
 

@@ -121,4 +121,24 @@ def summarize(events: list[dict[str, Any]], passes: int, *, mark: str, gpu: bool
         "host syncs": per_pass(len(syncs)),
         "aten ops": per_pass(len(leaf_ops(aten))),
         "GPU busy ms": per_pass(busy_us(_spans(kernels))) / 1e3 if gpu and kernels else None,
+        # What the copies are (memcpy kinds, memsets) and the kernels that take longest, per pass:
+        # where a pass's GPU time goes beyond the base's.
+        "copy kinds": _tally(copies, passes) if gpu else None,
+        "top kernels (us/pass)": _top(kernels, passes) if gpu else None,
     }
+
+
+def _tally(events: list[dict[str, Any]], passes: int) -> str:
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e["name"]] = counts.get(e["name"], 0) + 1
+    return "; ".join(f"{name} x{n / passes:g}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _top(kernels: list[dict[str, Any]], passes: int, most: int = 6) -> str:
+    total: dict[str, float] = {}
+    for e in kernels:
+        name = e["name"][:60]
+        total[name] = total.get(name, 0.0) + e.get("dur", 0.0)
+    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:most]
+    return "; ".join(f"{name} {us / passes:.0f}" for name, us in ranked)

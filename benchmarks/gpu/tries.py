@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from memvit.memory_core import AdapterSet, FusedOutput, LiveAdapters, MemoryViT
+from memvit.memory_core import AdapterSet, FusedOutput, LiveAdapters, MemoryViT, TaskIndex
 
 from .plan import Plan, rate, ratio, timed_rounds
 from .report import Budget, StepReport
@@ -31,7 +31,8 @@ def run(
     loaded = e.prepare_set(weights[: plan.loaded])
     LiveAdapters(e).install(loaded)  # every adapter resident in a slot, as a server holds them
     rng = random.Random(len(x))
-    one = [[rng.choice(loaded.names)] for _ in range(len(x))]
+    # As a server hands a batch to the engine: set positions, built per request before the pass.
+    one = TaskIndex.from_names(loaded, [[rng.choice(loaded.names)] for _ in range(len(x))])
     fused = AdapterSet(loaded.adapters[:FUSED_K])  # the same prepared adapters: their slots are shared
     passes: dict[str, Callable[[], FusedOutput]] = {
         f"fused K={len(fused)}": lambda: e(x, fused),

@@ -72,6 +72,7 @@ def write_manifest(target: Path, pins: dict[str, str], image_read: str) -> dict[
     manifest = {
         "pins": dict(sorted(pins.items())),
         "memvit_sources": source_digest(),
+        "commit": _commit(),  # the suite's reports name it (a device's copy may have no history)
         "image_read": image_read,
     }
     (target / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -85,3 +86,17 @@ def read_manifest(target: Path) -> dict[str, Any] | None:
 
 def canonical_pins(pins: dict[str, str]) -> dict[str, str]:
     return {canonicalize_name(name): version for name, version in pins.items()}
+
+
+def _commit() -> str | None:
+    """This checkout's HEAD, with ``+`` when tracked sources differ from it."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except OSError:
+        return None
+    return (head + ("+" if dirty else "")) or None

@@ -139,6 +139,8 @@ def test_trace_summary_counts_per_pass() -> None:
         "host syncs": 0.5,
         "aten ops": 1.0,  # addmm and add
         "GPU busy ms": pytest.approx(0.01),  # (15 + 5) us over 2 passes
+        "copy kinds": "Memcpy HtoD x0.5",
+        "top kernels (us/pass)": "gemm 5; softmax 5; add 2",
     }
     cpu = [
         event("user_annotation", "pass", 0, 5),

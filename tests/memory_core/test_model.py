@@ -230,7 +230,9 @@ def test_half_precision_on_cpu(dtype: torch.dtype, tol: float) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.06), (torch.float16, 0.01)])
 def test_cuda_matches_cpu(dtype: torch.dtype, tol: float) -> None:
-    # float32 on CUDA uses TF32-free kernels by default in torch; 1e-4 covers reduction order.
+    """The engine's arithmetic on CUDA is the CPU's up to reduction order, with TF32 off. torch's
+    defaults leave cuDNN's TF32 convolutions on (the patch embedding: 10 bits of mantissa, measured
+    3.7e-4 on these logits on an H200), which serving keeps: float32 is then held to 1e-3."""
     engine = tiny_engine()
     adapters = [random_adapter(f"a{i}", engine, m=i, memory_norm=("norm1", "none")[i % 2]) for i in range(4)]
     live = LiveAdapters(engine)
@@ -238,10 +240,19 @@ def test_cuda_matches_cpu(dtype: torch.dtype, tol: float) -> None:
     x = images(engine)
     cpu = engine(x, live.current)
     live.move_to("cuda", dtype)
-    gpu = engine(x.cuda(), live.current)
-    assert max_diff(gpu.base.cpu(), cpu.base) <= tol
-    for a in adapters:
-        assert max_diff(gpu.adapters[a.name].cpu(), cpu.adapters[a.name]) <= tol
+    defaults = engine(x.cuda(), live.current)
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        engine._graphs().clear()  # captured with the defaults' kernels: capture again
+        exact = engine(x.cuda(), live.current)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+        engine._graphs().clear()
+    for gpu, bound in ((exact, tol), (defaults, max(tol, 1e-3))):
+        assert max_diff(gpu.base.cpu(), cpu.base) <= bound
+        for a in adapters:
+            assert max_diff(gpu.adapters[a.name].cpu(), cpu.adapters[a.name]) <= bound
 
 
 def test_gradients_never_flow_through_the_base_rows() -> None:

@@ -12,8 +12,9 @@ import torch
 
 from memvit.memory_core import triton_kernels
 from memvit.memory_core.attention import KeysValues, LayerMemory, adapter_attention
-from memvit.memory_core.planned import gathered_heads
+from memvit.memory_core.planned import gathered_heads, shared_heads
 from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.slots import SlotPools
 from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
 
 pytestmark = pytest.mark.skipif(not triton_kernels.available(), reason="Triton is not installed")
@@ -101,6 +102,23 @@ def test_gathered_heads_kernel_equals_the_torch_heads() -> None:
     out = triton_kernels.gathered_heads(c, rows, slots, weight, bias)
     assert max_diff(out, gathered_heads(c, rows, slots, weight, bias)) <= 1e-4
     assert max_diff(out[2], c[3] @ weight[3].T + bias[3]) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("B", "R", "C", "D"), [(3, 4, 7, 64), (20, 3, 70, 80)]
+)  # 1 tile; 2 image/class tiles
+def test_shared_heads_kernel_reads_each_head_in_place_and_equals_the_torch_heads(B, R, C, D) -> None:
+    g = torch.Generator().manual_seed(1)
+    S = 6
+    weight, bias = torch.randn(S, C, D, generator=g), torch.randn(S, C, generator=g)
+    z = torch.randn(B, 5 + R, D, generator=g)
+    c = z[:, 5:]  # the class-token rows are a view of the block's tokens, as in a pass
+    slots = torch.tensor([4, 0, 2, 5][:R] + [1] * max(0, R - 4))
+    out = triton_kernels.shared_heads(c, slots, weight, bias)  # (R, B, C)
+    empty = torch.zeros(S, 1)
+    pools = SlotPools(empty, empty, empty, empty, empty, weight, bias, generation=0)
+    assert max_diff(out, shared_heads(c, pools, slots)) <= 1e-4
+    assert max_diff(out[2, 1], c[1, 2] @ weight[2].T + bias[2]) <= 1e-4
 
 
 def test_kernels_refuse_cpu_tensors_outside_the_interpreter(monkeypatch) -> None:
