@@ -52,7 +52,7 @@ class Sink(Protocol):
     def deliver(self, finished: list[tuple[Job, Result]]) -> None: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     """One request's images, queued for a pass."""
 
@@ -126,6 +126,8 @@ class EngineLoop:
         self._running = True
         work = [self._batcher, self._decoding, self._passing, self._collecting]
         names = ["engine-batcher", "engine-decode", "engine-pass", "engine-collect"]
+        if self.depth == 1:  # one batch in flight: its stages in turn, on the batcher's thread
+            work, names = work[:1], names[:1]
         self._threads = [
             threading.Thread(target=w, name=n, daemon=True) for w, n in zip(work, names, strict=True)
         ]
@@ -183,7 +185,7 @@ class EngineLoop:
         while True:
             batch = self._form()
             if batch is None:
-                self._stages[0].put(None)
+                self._stages[0].put(None)  # the stages' threads (if any) stop in turn
                 return
             if self._pools_grew():  # recapture with every other stage idle (CUDA forbids a capture
                 with self._lock:  # while other threads sync or queue work), before this batch
@@ -196,7 +198,10 @@ class EngineLoop:
                 log.exception("routing a batch failed")
                 self._finish(batch, [(job, exc) for job in batch.jobs])
                 continue
-            self._stages[0].put(batch)
+            if self.depth == 1:
+                self._run_inline(batch)
+            else:
+                self._stages[0].put(batch)
 
     def _pools_grew(self) -> bool:
         return self.warm is not None and self.runner.engine.slots.generation != self._warmed
@@ -269,59 +274,74 @@ class EngineLoop:
             start += job.size
 
     # -- the stages ------------------------------------------------------------------------------------
+    # Each step runs a batch through its stage; False: the batch is done with (answered or failed).
+    def _decode(self, batch: _Batch) -> bool:
+        if not batch.jobs:
+            self._finish(batch, [])
+            return False
+        batch.started = time.perf_counter()
+        self.metrics.batch_size.observe(sum(job.size for job in batch.jobs))
+        return self._step(
+            batch, lambda: self.runner.decode([item for job in batch.jobs for item in job.items])
+        )
+
+    def _launch(self, batch: _Batch) -> bool:
+        return self._step(
+            batch, lambda: self.runner.launch(batch.stage, batch.adapter_set, batch.tasks, batch.wants)
+        )
+
+    def _step(self, batch: _Batch, work: Callable[[], Any]) -> bool:
+        try:
+            batch.stage = work()
+        except Exception as exc:  # never leave a client hanging
+            log.exception("fused pass failed")
+            self._finish(batch, [(job, exc) for job in batch.jobs])
+            return False
+        return True
+
+    def _collect(self, batch: _Batch) -> None:
+        if not self._step(batch, lambda: self.runner.collect(batch.stage)):
+            return
+        ran = batch.stage
+        self.metrics.fused_pass_seconds.observe(time.perf_counter() - batch.started)
+        version = batch.adapter_set.version
+        registered = self.registered(version)
+        finished: list[tuple[Job, Result]] = []
+        for job, want in zip(batch.jobs, batch.wants, strict=True):
+            try:
+                answer: Result = ran.cut(want, job.tasks, version, registered)
+                answer.stages.update(queue=batch.started - job.queued, **ran.seconds)
+            except Exception as exc:  # its image failed to decode, or did not fit on the device
+                answer = exc
+            finished.append((job, answer))
+        if self.count is not None:
+            try:
+                self.count([(job, a) for job, a in finished if isinstance(a, Answer)])
+            except Exception:  # counting must never cost an answer
+                log.exception("counting a batch's answers failed")
+        self._finish(batch, finished)
+
+    def _run_inline(self, batch: _Batch) -> None:
+        """One batch in flight (a CPU): its stages in turn, on the batcher's thread (no hand-offs)."""
+        if self._decode(batch) and self._launch(batch):
+            self._collect(batch)
+
     def _decoding(self) -> None:
-        self._stage(0, lambda batch: self.runner.decode([item for job in batch.jobs for item in job.items]))
+        self._stage(0, self._decode)
 
     def _passing(self) -> None:
-        def launch(batch: _Batch) -> Any:
-            return self.runner.launch(batch.stage, batch.adapter_set, batch.tasks, batch.wants)
-
-        self._stage(1, launch)
-
-    def _stage(self, index: int, work: Callable[[_Batch], Any]) -> None:
-        inbox, outbox = self._stages[index], self._stages[index + 1]
-        while (batch := inbox.get()) is not None:
-            if not batch.jobs:
-                self._finish(batch, [])
-                continue
-            try:
-                if index == 0:
-                    batch.started = time.perf_counter()
-                    self.metrics.batch_size.observe(sum(job.size for job in batch.jobs))
-                batch.stage = work(batch)
-            except Exception as exc:  # never leave a client hanging
-                log.exception("fused pass failed")
-                self._finish(batch, [(job, exc) for job in batch.jobs])
-                continue
-            outbox.put(batch)
-        outbox.put(None)
+        self._stage(1, self._launch)
 
     def _collecting(self) -> None:
-        inbox = self._stages[2]
+        while (batch := self._stages[2].get()) is not None:
+            self._collect(batch)
+
+    def _stage(self, index: int, step: Callable[[_Batch], bool]) -> None:
+        inbox, outbox = self._stages[index], self._stages[index + 1]
         while (batch := inbox.get()) is not None:
-            try:
-                ran = self.runner.collect(batch.stage)
-                self.metrics.fused_pass_seconds.observe(time.perf_counter() - batch.started)
-            except Exception as exc:
-                log.exception("fused pass failed")
-                self._finish(batch, [(job, exc) for job in batch.jobs])
-                continue
-            version = batch.adapter_set.version
-            registered = self.registered(version)
-            finished: list[tuple[Job, Result]] = []
-            for job, want in zip(batch.jobs, batch.wants, strict=True):
-                try:
-                    answer: Result = ran.cut(want, job.tasks, version, registered)
-                    answer.stages.update(queue=batch.started - job.queued, **ran.seconds)
-                except Exception as exc:  # its image failed to decode, or did not fit on the device
-                    answer = exc
-                finished.append((job, answer))
-            if self.count is not None:
-                try:
-                    self.count([(job, a) for job, a in finished if isinstance(a, Answer)])
-                except Exception:  # counting must never cost an answer
-                    log.exception("counting a batch's answers failed")
-            self._finish(batch, finished)
+            if step(batch):
+                outbox.put(batch)
+        outbox.put(None)
 
     def _finish(self, batch: _Batch, finished: list[tuple[Job, Result]]) -> None:
         self._deliver(finished)

@@ -63,7 +63,7 @@ class ImagesWithdrawnError(RetryLaterError):
     """The API process will not send the images (a bad upload, or its client went away)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pending:
     """A request announced by an API process: its pin and its images, whichever comes in last."""
 
