@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from .errors import (
     AdapterInUseError,
@@ -18,11 +17,7 @@ from .errors import (
     MissingParentError,
     UnknownAdapterError,
 )
-from .slot_table import SlotTable
 from .stack import AdapterStack, PreparedAdapter, stack_adapters
-
-if TYPE_CHECKING:
-    from .slots import AdapterSlots
 
 _versions = itertools.count(1)
 
@@ -53,7 +48,7 @@ class AdapterSet:
         # read the device slots the engine keeps, memory_core/slots.py).
         self._stack: AdapterStack | None = None
         self._requires_grad: bool | None = None
-        self._table: SlotTable | None = None  # built for one engine's slots on first use
+        self._table = None  # its SlotTable on one engine's slots (memory_core/slot_table.py, table_of)
         self._names = tuple(a.name for a in self.adapters)
         self.version = next(_versions) if version is None else version
 
@@ -63,15 +58,6 @@ class AdapterSet:
         if self._stack is None and self.adapters:
             self._stack = stack_adapters(self.adapters, group_heads=True)
         return self._stack
-
-    def slot_table(self, slots: AdapterSlots) -> SlotTable:
-        """What a plan needs of each adapter on ``slots``, as arrays (memory_core/slot_table.py):
-        built once (``LiveAdapters.install`` builds it for the server's sets), writing any slot
-        missing. Rebuilt only if asked for another engine's slots."""
-        table = self._table
-        if table is None or table.slots() is not slots:
-            table = self._table = SlotTable.build(self, slots)
-        return table
 
     @property
     def requires_grad(self) -> bool:

@@ -26,6 +26,7 @@ import torch
 from .adapter import AdapterWeights
 from .adapter_set import AdapterSet
 from .model import MemoryViT
+from .slot_table import table_of
 from .stack import check_prepared_for
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class LiveAdapters:
             slots = self.engine.slots
             slots.assign([tuple(adapter_set[n] for n in adapter_set.lineage(a.name)) for a in fresh])
             # And the set's slot table (memory_core/slot_table.py), so that no pass builds it.
-            adapter_set.slot_table(slots)
+            table_of(adapter_set, slots)
             self._current = adapter_set  # one reference assignment
             self._checked_for = target
         # Debug, not info: a server swaps the set on every cold load and eviction (many per second

@@ -38,6 +38,7 @@ from torch import Tensor
 from .adapter_set import AdapterSet
 from .errors import InputError
 from .output_index import OutputIndex
+from .slot_table import table_of
 from .slots import NULL_SLOT, AdapterSlots, SlotPools, widths
 from .staging import HostBuffer, HostBuffers
 from .task_index import TaskIndex
@@ -147,7 +148,7 @@ def plan_pass(
     ``UnknownAdapterError``.
     """
     index = _task_index(adapter_set, tasks, batch)
-    table = adapter_set.slot_table(slots)
+    table = table_of(adapter_set, slots)
     if index is None:  # every adapter for every image: the plan kept for this batch and these pools
         if len(table) == 0 or batch == 0:
             return None

@@ -21,9 +21,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .adapter_set import AdapterSet
+
 if TYPE_CHECKING:
-    from .adapter_set import AdapterSet
     from .slots import AdapterSlots
+
+
+def table_of(adapter_set: AdapterSet, slots: AdapterSlots) -> SlotTable:
+    """What a plan needs of each adapter of ``adapter_set`` on ``slots``, as arrays: built once and
+    kept on the set (``LiveAdapters.install`` builds it for the server's sets), rebuilt only if asked
+    for another engine's slots."""
+    table = adapter_set._table
+    if table is None or table.slots() is not slots:
+        table = adapter_set._table = SlotTable.build(adapter_set, slots)
+    return table
 
 
 @dataclass(frozen=True, eq=False)

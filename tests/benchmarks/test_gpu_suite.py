@@ -59,7 +59,8 @@ def test_cpu_smoke_of_all_steps_writes_one_report(tmp_path) -> None:
     assert all(row["max diff"] < 1e-4 for row in tables["engine"]["try: Triton vs torch kernels"])
     profiled = tables["profile"]["one pass, profiled"]
     assert [row["pass"] for row in profiled] == [
-        "base only", "fused, K = 8", "routed, 1 of 16 per image", "routed, 8 of 16 per image",
+        "base only", "fused, K = 8", "fused, K = 16",
+        "routed, 1 of 16 per image", "routed, 8 of 16 per image",
     ]  # fmt: skip
     # No pass dispatches an op that would make a GPU wait for the host; adapters add aten ops.
     assert all(row["host syncs"] == 0 and row["kernels"] is None for row in profiled)
