@@ -166,6 +166,15 @@ class LinkServer:
         for connection in connections:
             connection.close()
 
+    def broadcast(self, method: str, *args: Any, skip: int | None = None) -> list[int]:
+        """A notice to every connected API process (but ``skip``); the peers it went to."""
+        frame = _frame((NOTIFY, method, args))
+        with self._lock:
+            connections = [c for peer, c in self._connections.items() if peer != skip]
+        for connection in connections:
+            connection.send([frame])
+        return [c.peer for c in connections]
+
     def _accept(self) -> None:
         while True:
             try:
@@ -230,8 +239,10 @@ class LinkServer:
 class LinkClient:
     """An API process's side: ``await client.call("method", ...)`` from any task of its event loop."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, on_notice: Callable[..., None] | None = None) -> None:
+        """``on_notice(method, *args)``: a notice the model process sends on its own (``broadcast``)."""
         self.path = Path(path)
+        self.on_notice = on_notice
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -277,6 +288,10 @@ class LinkClient:
         try:
             while True:
                 call_id, ok, result = await _read(reader)
+                if call_id == NOTIFY:  # the model process's own notice: (NOTIFY, method, args)
+                    if self.on_notice is not None:
+                        self.on_notice(ok, *result)
+                    continue
                 future = self._pending.get(call_id)
                 if future is None or future.done():
                     continue  # the caller gave up (its client went away)

@@ -119,6 +119,7 @@ def _build(settings: Settings, link: ModelLink, arena: Arena | None, info: dict)
         link, engine, store, max_bundle_bytes=settings.max_bundle_bytes, max_tasks=info["max_tasks"]
     )
     registry.open()
+    link.registry = registry  # refreshed when another process changes the registry
 
     def catalog_labels(name: str) -> tuple[str, ...] | None:
         entry = registry.catalog.get(name)

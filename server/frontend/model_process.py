@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import itertools
 import logging
 import signal
 import threading
@@ -39,7 +40,7 @@ from memvit.memory_core import BASE_TASK
 from ..answers import Answer
 from ..engine_loop import Job, Result
 from ..errors import RetryLaterError
-from ..link import Connection, LinkServer, _frame
+from ..link import Connection, LinkServer, _frame, current_peer
 from ..registry import Pin
 from ..runner import as_items
 from ..service import start_service, stop_service, update_gauges
@@ -54,6 +55,7 @@ from .shared_metrics import SharedMetrics
 from .wire import Payload, unpack
 
 log = logging.getLogger("memvit.server.model")
+REFRESH_SECONDS = 2.0  # a change waits at most this for the other API processes to read it
 DELIVERY_SECONDS = 120.0  # an API process that never sends the images it announced: the engine stops waiting
 SOCKET = "model.sock"
 _WAITING = object()  # a pin or images not in yet
@@ -117,6 +119,9 @@ class ModelHandlers:
         self._pending: dict[tuple[int, int], Pending] = {}
         self._sinks: dict[int, ConnectionSink] = {}
         self._early: dict[tuple[int, int], Any] = {}
+        self.server: LinkServer | None = None
+        self._tokens = itertools.count()
+        self._refreshes: dict[int, tuple[set[int], asyncio.Event]] = {}
         self._lock = threading.Lock()
 
     def inline(self) -> dict[str, Callable[..., None]]:
@@ -129,7 +134,7 @@ class ModelHandlers:
         return {
             "info": self.info, "register": self.register, "delete": self.delete, "training": self.training,
             "invalid": self.invalid, "resident": self.resident, "labels": self.labels, "admit": a.admit,
-            "charge": a.charge, "release": a.release,
+            "charge": a.charge, "release": a.release, "refreshed": self.refreshed,
         }  # fmt: skip
 
     # -- the data path (reader threads, then the engine's threads) ---------------------------------------
@@ -231,10 +236,38 @@ class ModelHandlers:
         }
 
     async def register(self, data: bytes, replace: bool) -> Any:
-        return await asyncio.to_thread(self.service.registry.register, data, replace=replace)
+        answer = await asyncio.to_thread(self.service.registry.register, data, replace=replace)
+        await self._every_process_read_it()
+        return answer
 
     async def delete(self, name: str) -> Any:
-        return await asyncio.to_thread(self.service.registry.delete, name)
+        answer = await asyncio.to_thread(self.service.registry.delete, name)
+        await self._every_process_read_it()
+        return answer
+
+    async def _every_process_read_it(self) -> None:
+        """Before a change is acknowledged: every other API process has read the journal (it is told
+        ``changed`` and says ``refreshed``), so whichever process a client's next request reaches
+        sees the change (the one that made it reads the journal itself). At most ``REFRESH_SECONDS``:
+        a process that does not answer catches up at its next poll."""
+        token = next(self._tokens)
+        waiting = self._refreshes[token] = (set(), asyncio.Event())
+        try:
+            peers = self.server.broadcast("changed", token, skip=current_peer.get())
+            waiting[0].update(peers)
+            if peers:
+                await asyncio.wait_for(waiting[1].wait(), REFRESH_SECONDS)
+        except TimeoutError:
+            log.warning("an API process did not read a registry change within %.0f s", REFRESH_SECONDS)
+        finally:
+            del self._refreshes[token]
+
+    async def refreshed(self, token: int) -> None:
+        waiting = self._refreshes.get(token)
+        if waiting is not None:
+            waiting[0].discard(current_peer.get())
+            if not waiting[0]:
+                waiting[1].set()
 
     async def training(self, name: str) -> dict[str, Any] | None:
         return await asyncio.to_thread(self.service.registry.training, name)
@@ -277,6 +310,7 @@ async def serve_model(settings: Settings, directory: Path, ready: Callable[[], N
         inline=handlers.inline(),
         on_disconnect=handlers.forget,
     )
+    handlers.server = server
     await server.start()
     state.tasks.append(asyncio.create_task(_sweep_forever(handlers), name="sweep"))
     ready()

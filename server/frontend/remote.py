@@ -55,11 +55,31 @@ class ModelLink:
         self.path = Path(path)
         self.client: LinkClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.registry: RemoteRegistry | None = None  # refreshed when the model process says it changed
+        self._refreshing: set[asyncio.Task] = set()
 
     async def connect(self) -> None:
-        client = LinkClient(self.path)
+        client = LinkClient(self.path, on_notice=self._notice)
         await client.connect()
         self.client, self.loop = client, asyncio.get_running_loop()
+
+    def _notice(self, method: str, *args: Any) -> None:
+        """``changed``: another process changed the registry; its change is acknowledged once every
+        API process has read the journal (``refreshed``), so a client's next request sees it here too."""
+        if method != "changed":
+            return
+        (token,) = args
+
+        async def refresh() -> None:
+            try:
+                if self.registry is not None:
+                    await asyncio.to_thread(self.registry.sync)
+            finally:
+                self.call_soon("refreshed", token)
+
+        task = asyncio.ensure_future(refresh())
+        self._refreshing.add(task)
+        task.add_done_callback(self._refreshing.discard)
 
     async def wait_closed(self) -> None:
         if self.client is not None:

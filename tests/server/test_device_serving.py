@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from memvit.memory_core import MemoryViT
+from memvit.server.app import create_app
 from memvit.server.device_decode import DeviceDecoder
 from memvit.server.images import ImageDecoder
 from memvit.server.stages import STAGES
@@ -69,7 +70,11 @@ def test_jpegs_decoded_with_their_batch_answer_as_the_cpu_path(settings, tiny_we
     cpu = ImageDecoder(engine, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
     with torch.no_grad():
         expected = engine(torch.stack([cpu(b) for b in uploads])).base
-    with running_server(settings) as url, httpx.Client(base_url=url, timeout=60) as client:
+    # In this process (the spy must see the decoder), whatever MEMVIT_TEST_API_PROCESSES says.
+    with (
+        running_server(settings, create_app(settings)) as url,
+        httpx.Client(base_url=url, timeout=60) as client,
+    ):
         r = post_image(client, *uploads, logits=True)
         assert r.status_code == 200, r.text
         served = torch.tensor([img["tasks"]["base"]["logits"] for img in r.json()["results"]])
