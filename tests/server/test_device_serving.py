@@ -120,7 +120,11 @@ def test_a_pass_out_of_device_memory_answers_503_and_the_server_keeps_serving(se
 
     monkeypatch.setattr(MemoryViT, "forward", forward)
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    with running_server(settings) as url, httpx.Client(base_url=url, timeout=60, headers=headers) as client:
+    app = create_app(settings)  # in this process: the injected failure is this process's
+    with (
+        running_server(settings, app) as url,
+        httpx.Client(base_url=url, timeout=60, headers=headers) as client,
+    ):
         full["on"] = True
         r = post_image(client, jpeg(photo(4)), jpeg(photo(5)))
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
