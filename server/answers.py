@@ -94,8 +94,12 @@ class BatchAnswers:
         self.column = {name: c for c, name in enumerate(self.every)}
         rows = np.full((B, len(self.every)), -1, dtype=np.int64)
         rows[:, 0] = self.n_rows + np.arange(B)
-        rows[every.image, np.searchsorted(positions, every.task) + 1] = every.row
+        columns = np.searchsorted(positions, every.task) + 1
+        rows[every.image, columns] = every.row
         self.rows = rows
+        self.column_classes = np.empty(len(self.every), dtype=np.int64)  # a task's classes, any image
+        self.column_classes[0] = base.shape[1]
+        self.column_classes[columns] = every.classes
         self._asked: dict[tuple[str, ...] | None, tuple] = {}  # a request's tasks -> (names, columns, labels)
         width = max(base.shape[1], 0 if flat is None else flat.shape[1])
         k = min(max((w.top_k for w in wants), default=0), width)
@@ -127,18 +131,22 @@ class BatchAnswers:
         if self.ready is not None:
             self.ready.synchronize()
         self._arrays = {name: t.numpy() for name, t in self._host.items()}
+        self._all_finite = bool(self._arrays["finite"].all())  # then no request needs to look
 
     def cut(self, want: Want, tasks: Sequence[str] | None, version: int, registered: int) -> Answer:
         """Images [lo, hi)'s answer to ``tasks`` (None: the base and every adapter computed for them),
         after ``wait``. Raises ``NonFiniteOutputError`` naming a task that produced a non-finite
         logit (refused at registration; float16 serving could still overflow)."""
-        names, columns, labels = self._columns(tasks)
+        names, columns, labels, classes = self._columns(tasks)
         rows = self.rows[want.lo : want.hi][:, columns]  # (n, T): one index for the whole request
         arrays = self._arrays
-        finite = arrays["finite"][rows]
-        if not finite.all():
-            bad = names[int(np.flatnonzero(~finite.all(axis=0))[0])]
-            raise NonFiniteOutputError(f"task {bad!r} produced non-finite logits; not answering with null")
+        if not self._all_finite:
+            finite = arrays["finite"][rows]
+            if not finite.all():
+                bad = names[int(np.flatnonzero(~finite.all(axis=0))[0])]
+                raise NonFiniteOutputError(
+                    f"task {bad!r} produced non-finite logits; not answering with null"
+                )
         k = min(want.top_k, self.k)
         if k > 0:
             probs, index = arrays["probs"][rows, :k], arrays["index"][rows, :k]
@@ -146,12 +154,11 @@ class BatchAnswers:
             n, T = rows.shape
             probs, index = np.empty((n, T, 0), dtype=np.float32), np.empty((n, T, 0), dtype=np.int64)
         logits = arrays["logits"][rows] if want.logits else None
-        classes = self.classes[rows[0]] if len(rows) else np.zeros(len(names), dtype=np.int64)
         return Answer(names, classes, probs, index, logits, labels, version, registered)
 
     def _columns(self, tasks: Sequence[str] | None) -> tuple:
-        """A request's tasks (each once; None: every one computed), their columns and labels, worked
-        out once per batch for every request asking the same."""
+        """A request's tasks (each once; None: every one computed), their columns, labels and class
+        counts, worked out once per batch for every request asking the same."""
         key = None if tasks is None else tuple(tasks)
         found = self._asked.get(key)
         if found is None:
@@ -161,7 +168,7 @@ class BatchAnswers:
                 self.base_labels if name == BASE_TASK else self.adapter_set[name].weights.labels
                 for name in names
             )
-            found = self._asked[key] = (names, columns, labels)
+            found = self._asked[key] = (names, columns, labels, self.column_classes[columns])
         return found
 
 

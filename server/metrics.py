@@ -107,24 +107,24 @@ class Metrics:
     def answered(self, key: str, images: int, tasks: Iterable[str], rows: int) -> None:
         """One request of ``key`` answered: ``images`` images for each of the ``tasks`` it asked for,
         ``rows`` adapter rows computed."""
-        self.answered_batch([(key, images, tuple(tasks), rows)])
+        self.answered_batch([(key, 1, images, tuple(tasks), rows)])
 
-    def answered_batch(self, requests: Iterable[tuple[str, int, Sequence[str], int]]) -> None:
-        """Many requests answered (a batch's: ``answered``'s arguments each), each series incremented
-        once however many requests of the batch it counts."""
+    def answered_batch(self, groups: Iterable[tuple[str, int, int, Sequence[str], int]]) -> None:
+        """Many requests answered (a batch's), in groups of the same key and tasks: (key, requests,
+        images, tasks, adapter rows), each series incremented once however many requests it counts."""
         per_task: dict[str, list[int]] = {}  # task -> [requests, images]
         per_key: dict[str, list[int]] = {}  # key -> [requests, images, adapter rows]
-        for key, images, tasks, rows in requests:
+        for key, n, images, tasks, rows in groups:
             for task in tasks:
                 tally = per_task.get(task)
                 if tally is None:
                     tally = per_task[task] = [0, 0]
-                tally[0] += 1
+                tally[0] += n
                 tally[1] += images
             tally = per_key.get(key)
             if tally is None:
                 tally = per_key[key] = [0, 0, 0]
-            tally[0] += 1
+            tally[0] += n
             tally[1] += images
             tally[2] += rows
         self.task_labels.asked_counts({task: tally[0] for task, tally in per_task.items()})

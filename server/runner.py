@@ -86,15 +86,22 @@ def counting(usage: UsageMeter | None, metrics: Metrics | None) -> Callable[[lis
     counter touched once per batch."""
 
     def count(answered: list[tuple[Job, Answer]]) -> None:
-        usage_records, metric_records = [], []
-        for job, answer in answered:
+        groups: dict[tuple[str, int], list] = {}  # (key, its tasks' tuple) -> [answer, requests, images]
+        for job, answer in answered:  # the requests of a batch asking the same share one tasks tuple
+            group = groups.get((job.flow, id(answer.tasks)))
+            if group is None:
+                group = groups[(job.flow, id(answer.tasks))] = [answer, 0, 0]
+            group[1] += 1
+            group[2] += job.size
+        usage_groups, metric_groups = [], []
+        for (key, _), (answer, n, images) in groups.items():
             adapters = [t for t in answer.tasks if t != BASE_TASK]
-            usage_records.append((job.flow, job.size, (BASE_TASK, *adapters)))
-            metric_records.append((job.flow, job.size, answer.tasks, job.size * len(adapters)))
+            usage_groups.append((key, n, images, (BASE_TASK, *adapters)))
+            metric_groups.append((key, n, images, answer.tasks, images * len(adapters)))
         if usage is not None:
-            usage.record_batch(usage_records)
+            usage.record_batch(usage_groups)
         if metrics is not None:
-            metrics.answered_batch(metric_records)
+            metrics.answered_batch(metric_groups)
 
     return count
 

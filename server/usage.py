@@ -80,14 +80,15 @@ class UsageMeter:
                 tally[0] += 1
                 tally[1] += images
 
-    def record_batch(self, requests: Iterable[tuple[str, int, Iterable[str]]]) -> None:
-        """``record`` for many requests (a batch's), under one lock."""
+    def record_batch(self, groups: Iterable[tuple[str, int, int, Iterable[str]]]) -> None:
+        """``record`` for many requests (a batch's), under one lock, in groups of the same key and
+        tasks: (key, requests, images, tasks)."""
         with self._lock:
-            for key, images, tasks in requests:
+            for key, n, images, tasks in groups:
                 per_task = self._counts.setdefault(key, {})
                 for task in tasks:
                     tally = per_task.setdefault(task, [0, 0])
-                    tally[0] += 1
+                    tally[0] += n
                     tally[1] += images
 
     def close_interval(self) -> None:

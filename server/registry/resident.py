@@ -74,6 +74,12 @@ class ResidentSet:
         self._resident: dict[str, Resident] = {}
         self._order = SegmentedLRU(max_adapters)  # which to evict first
         self._pins: Counter[str] = Counter()
+        # Requests asking the same adapters while all are resident (a burst of one key's, or every
+        # unfiltered request) pin them as a group: the first pins each name (and touches the eviction
+        # order once), the others count on it, O(1) each. ``_changes`` counts what could make a
+        # group's adapters no longer resident as they were; a group pinned before a change takes no one.
+        self._groups: dict[tuple[str, ...], list[int]] = {}  # names -> [requests holding it, _changes then]
+        self._changes = 0
         self._stale: set[str] = set()  # replaced in the registry while pinned: reloaded when next asked
         self._loading: dict[str, Load] = {}
         self._bytes = 0
@@ -146,6 +152,11 @@ class ResidentSet:
         loads, started = [], []
         pins = self._pins
         with self._lock:
+            group = self._groups.get(names)
+            if group is not None and group[1] == self._changes:  # held, and nothing changed since
+                group[0] += 1
+                self._lookup("hit", len(names))
+                return Pin(self._unpin_group, names), []
             for name in names:
                 pins[name] = pins.get(name, 0) + 1
                 if name in self._resident and name not in self._stale:
@@ -158,9 +169,21 @@ class ResidentSet:
                 loads.append((name, load))
             self._lookup("hit", len(names) - len(loads))  # once per request, not per adapter
             self._lookup("miss", len(loads))
+            if not loads and group is None:  # the first of a group: requests asking the same follow
+                self._groups[names] = [1, self._changes]
+                return Pin(self._unpin_group, names), []
         for name, load in started:
             self._pool.submit(self._run, name, load)
         return Pin(self._unpin, names), loads
+
+    def _unpin_group(self, names: tuple[str, ...]) -> None:
+        with self._lock:
+            group = self._groups[names]
+            group[0] -= 1
+            if group[0]:
+                return
+            del self._groups[names]
+        self._unpin(names)
 
     def _unpin(self, names: tuple[str, ...]) -> None:
         with self._lock:
@@ -260,6 +283,7 @@ class ResidentSet:
                 self._resident[name] = resident
                 self._stale.discard(name)
                 self._order.add(name)
+                self._changes += 1
         if victims:
             log.debug("evicted %s to load %s", victims, name)
         self._gauges()
@@ -304,10 +328,12 @@ class ResidentSet:
         with self._lock:
             if self._pins[name] > 0:
                 self._stale.add(name)
+                self._changes += 1
                 return
         self.remove(name)
 
     def _forget(self, name: str) -> None:
+        self._changes += 1
         self._order.forget(name)
         held = self._resident.pop(name, None)
         if held is not None:
