@@ -32,15 +32,17 @@ from tests.server.launcher import ServerProcess
 
 
 def children(supervisor: int) -> tuple[int, list[int]]:
-    """The model process (named ``memvit-model``, or the child started first) and the others."""
+    """The model process (named ``memvit-model``, or the first child the supervisor spawned) and the
+    other spawned children (multiprocessing's resource tracker is none of them)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             comm = (stat.parent / "comm").read_text().strip()
+            spawned = b"spawn_main" in (stat.parent / "cmdline").read_bytes() or comm.startswith("memvit-")
         except OSError:
             continue
-        if int(fields[1]) == supervisor:
+        if int(fields[1]) == supervisor and spawned:
             found.append((comm != "memvit-model", int(fields[19]), int(stat.parent.name)))
     found.sort()
     return found[0][2], [pid for _, _, pid in found[1:]]
