@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     one = rate(lambda: [cpu(b) for b in blobs[:1]], 1, args.rounds, device)
     many = rate(lambda: [cpu(blobs[i % len(blobs)]) for i in range(64)], 64, args.rounds, device)
     print(f"| CPU, Pillow, one thread | {one:.0f} | {many:.0f} |")
-    one = rate(lambda: gpu.decode(batch[:1]), 1, args.rounds, device)
-    many = rate(lambda: gpu.decode(batch), 64, args.rounds, device)
+    one = rate(lambda: gpu.decode_batch(batch[:1]), 1, args.rounds, device)
+    many = rate(lambda: gpu.decode_batch(batch), 64, args.rounds, device)
     print(f"| device decoder on {device} | {one:.0f} | {many:.0f} |")
 
 

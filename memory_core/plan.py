@@ -27,6 +27,7 @@ slot table itself, kept per set and shape: O(1) per pass.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -112,7 +113,11 @@ class PassPlan:
         """The plan on ``device``: on the host, the packed array itself; on CUDA one non-blocking
         copy from a (pinned) host buffer."""
         if device.type == "cpu":
-            return PlanTensors.unpack(torch.from_numpy(self.host), self.shape)
+            if self.host.flags.writeable:
+                return PlanTensors.unpack(torch.from_numpy(self.host), self.shape)
+            with warnings.catch_warnings():  # the kept plan is read-only on purpose; the pass only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                return PlanTensors.unpack(torch.from_numpy(self.host), self.shape)
         buffers = buffers if buffers is not None else HostBuffers()
         buffer = self.buffer
         if buffer is None:

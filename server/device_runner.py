@@ -1,18 +1,18 @@
-"""A batch on the model's device: staged, decoded, run and read back without the host waiting.
+"""A batch on the model's device in three stages, each on its own thread, so that the host prepares
+one batch while the device runs another and a third is read back.
 
-On a GPU the host prepares and collects a batch; the device runs it. ``launch`` (the inference
-thread) queues all of a batch's device work and returns at once:
-- images decoded on the CPU (PNG, WebP, ...) are stacked into a pinned host buffer and copied on a
-  copy stream, so the copy overlaps the previous batch's pass;
-- JPEGs go to the device decoder in one call (server/device_decode.py);
-- the pass (a CUDA graph replay, memory_core/graphs.py) follows them on the compute stream;
-- its logits are cast to float32 and copied into pinned host memory, and an event marks the end.
-``collect`` (another thread) waits for that event and hands the output over, so the batcher
-launches the next batch while this one computes. On a CPU the same calls simply run in turn.
+1. ``decode`` (the decode thread, on the device's *prep* stream): JPEGs decoded on the device with
+   their batch (server/device_decode.py); images decoded on the CPU (PNG, WebP, ...) stacked into a
+   pinned host buffer and copied. An event marks the batch ready.
+2. ``launch`` (the pass thread, on the compute stream): waits for that event on the device (never on
+   the host), runs the pass (a CUDA graph replay, memory_core/graphs.py), then the batch's answers
+   (server/answers.py: a masked softmax and top-k of every row, copied to pinned host memory).
+3. ``collect`` (the collector thread): waits for the batch's last copy and hands the answers over.
 
-A batch that runs out of device memory is split in halves, down to single images, and each part is
-run alone; an image that still does not fit answers 503 with ``Retry-After`` (``DeviceMemoryError``),
-and the server keeps serving. Stage times (copy, decode, pass) come from CUDA events on a GPU.
+On a CPU the same calls run in turn, each when called. A batch that runs out of device memory is
+split in halves, down to single images, and each part is run alone; an image that still does not
+fit answers 503 with ``Retry-After`` (``DeviceMemoryError``), and the server keeps serving. Stage
+times (decode, copy, pass) come from CUDA events on a GPU and never make the host wait.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from memvit.memory_core import AdapterSet, FusedOutput, MemoryViT
+from memvit.memory_core import AdapterSet, MemoryViT, TaskIndex
 from memvit.memory_core.staging import PinnedStaging
 
+from .answers import Answer, BatchAnswers, Want
 from .device_decode import DeviceDecoder, Encoded
 from .errors import DeviceMemoryError, ServiceError
 
@@ -66,13 +68,22 @@ class _Clock:
 
 
 @dataclass
+class Decoded:
+    """A batch's images on the device (queued on the prep stream until ``ready``)."""
+
+    x: Tensor  # (B, C, H, W)
+    failed: dict[int, ServiceError]  # image -> why it has no input
+    clock: _Clock
+    ready: torch.cuda.Event | None
+
+
+@dataclass
 class Launched:
     """A batch whose device work is queued: ``collect`` it."""
 
     size: int
-    parts: list[tuple[int, int, FusedOutput]]  # [lo, hi) of the batch's images, on the host (pending)
-    failed: dict[int, ServiceError]  # image -> why it has no answer
-    done: torch.cuda.Event | None  # recorded after the last copy to the host
+    parts: list[tuple[int, int, BatchAnswers]]  # [lo, hi) of the batch's images, each part's answers
+    failed: dict[int, ServiceError]
     clock: _Clock
 
 
@@ -80,22 +91,41 @@ class Launched:
 class Ran:
     """A batch's answers, on the host."""
 
-    parts: list[tuple[int, int, FusedOutput]]
+    parts: list[tuple[int, int, BatchAnswers]]
     failed: dict[int, ServiceError]
     seconds: dict[str, float]  # stage -> seconds, for the batch
 
-    def slice(self, start: int, stop: int) -> FusedOutput:
-        """The output of images [start, stop) (one request's); raises what answers an image of them
-        that has no output (its decoder's 4xx, or running out of device memory)."""
-        for i in range(start, stop):
-            if i in self.failed:
-                raise self.failed[i]
-        pieces = [
-            out[max(lo, start) - lo : min(hi, stop) - lo]
-            for lo, hi, out in self.parts
-            if lo < stop and start < hi
-        ]
-        return FusedOutput.cat(pieces)
+    def cut(self, want: Want, tasks: Sequence[str] | None, version: int, registered: int) -> Answer:
+        """Images [lo, hi)'s answer (one request's); raises what answers an image of them that has
+        no output (its decoder's 4xx, or running out of device memory)."""
+        if self.failed:
+            for i in range(want.lo, want.hi):
+                if i in self.failed:
+                    raise self.failed[i]
+        if len(self.parts) == 1 and self.parts[0][0] == 0:  # the batch ran whole
+            return self.parts[0][2].cut(want, tasks, version, registered)
+        pieces = []
+        for lo, hi, answers in self.parts:
+            if lo < want.hi and want.lo < hi:  # the part's own image numbers
+                piece = Want(max(lo, want.lo) - lo, min(hi, want.hi) - lo, want.top_k, want.logits)
+                pieces.append(answers.cut(piece, tasks, version, registered))
+        return pieces[0] if len(pieces) == 1 else _joined(pieces)
+
+
+def _joined(pieces: list[Answer]) -> Answer:
+    """The answers of consecutive runs of one request's images (a batch split to fit), as one."""
+    first = pieces[0]
+    logits = None if first.logits is None else np.concatenate([p.logits for p in pieces])
+    return Answer(
+        first.tasks,
+        first.classes,
+        np.concatenate([p.probs for p in pieces]),
+        np.concatenate([p.index for p in pieces]),
+        logits,
+        first.labels,
+        first.version,
+        first.registered,
+    )
 
 
 class DeviceRunner:
@@ -106,51 +136,43 @@ class DeviceRunner:
         self.engine = engine
         self.decoder = decoder
         self.cuda = engine.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(engine.device) if self.cuda else None
+        self.prep = None
+        if self.cuda:  # the decoder's stream when there is one: its barrier covers the copies too
+            self.prep = decoder.stream if decoder is not None else torch.cuda.Stream(engine.device)
         self.staging = PinnedStaging() if self.cuda else None
 
-    def launch(self, items: Sequence[Item], adapter_set: AdapterSet, tasks: list | None) -> Launched:
-        """Queue one batch (``tasks``: per image, or None for every adapter) and return at once."""
+    def run(
+        self, items: Sequence[Item], adapter_set: AdapterSet, tasks: list | None, wants: list[Want]
+    ) -> Ran:
+        """The three stages in turn (tests, and callers that want one batch)."""
+        return self.collect(self.launch(self.decode(items), adapter_set, tasks, wants))
+
+    # -- stage 1: the images on the device ---------------------------------------------------------
+    def decode(self, items: Sequence[Item]) -> Decoded:
         clock = _Clock(self.cuda)
         failed: dict[int, ServiceError] = {}
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.cuda.stream(self.prep) if self.cuda else _nothing():
             x = self._images(items, failed, clock)
-            parts = self._run(x, adapter_set, tasks, 0, len(items), failed, clock)
-            done = None
+            ready = None
             if self.cuda:
-                done = torch.cuda.Event()
-                done.record()
-        return Launched(len(items), parts, failed, done, clock)
+                ready = torch.cuda.Event()
+                ready.record(self.prep)
+        return Decoded(x, failed, clock, ready)
 
-    def collect(self, launched: Launched) -> Ran:
-        """Wait for a launched batch and return its answers."""
-        if launched.done is not None:
-            launched.done.synchronize()
-        return Ran(launched.parts, launched.failed, launched.clock.seconds())
-
-    def run(self, items: Sequence[Item], adapter_set: AdapterSet, tasks: list | None) -> Ran:
-        return self.collect(self.launch(items, adapter_set, tasks))
-
-    # -- the images on the device ------------------------------------------------------------------
     def _images(self, items: Sequence[Item], failed: dict[int, ServiceError], clock: _Clock) -> Tensor:
-        device = self.engine.device
         on_cpu = [i for i, item in enumerate(items) if isinstance(item, Tensor)]
         encoded = [i for i, item in enumerate(items) if not isinstance(item, Tensor)]
         if not encoded:  # every image decoded on the CPU: the staged copy is the batch
-            return torch.stack(list(items)) if not self.cuda else self._copied(list(items), clock)
-        shape = self._shape(items)
-        x = torch.zeros(len(items), *shape, device=device)  # images that fail stay zeros, unread
-        if on_cpu:
-            x.index_copy_(0, self._index(on_cpu), self._copied([items[i] for i in on_cpu], clock))
-        clock.start("decode")
-        decoded = self.decoder.decode([items[i] for i in encoded])
-        ok = [(i, t) for i, t in zip(encoded, decoded, strict=True) if isinstance(t, Tensor)]
-        for i, t in zip(encoded, decoded, strict=True):
-            if not isinstance(t, Tensor):
-                failed[i] = t
-        if ok:
-            x.index_copy_(0, self._index([i for i, _ in ok]), torch.stack([t for _, t in ok]))
-        clock.stop("decode")
+            return self._copied(list(items), clock)
+        clock.start("decode", self.prep)
+        decoded, refused = self.decoder.decode_batch([items[i] for i in encoded])
+        clock.stop("decode", self.prep)
+        failed.update({encoded[i]: why for i, why in refused.items()})
+        if not on_cpu:
+            return decoded
+        x = torch.empty(len(items), *decoded.shape[1:], device=self.engine.device)
+        x.index_copy_(0, self._index(encoded), decoded)
+        x.index_copy_(0, self._index(on_cpu), self._copied([items[i] for i in on_cpu], clock))
         return x
 
     def _index(self, rows: list[int]) -> Tensor:
@@ -161,30 +183,35 @@ class DeviceRunner:
             return index
         return index.pin_memory().to(self.engine.device, non_blocking=True)
 
-    def _shape(self, items: Sequence[Item]) -> tuple[int, ...]:
-        for item in items:
-            if isinstance(item, Tensor):
-                return tuple(item.shape)
-        config = self.engine.data_config()
-        return tuple(config["input_size"])
-
     def _copied(self, images: list[Tensor], clock: _Clock) -> Tensor:
-        """CPU-decoded images on the device: through pinned memory, on the copy stream (GPU)."""
+        """CPU-decoded images on the device: through pinned memory, on the prep stream (GPU)."""
         if not self.cuda:
             return torch.stack(images).to(self.engine.device)
         slot, staged = self.staging.stage((len(images), *images[0].shape), images[0].dtype)
         torch.stack(images, out=staged)
-        clock.start("copy", self.copy_stream)
-        with torch.cuda.stream(self.copy_stream):
-            target = torch.empty(staged.shape, dtype=staged.dtype, device=self.engine.device)
-        self.staging.send(slot, staged, target, stream=self.copy_stream)
-        clock.stop("copy", self.copy_stream)
-        compute = torch.cuda.current_stream(self.engine.device)
-        compute.wait_stream(self.copy_stream)
-        target.record_stream(compute)  # allocated on the copy stream, read on the compute stream
+        clock.start("copy", self.prep)
+        target = torch.empty(staged.shape, dtype=staged.dtype, device=self.engine.device)
+        self.staging.send(slot, staged, target, stream=self.prep)
+        clock.stop("copy", self.prep)
         return target
 
-    # -- the pass ----------------------------------------------------------------------------------
+    # -- stage 2: the pass and its answers ----------------------------------------------------------
+    def launch(
+        self, decoded: Decoded, adapter_set: AdapterSet, tasks: list | None, wants: list[Want]
+    ) -> Launched:
+        """Queue the pass (``tasks``: per image, or None for every adapter) and the batch's answers
+        (``wants``: each request's images and what it wants back); returns at once on a GPU."""
+        x, failed, clock = decoded.x, dict(decoded.failed), decoded.clock
+        with torch.inference_mode():
+            if self.cuda:  # the device waits for the images; the host does not
+                compute = torch.cuda.current_stream(self.engine.device)
+                compute.wait_event(decoded.ready)
+                x.record_stream(compute)  # made on the prep stream: kept until the pass has read it
+            outs = self._run(x, adapter_set, tasks, 0, x.shape[0], failed, clock)
+            labels = self.engine.labels
+            parts = [(lo, hi, BatchAnswers(out, labels, _within(wants, lo, hi))) for lo, hi, out in outs]
+        return Launched(x.shape[0], parts, failed, clock)
+
     def _run(
         self,
         x: Tensor,
@@ -194,13 +221,13 @@ class DeviceRunner:
         hi: int,
         failed: dict[int, ServiceError],
         clock: _Clock,
-    ) -> list[tuple[int, int, FusedOutput]]:
+    ) -> list:
         """Images [lo, hi) through the pass, split in halves while the device runs out of memory."""
         try:
             clock.start("pass")
-            out = self.engine(x[lo:hi], adapter_set, tasks=None if tasks is None else tasks[lo:hi])
+            out = self.engine(x[lo:hi], adapter_set, tasks=_window(tasks, lo, hi, x.shape[0]))
             clock.stop("pass")
-            return [(lo, hi, out.to("cpu", torch.float32, non_blocking=self.cuda))]
+            return [(lo, hi, out)]
         except torch.OutOfMemoryError:
             if self.cuda:
                 torch.cuda.empty_cache()
@@ -216,3 +243,39 @@ class DeviceRunner:
             return self._run(x, adapter_set, tasks, lo, mid, failed, clock) + self._run(
                 x, adapter_set, tasks, mid, hi, failed, clock
             )
+
+    # -- stage 3: on the host -----------------------------------------------------------------------
+    def collect(self, launched: Launched) -> Ran:
+        """Wait for a launched batch's answers (its last copy to the host)."""
+        for _, _, answers in launched.parts:
+            answers.wait()
+        return Ran(launched.parts, launched.failed, launched.clock.seconds())
+
+
+def _window(tasks: TaskIndex | list | None, lo: int, hi: int, n: int) -> TaskIndex | list | None:
+    """Images [lo, hi)'s asks (a batch run in parts)."""
+    if tasks is None or (lo == 0 and hi == n):
+        return tasks
+    if not isinstance(tasks, TaskIndex):
+        return tasks[lo:hi]
+    first, last = int(tasks.offsets[lo]), int(tasks.offsets[hi])
+    return TaskIndex(tasks.offsets[lo : hi + 1] - first, tasks.tasks[first:last], tasks.adapter_set)
+
+
+def _within(wants: list[Want], lo: int, hi: int) -> list[Want]:
+    """The requests' wants on images [lo, hi) of the batch, numbered from lo."""
+    if lo == 0 and all(w.hi <= hi for w in wants):
+        return wants
+    return [
+        Want(max(w.lo, lo) - lo, min(w.hi, hi) - lo, w.top_k, w.logits)
+        for w in wants
+        if w.lo < hi and lo < w.hi
+    ]
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -2,9 +2,11 @@
 number of calls in flight, answered in any order.
 
 A frame is a 4-byte length and a pickle: ``(call id, method, args, kwargs)`` one way, ``(call id,
-ok, result)`` the other. Both ends are this package's own processes, started together by one
-supervisor (server/frontend/), on a socket in a directory only they can reach; large payloads (the
-uploads) go through shared memory (server/shm_arena.py) and only their tickets through here. An
+ok, result)`` the other. The model process's side reads and writes on threads of its own (no event
+loop on the data path); an API process's side is its event loop's. Both ends are this package's own
+processes, started together by one supervisor (server/frontend/), on a socket in a directory only
+they can reach; large payloads (the uploads) go through shared memory (server/shm_arena.py) and
+only their tickets through here. An
 error raised by a handler comes back as the same exception class with the same message and field,
 so an API process answers it exactly as the model process would have (server/errors.py).
 """
@@ -17,7 +19,9 @@ import contextvars
 import itertools
 import logging
 import pickle
+import socket
 import struct
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from .errors import RetryLaterError
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!I")
 Handler = Callable[..., Awaitable[Any]]
+NOTIFY = -1  # the call id of a call nobody waits for
 # Which connection a handler is serving (set per connection; tasks inherit it): state a handler keeps
 # for one API process (its admitted requests, its images on their way) is dropped when it goes away.
 current_peer: contextvars.ContextVar[int] = contextvars.ContextVar("current_peer", default=-1)
@@ -60,74 +65,184 @@ def _unpack_error(packed: tuple[type, tuple, dict]) -> BaseException:
     return exc
 
 
+class Connection:
+    """One API process's connection, in the model process: answers leave through a writer thread,
+    every answer ready at once in one write."""
+
+    def __init__(self, sock: socket.socket, peer: int) -> None:
+        self.sock, self.peer = sock, peer
+        self._out: list[bytes] = []
+        self._ready = threading.Condition()
+        self._closed = False
+        self._writer = threading.Thread(target=self._write, name=f"link-write-{peer}", daemon=True)
+        self._writer.start()
+
+    def answer(self, call_id: int, ok: bool, result: Any) -> None:
+        if call_id >= 0:  # a notification (NOTIFY) is answered by nobody
+            self.send([_frame((call_id, ok, result))])
+
+    def fail(self, call_id: int, exc: BaseException) -> None:
+        if not getattr(exc, "expected", False) and getattr(exc, "status", 500) >= 500:
+            log.error("link call failed", exc_info=exc)
+        self.answer(call_id, False, _pack_error(exc))
+
+    def failure(self, call_id: int, exc: BaseException) -> bytes:
+        """The frame that answers ``call_id`` with ``exc`` (to send with others)."""
+        if not getattr(exc, "expected", False) and getattr(exc, "status", 500) >= 500:
+            log.error("link call failed", exc_info=exc)
+        return _frame((call_id, False, _pack_error(exc)))
+
+    def send(self, frames: list[bytes]) -> None:
+        with self._ready:
+            if not self._closed:
+                self._out.extend(frames)
+                self._ready.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self._ready:
+                while not self._out and not self._closed:
+                    self._ready.wait()
+                if self._closed and not self._out:
+                    return
+                data, self._out = b"".join(self._out), []
+            try:
+                self.sock.sendall(data)
+            except OSError:  # the API process went away: its reader says so
+                return
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+
+Inline = Callable[..., None]  # (connection, call id, *args): answers through the connection, later
+
+
 class LinkServer:
-    """The model process's side: ``handlers`` by method name, served on a Unix socket at ``path``."""
+    """The model process's side, on a Unix socket at ``path``: a thread per connection reads its
+    frames. A call named in ``inline`` runs on that thread (the data path's calls: they queue work and
+    return at once; their answers come later from whichever thread has them); every other handler
+    runs on ``loop``, the process's event loop (the control path: registrations, limits). No frame of
+    the data path goes through an event loop."""
 
     def __init__(
         self,
         path: Path,
         handlers: Mapping[str, Handler],
+        *,
+        loop: asyncio.AbstractEventLoop,
+        inline: Mapping[str, Inline] | None = None,
         on_disconnect: Callable[[int], None] | None = None,
     ) -> None:
         """``on_disconnect(peer)``: a connection closed (``current_peer`` named it in its calls)."""
         self.path = Path(path)
-        self.handlers = dict(handlers)
-        self.on_disconnect = on_disconnect
+        self.handlers, self.inline = dict(handlers), dict(inline or {})
+        self.loop, self.on_disconnect = loop, on_disconnect
         self._peers = itertools.count()
-        self._server: asyncio.base_events.Server | None = None
-        self._calls: set[asyncio.Task] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._listener: socket.socket | None = None
+        self._connections: dict[int, Connection] = {}
+        self._lock = threading.Lock()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._connection, path=str(self.path))
+        with contextlib.suppress(FileNotFoundError):  # a socket left by a model process that was killed
+            self.path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.path))
+        listener.listen(256)
+        self._listener = listener
+        threading.Thread(target=self._accept, name="link-accept", daemon=True).start()
 
     async def close(self) -> None:
-        for task in list(self._calls):
-            task.cancel()
-        if self._server is not None:
-            self._server.close()
-            for writer in list(self._writers):  # wait_closed waits for every connection to end
-                writer.close()
-            await self._server.wait_closed()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            connections = list(self._connections.values())
+        for connection in connections:
+            connection.close()
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        peer = next(self._peers)
-        current_peer.set(peer)  # this connection's task: the calls it starts inherit it
+    def broadcast(self, method: str, *args: Any, skip: int | None = None) -> list[int]:
+        """A notice to every connected API process (but ``skip``); the peers it went to."""
+        frame = _frame((NOTIFY, method, args))
+        with self._lock:
+            connections = [c for peer, c in self._connections.items() if peer != skip]
+        for connection in connections:
+            connection.send([frame])
+        return [c.peer for c in connections]
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            peer = next(self._peers)
+            connection = Connection(sock, peer)
+            with self._lock:
+                self._connections[peer] = connection
+            threading.Thread(
+                target=self._read, args=(connection,), name=f"link-read-{peer}", daemon=True
+            ).start()
+
+    def _read(self, connection: Connection) -> None:
+        sock, buffer = connection.sock, bytearray()
         try:
-            while True:
-                call_id, method, args, kwargs = await _read(reader)
-                task = asyncio.create_task(self._call(writer, call_id, method, args, kwargs))
-                self._calls.add(task)
-                task.add_done_callback(self._calls.discard)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the API process went away; its calls in flight finish and find no one to answer
+            while chunk := sock.recv(1 << 20):
+                buffer += chunk
+                offset = 0
+                while len(buffer) - offset >= _LENGTH.size:
+                    (n,) = _LENGTH.unpack_from(buffer, offset)
+                    end = offset + _LENGTH.size + n
+                    if len(buffer) < end:
+                        break
+                    self._dispatch(connection, pickle.loads(buffer[offset + _LENGTH.size : end]))
+                    offset = end
+                del buffer[:offset]
+        except OSError:
+            pass  # the API process went away; its calls in flight find no one to answer
         finally:
-            self._writers.discard(writer)
-            writer.close()
+            connection.close()
+            with self._lock:
+                self._connections.pop(connection.peer, None)
             if self.on_disconnect is not None:
-                self.on_disconnect(peer)
+                self.on_disconnect(connection.peer)
+
+    def _dispatch(self, connection: Connection, message: tuple) -> None:
+        call_id, method, args, kwargs = message
+        inline = self.inline.get(method)
+        if inline is not None:
+            try:
+                inline(connection, call_id, *args, **kwargs)
+            except Exception as exc:  # answered as itself
+                connection.fail(call_id, exc)
+            return
+        asyncio.run_coroutine_threadsafe(self._call(connection, call_id, method, args, kwargs), self.loop)
 
     async def _call(
-        self, writer: asyncio.StreamWriter, call_id: int, method: str, args: tuple, kwargs: dict
+        self, connection: Connection, call_id: int, method: str, args: tuple, kwargs: dict
     ) -> None:
+        current_peer.set(connection.peer)  # this call's task: state kept per API process
         try:
             handler = self.handlers[method]
-            answer = (call_id, True, await handler(*args, **kwargs))
+            result = await handler(*args, **kwargs)
         except Exception as exc:  # answered as itself; unexpected ones are logged here too
-            if not getattr(exc, "expected", False) and getattr(exc, "status", 500) >= 500:
-                log.exception("link call %s failed", method)
-            answer = (call_id, False, _pack_error(exc))
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            writer.write(_frame(answer))
-            await writer.drain()
+            connection.fail(call_id, exc)
+            return
+        connection.answer(call_id, True, result)
 
 
 class LinkClient:
     """An API process's side: ``await client.call("method", ...)`` from any task of its event loop."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, on_notice: Callable[..., None] | None = None) -> None:
+        """``on_notice(method, *args)``: a notice the model process sends on its own (``broadcast``)."""
         self.path = Path(path)
+        self.on_notice = on_notice
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -142,17 +257,27 @@ class LinkClient:
         self._reader_task = asyncio.create_task(self._answers(reader), name="link-answers")
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        future = self.send(method, *args, **kwargs)
+        await self._writer.drain()
+        return await future
+
+    def send(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+        """The call's frame written now (so calls and notifications leave in the order they are made);
+        the future of its answer."""
         if not self.connected:
             raise LinkDownError("the model process is not reachable yet; retry shortly")
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        try:
-            self._writer.write(_frame((call_id, method, args, kwargs)))
-            await self._writer.drain()
-            return await future
-        finally:
-            self._pending.pop(call_id, None)
+        future.add_done_callback(lambda _: self._pending.pop(call_id, None))
+        self._writer.write(_frame((call_id, method, args, kwargs)))
+        return future
+
+    def notify(self, method: str, *args: Any) -> None:
+        """A call nobody waits for (its answer is never sent): a delivery, a release."""
+        if not self.connected:
+            raise LinkDownError("the model process is not reachable; retry shortly")
+        self._writer.write(_frame((NOTIFY, method, args, {})))
 
     async def wait_closed(self) -> None:
         """Until the link closes (the model process went away, or ``close``)."""
@@ -163,6 +288,10 @@ class LinkClient:
         try:
             while True:
                 call_id, ok, result = await _read(reader)
+                if call_id == NOTIFY:  # the model process's own notice: (NOTIFY, method, args)
+                    if self.on_notice is not None:
+                        self.on_notice(ok, *result)
+                    continue
                 future = self._pending.get(call_id)
                 if future is None or future.done():
                     continue  # the caller gave up (its client went away)

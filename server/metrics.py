@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -104,30 +104,59 @@ class Metrics:
         )
         self._key_metrics = (self.key_requests, self.key_images, self.key_adapter_rows)
         self._per_key: dict[str, tuple] = {}
+        self._per_task: dict[str, tuple] = {}  # a task's label -> its two series
         self.ready = Gauge("memvit_ready", "1 once the model and the adapter store are loaded", registry=r)
 
     def answered(self, key: str, images: int, tasks: Iterable[str], rows: int) -> None:
         """One request of ``key`` answered: ``images`` images for each of the ``tasks`` it asked for,
         ``rows`` adapter rows computed."""
-        tasks = list(tasks)
-        self.task_labels.asked(tasks)
-        for task in tasks:
-            label = self.task_labels.label(task)
-            self.task_requests.labels(label).inc()
-            self.task_images.labels(label).inc(images)
-        counters = self._per_key.get(key)
-        if counters is None:  # a label lookup takes a lock: once per key, not per request
-            counters = self._per_key[key] = tuple(m.labels(key) for m in self._key_metrics)
-        requests, answered_images, adapter_rows = counters
-        requests.inc()
-        answered_images.inc(images)
-        adapter_rows.inc(rows)
+        self.answered_batch([(key, 1, images, tuple(tasks), rows)])
+
+    def answered_batch(self, groups: Iterable[tuple[str, int, int, Sequence[str], int]]) -> None:
+        """Many requests answered (a batch's), in groups of the same key and tasks: (key, requests,
+        images, tasks, adapter rows), each series incremented once however many requests it counts."""
+        per_task: dict[str, list[int]] = {}  # task -> [requests, images]
+        per_key: dict[str, list[int]] = {}  # key -> [requests, images, adapter rows]
+        for key, n, images, tasks, rows in groups:
+            for task in tasks:
+                tally = per_task.get(task)
+                if tally is None:
+                    tally = per_task[task] = [0, 0]
+                tally[0] += n
+                tally[1] += images
+            tally = per_key.get(key)
+            if tally is None:
+                tally = per_key[key] = [0, 0, 0]
+            tally[0] += n
+            tally[1] += images
+            tally[2] += rows
+        self.task_labels.asked_counts({task: tally[0] for task, tally in per_task.items()})
+        per_label: dict[str, list[int]] = {}
+        for task, (n, images) in per_task.items():
+            tally = per_label.setdefault(self.task_labels.label(task), [0, 0])
+            tally[0] += n
+            tally[1] += images
+        for label, (n, images) in per_label.items():
+            series = self._per_task.get(label)
+            if series is None:  # a label lookup takes a lock: once per series, not per request
+                series = (self.task_requests.labels(label), self.task_images.labels(label))
+                self._per_task[label] = series
+            series[0].inc(n)
+            series[1].inc(images)
+        for key, (n, images, rows) in per_key.items():
+            counters = self._per_key.get(key)
+            if counters is None:
+                counters = self._per_key[key] = tuple(m.labels(key) for m in self._key_metrics)
+            counters[0].inc(n)
+            counters[1].inc(images)
+            counters[2].inc(rows)
 
     def render(self) -> bytes:
         self.task_labels.refresh(self._drop_task)
         return generate_latest(self.registry)
 
     def _drop_task(self, task: str) -> None:
+        self._per_task.pop(task, None)
         for counter in (self.task_requests, self.task_images):
             with contextlib.suppress(KeyError):  # never counted under its own label
                 counter.remove(task)

@@ -1,87 +1,64 @@
-"""POST /classify from uploaded bytes to the response: decode -> batch -> fused pass -> predictions.
+"""POST /classify's request side: read, check, answer. What runs the pass is a runner's (server/runner.py).
 
-One object owns the whole path from checked input (``deps.classify_input``: the image count, and the
-tasks against the registry, before anything is decoded) to the response, so that its rules live
-together:
+One object owns the path from checked input (``deps.classify_input``: the image count, and the tasks
+against the registry, before anything is decoded) to the response, the same in one process and in an
+API process (only the runner differs: in-process, or across the link to the model process):
 - each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop,
   each key's images taken in turn by the service the key received (``FairPool``), not first come;
-  with a device decoder, the pool only checks each upload (caps, bombs, header, orientation) and
+  with the device decoder, the pool only checks each upload (caps, bombs, header, orientation) and
   JPEGs are decoded on the model's device with their batch (server/device_decode.py);
-- while they decode, the adapters asked for are made resident (loaded from the store if they are
-  not) and pinned until the batch has run, so no other request's cold load evicts them;
-- the images are announced to the batcher while they decode, so a forming batch waits for them;
-- the batch's snapshot answers or refuses the tasks (an adapter removed meanwhile gives a 422 naming
-  it, never a wrong or missing answer: server/batching.py);
-- the response is built from the one snapshot that computed every logit in it;
-- the request's stages (decode, queue, the batch's copy and pass) are timed (server/stages.py);
-- what was computed is counted for the key that asked (usage per key and task, server/usage.py;
-  bounded metrics, server/metrics.py), whichever protocol asked.
+- the runner starts before the images are decoded (it pins the adapters and announces the images);
+- the response is built from the one ``Answer`` the runner returns (server/answers.py): numbers
+  computed for the whole batch at once, cut for this request with one index; here only the response
+  objects are built, one Python list per array, not a softmax or a ``.tolist()`` per task;
+- the request's stages (receive, decode, and the runner's queue, copy and pass) are timed
+  (server/stages.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 
 import torch
 from fastapi import UploadFile
-from torch import Tensor
 
-from memvit.memory_core import BASE_TASK, FusedOutput
-
-from .batching import DynamicBatcher
-from .device_decode import DeviceDecoder
+from .answers import Answer, Labels
 from .device_runner import Item
 from .edge.body import read_upload
-from .errors import ImageTooLargeError, NonFiniteOutputError
+from .errors import ImageTooLargeError
 from .fair_queue import FairPool
-from .images import ImageDecoder
-from .metrics import Metrics
-from .registry import AdapterRegistry, Pin
+from .runner import ANONYMOUS, Ask, Images, Runner, Tenant
 from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
 from .stages import current_stages
-from .usage import UsageMeter
 
+__all__ = ["ANONYMOUS", "Ask", "ClassifyPipeline", "Tenant"]
 
-@dataclass(frozen=True)
-class Tenant:
-    """Whose request it is: a key's id (``admin``, ``anonymous``) and its weight in the fair queues."""
-
-    id: str = "anonymous"
-    weight: float = 1.0
-
-
-ANONYMOUS = Tenant()
+Decode = Callable[[bytes, str], Item]  # one upload -> its image (C, H, W), or a JPEG left encoded
 
 
 class ClassifyPipeline:
+    """``decode``: what a decode worker does with one upload (``ImageDecoder``, or the device path's
+    ``JpegCheck``); ``stack``: whether its images are stacked (every one decoded here)."""
+
     def __init__(
         self,
-        registry: AdapterRegistry,
-        decoder: ImageDecoder,
-        batcher: DynamicBatcher,
+        runner: Runner,
+        decode: Decode,
         decode_pool: Executor,
         *,
         max_image_bytes: int,
+        stack: bool = True,
         decode_order: FairPool | None = None,
-        metrics: Metrics | None = None,
-        usage: UsageMeter | None = None,
-        device_decoder: DeviceDecoder | None = None,
     ) -> None:
-        self.registry = registry
-        self.engine = registry.engine
-        self.decoder = decoder
-        self.batcher = batcher
+        self.runner = runner
+        self.decoder = decode
         self.decode_pool = decode_pool
+        self.stack = stack
         self.decode_order = decode_order  # each key's images in turn on ``decode_pool``; None: first come
         self.max_image_bytes = max_image_bytes
-        self.metrics = metrics
-        self.usage = usage
-        self.device_decoder = device_decoder  # None: every image decoded on the CPU workers
 
     async def __call__(
         self,
@@ -97,49 +74,21 @@ class ClassifyPipeline:
         stages = current_stages()
         if stages is not None:
             stages.received()  # FastAPI has parsed the multipart body
-        out = await self.run(self._uploads(uploads, names, tenant), len(names), tasks, tenant)
-        return self.respond(out, names, tasks, top_k=top_k, logits=logits)
+        ask = Ask(len(names), tasks, tenant, top_k=top_k, logits=logits)
+        answer = await self.run(ask, self._uploads(uploads, names, tenant))
+        return respond(answer, names, top_k=top_k, logits=logits)
 
-    async def run(
-        self,
-        images: Awaitable[Tensor | Sequence[Item]],
-        count: int,
-        tasks: list[str] | None,
-        tenant: Tenant = ANONYMOUS,
-    ) -> FusedOutput:
-        """``count`` images (decoding, or already preprocessed) through one batched fused pass, queued
-        as ``tenant``'s (its share of the passes by its weight), and counted as its usage.
+    async def run(self, ask: Ask, images) -> Answer:
+        """The runner's answer, its stages added to the request's."""
+        answer = await self.runner.run(ask, images)
+        stages = current_stages()
+        if stages is not None:  # the request's Server-Timing and stage metrics: the pass's stages too
+            for stage, seconds in answer.stages.items():
+                stages.add(stage, seconds)
+            stages.answered = time.perf_counter()
+        return answer
 
-        Routed: these images pay for the adapters asked for, not for every one resident. Their adapters
-        are made resident and pinned while the images decode, and stay pinned until the batch has run.
-        The batch's snapshot refuses any of them deleted since the request's tasks were checked."""
-        adapters = None if tasks is None else [t for t in tasks if t != BASE_TASK]
-        # Unfiltered (a small registry): every adapter, less any deleted meanwhile or invalid here.
-        wanted = self.registry.all_names() if adapters is None else adapters
-        pinning = asyncio.ensure_future(self.registry.acquire_async(wanted, optional=adapters is None))
-
-        async def ready() -> Tensor | Sequence[Item]:
-            decoded = await images
-            await pinning  # resident and pinned before the images are queued
-            return decoded
-
-        try:
-            out = await self.batcher.run(
-                count, ready(), adapters, flow=tenant.id, weight=tenant.weight, stages=current_stages()
-            )
-        finally:
-            await _unpin(pinning)
-        computed = [BASE_TASK, *out.adapters]  # what the pass computed for these images, no more
-        if self.usage is not None:
-            self.usage.record(tenant.id, count, computed)
-        if self.metrics is not None:  # per task asked (base too, when asked), and per key
-            asked = computed if tasks is None else [t for t in dict.fromkeys(tasks) if t in computed]
-            self.metrics.answered(tenant.id, count, asked, rows=count * len(out.adapters))
-        return out
-
-    async def _uploads(
-        self, uploads: Sequence[UploadFile], names: list[str], tenant: Tenant
-    ) -> Tensor | list[Item]:
+    async def _uploads(self, uploads: Sequence[UploadFile], names: list[str], tenant: Tenant) -> Images:
         """Every upload read, each with its byte cap, then decoded."""
         blobs = []
         limit = self.max_image_bytes
@@ -150,15 +99,15 @@ class ClassifyPipeline:
 
     async def decode(
         self, blobs: Sequence[bytes], names: Sequence[str], tenant: Tenant = ANONYMOUS
-    ) -> Tensor | list[Item]:
-        """Encoded images decoded in the pool, in ``tenant``'s turn -> (n, C, H, W); with a device
+    ) -> Images:
+        """Encoded images decoded in the pool, in ``tenant``'s turn -> (n, C, H, W); with the device
         decoder, one item per image instead: a JPEG checked and left encoded for the device, or
         anything else decoded here."""
         loop = asyncio.get_running_loop()
-        decode = self.decoder if self.device_decoder is None else self.device_decoder.prepare
+        decode = self.decoder
         started = time.perf_counter()
 
-        def one(data: bytes, name: str) -> asyncio.Future[Tensor]:
+        def one(data: bytes, name: str) -> asyncio.Future[Item]:
             if self.decode_order is None:
                 return loop.run_in_executor(self.decode_pool, decode, data, name)
             return self.decode_order.submit(tenant.id, tenant.weight, decode, data, name)
@@ -173,52 +122,31 @@ class ClassifyPipeline:
         for result in decoded:
             if isinstance(result, BaseException):
                 raise result  # the first bad image names itself
-        if self.device_decoder is not None:
-            return decoded
-        return torch.stack(decoded)
-
-    def respond(
-        self, out: FusedOutput, names: list[str], wanted: list[str] | None, *, top_k: int, logits: bool
-    ) -> ClassifyResponse:
-        """Logits of ``len(names)`` images -> the top ``top_k`` labels of each wanted task."""
-        adapter_set = out.adapter_set
-        task_logits = out.logits()
-        per_task = {}
-        for task in wanted or list(task_logits):
-            values = task_logits[task]  # (n, C)
-            labels = self.engine.labels if task == BASE_TASK else adapter_set[task].weights.labels
-            if not torch.isfinite(
-                values
-            ).all():  # refused at registration; float16 serving could still overflow
-                raise NonFiniteOutputError(
-                    f"task {task!r} produced non-finite logits; not answering with null"
-                )
-            top = values.softmax(-1).topk(min(top_k, values.shape[-1]), dim=-1)
-            per_task[task] = (values, top, labels)
-        results = []
-        for i, name in enumerate(names):
-            answers = {}
-            for task, (values, top, task_labels) in per_task.items():
-                predictions = [
-                    Prediction(label=_label(task_labels, int(j)), index=int(j), probability=float(p))
-                    for p, j in zip(top.values[i], top.indices[i], strict=True)
-                ]
-                answers[task] = TaskResult(
-                    predictions=predictions, logits=values[i].tolist() if logits else None
-                )
-            results.append(ImageResult(image=name, tasks=answers))
-        registry = self.registry.info(adapter_set.version)
-        info = RegistryInfo(version=registry.version, adapters=registry.adapters)
-        return ClassifyResponse(registry=info, tasks=list(per_task), results=results)
+        return torch.stack(decoded) if self.stack else decoded
 
 
-async def _unpin(pinning: asyncio.Future[Pin]) -> None:
-    """Release a request's pin once its batch has run (or it failed): the load may still be going."""
-    if not pinning.done():
-        pinning.cancel()  # acquire_async releases what it pinned when cancelled
-    with contextlib.suppress(Exception, asyncio.CancelledError):
-        (await pinning).release()
+def respond(answer: Answer, names: list[str], *, top_k: int, logits: bool) -> ClassifyResponse:
+    """An ``Answer`` -> the response: each image's top ``top_k`` labels of each task it asked for.
+    One ``tolist`` per array for the whole request; then only the response objects."""
+    tasks, classes = answer.tasks, answer.classes.tolist()
+    probs, index = answer.probs.tolist(), answer.index.tolist()  # (n, T, k) nested lists
+    raw = answer.logits.tolist() if logits and answer.logits is not None else None
+    keep = [min(top_k, c) for c in classes]
+    results = []
+    for i, name in enumerate(names):
+        answers = {}
+        for t, task in enumerate(tasks):
+            labels = answer.labels[t]
+            predictions = [
+                Prediction.model_construct(label=_label(labels, j), index=j, probability=p)
+                for p, j in zip(probs[i][t][: keep[t]], index[i][t][: keep[t]], strict=True)
+            ]
+            values = raw[i][t][: classes[t]] if raw is not None else None
+            answers[task] = TaskResult.model_construct(predictions=predictions, logits=values)
+        results.append(ImageResult.model_construct(image=name, tasks=answers))
+    info = RegistryInfo.model_construct(version=answer.version, adapters=answer.registered)
+    return ClassifyResponse.model_construct(registry=info, tasks=list(tasks), results=results)
 
 
-def _label(labels: tuple[str, ...] | None, index: int) -> str:
+def _label(labels: Labels, index: int) -> str:
     return labels[index] if labels is not None and index < len(labels) else f"class_{index}"

@@ -110,12 +110,16 @@ class Reader:
 
     def view(self, ticket: Ticket) -> memoryview:
         """The payload's bytes, in place: valid until the writer frees the ticket."""
-        with self._lock:
-            memory = self._open.get(ticket.arena)
-            if memory is None:
-                memory = _attach(ticket.arena)
-                self._open[ticket.arena] = memory
-        return memory.buf[ticket.offset : ticket.offset + ticket.length]
+        return self.view_at(ticket.arena, ticket.offset, ticket.length)
+
+    def view_at(self, arena: str, offset: int, length: int) -> memoryview:
+        memory = self._open.get(arena)
+        if memory is None:
+            with self._lock:
+                memory = self._open.get(arena)
+                if memory is None:
+                    memory = self._open[arena] = _attach(arena)
+        return memory.buf[offset : offset + length]
 
     def read(self, ticket: Ticket) -> bytes:
         return bytes(self.view(ticket))

@@ -11,33 +11,37 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from memvit.memory_core import LiveAdapters, MemoryViT
-
-from .batching import DynamicBatcher
 from .metrics import Metrics
-from .pipeline import ClassifyPipeline
-from .registry import AdapterRegistry
 from .settings import Settings
-from .usage import UsageMeter
+
+if TYPE_CHECKING:
+    from .engine_loop import EngineLoop
+    from .pipeline import ClassifyPipeline
 
 
 @dataclass(frozen=True)
 class Service:
-    """The loaded model, its live adapter set, its adapter registry and the /classify pipeline."""
+    """What the routes serve from (server/service.py assembles it). In the process that holds the
+    model: the engine, its live adapter set, the registry, the usage meter and the engine loop; in an
+    API process, their stand-ins (server/frontend/remote.py) and no engine loop."""
 
-    engine: MemoryViT
-    live: LiveAdapters  # the resident adapters, served now; ``registry`` decides which they are
-    registry: AdapterRegistry
+    engine: Any  # MemoryViT, or an API process's EngineInfo
+    live: Any  # LiveAdapters: the resident adapters, served now; ``registry`` decides which they are
+    registry: Any  # AdapterRegistry, or an API process's RemoteRegistry
     pipeline: ClassifyPipeline
-    batcher: DynamicBatcher
     decode_pool: ThreadPoolExecutor
-    usage: UsageMeter  # usage per key, written beside the adapters (its log is None when off)
+    usage: Any  # UsageMeter: usage per key, written beside the adapters (its log is None when off)
+    engine_loop: EngineLoop | None = None
 
     async def close(self) -> None:
-        await self.batcher.stop()
+        if self.engine_loop is not None:
+            await asyncio.to_thread(self.engine_loop.stop)
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
-        self.registry.close()
+        close = getattr(self.registry, "close", None)
+        if close is not None:
+            close()
 
 
 @dataclass

@@ -75,6 +75,13 @@ class TaskLabels:
                 if task != BASE_TASK and task not in self.named and task != OTHER:
                     self._asked.add(task)
 
+    def asked_counts(self, counts: dict[str, int]) -> None:
+        """``asked`` for many requests: ``counts[task]`` requests asked for ``task``."""
+        with self._lock:
+            for task, n in counts.items():
+                if task != BASE_TASK and task not in self.named and task != OTHER:
+                    self._asked.add(task, n)
+
     def refresh(self, drop: Callable[[str], None]) -> None:
         """Choose the top tasks again; ``drop(task)`` removes the series of each that lost its own."""
         with self._lock:

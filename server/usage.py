@@ -80,6 +80,17 @@ class UsageMeter:
                 tally[0] += 1
                 tally[1] += images
 
+    def record_batch(self, groups: Iterable[tuple[str, int, int, Iterable[str]]]) -> None:
+        """``record`` for many requests (a batch's), under one lock, in groups of the same key and
+        tasks: (key, requests, images, tasks)."""
+        with self._lock:
+            for key, n, images, tasks in groups:
+                per_task = self._counts.setdefault(key, {})
+                for task in tasks:
+                    tally = per_task.setdefault(task, [0, 0])
+                    tally[0] += n
+                    tally[1] += images
+
     def close_interval(self) -> None:
         """End the interval now: what was counted becomes a record to write (none if nothing was)."""
         now = self._clock()

@@ -22,36 +22,27 @@ import os
 import shutil
 import signal
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import torch
 import uvicorn
 
-from ..app import create_app, device_decoder_for, start_service
-from ..fair_queue import FairPool
-from ..images import ImageDecoder
+from ..app import create_app
 from ..link import LinkDownError
+from ..service import assemble, start_service
 from ..settings import Settings
 from ..shm_arena import Arena
-from ..state import AppState
+from ..state import AppState, Service
 from ..store import open_store
 from ..task_labels import TaskLabels
 from ..timeouts import header_timeout_protocol
 from ..usage_log import usage_log_for
+from .labels import LabelCache
 from .limits import RemoteLimiter, ShareLimiter
 from .listen import Able, ListenWhenAble, bound
 from .model_process import SOCKET, die_with_parent
-from .remote import (
-    EngineInfo,
-    ModelLink,
-    RemotePipeline,
-    RemoteRegistry,
-    RemoteService,
-    RemoteUsage,
-    ResidentCount,
-)
+from .remote import EngineInfo, ModelLink, RemoteRegistry, RemoteRunner, RemoteUsage, ResidentCount
 from .shared_metrics import SharedMetrics
 
 log = logging.getLogger("memvit.server.api")
@@ -79,7 +70,7 @@ def arena_size(processes: int) -> int:
 async def follow_model(state: AppState, link: ModelLink, processes: int, ready: Callable[[], None]) -> None:
     """``state.service`` from the model process while it answers, None while it does not."""
     settings, metrics = state.settings, state.metrics
-    service: RemoteService | None = None
+    service: Service | None = None
     size = arena_size(processes)
     arena = Arena(size) if size >= 1 << 20 else None
     try:
@@ -121,35 +112,32 @@ async def follow_model(state: AppState, link: ModelLink, processes: int, ready: 
                 arena.close()
 
 
-def _build(settings: Settings, link: ModelLink, arena: Arena | None, info: dict) -> RemoteService:
+def _build(settings: Settings, link: ModelLink, arena: Arena | None, info: dict) -> Service:
+    """The service as this process has it: the request side (``service.assemble``, as one process's)
+    around a runner across the link. No weights, and no CUDA context: it never touches the GPU."""
     engine = EngineInfo(info)
     store = open_store(settings.adapter_store)
     registry = RemoteRegistry(
         link, engine, store, max_bundle_bytes=settings.max_bundle_bytes, max_tasks=info["max_tasks"]
     )
     registry.open()
-    decoder = ImageDecoder(
-        engine,  # type: ignore[arg-type]  # the decoder reads only the preprocessing
-        max_bytes=settings.max_image_bytes,
-        max_pixels=settings.max_image_pixels,
-        decode=settings.decode,
-    )
-    pool = ThreadPoolExecutor(max_workers=settings.decode_threads, thread_name_prefix="decode")
-    pipeline = RemotePipeline(
-        registry,
-        decoder,
-        pool,
-        link,
-        arena,
-        max_image_bytes=settings.max_image_bytes,
-        decode_order=FairPool(pool) if settings.fair_batching else None,
-        device_decoder=device_decoder_for(settings, engine, decoder),  # type: ignore[arg-type]
-    )
+    link.registry = registry  # refreshed when another process changes the registry
+
+    def catalog_labels(name: str) -> tuple[str, ...] | None:
+        entry = registry.catalog.get(name)
+        return entry.labels if entry is not None and entry.labels else None
+
+    async def ask(keys: list[bytes]) -> dict[bytes, tuple[str, ...]]:
+        return await link.call("labels", keys)
+
+    runner = RemoteRunner(link, arena, registry, LabelCache(engine.labels, catalog_labels, ask))
     usage = RemoteUsage(usage_log_for(store) if settings.usage_log else None)
-    return RemoteService(engine, ResidentCount(), registry, pipeline, pool, usage)
+    return assemble(
+        settings, engine=engine, live=ResidentCount(), registry=registry, runner=runner, usage=usage
+    )
 
 
-async def _poll(service: RemoteService, link: ModelLink, seconds: float) -> None:
+async def _poll(service: Service, link: ModelLink, seconds: float) -> None:
     """The catalog replica follows the store's journal, as another replica's would."""
     while True:
         await asyncio.sleep(seconds)

@@ -1,12 +1,21 @@
-"""The model process: the engine, the registry and its resident set, the batcher, the usage meter and
-the keys' limits, behind a Unix socket that the API processes call (server/link.py).
+"""The model process: the engine, the registry and its resident set, the engine loop, the usage meter
+and the keys' limits, behind a Unix socket that the API processes call (server/link.py).
 
-It is the single-process server's service (``app.start_service``), without HTTP. ``run`` is
-``ClassifyPipeline.run`` for a request an API process is decoding: it starts at once, so the
-adapters are pinned and the images announced to the batcher while they decode (as in one process),
-and its awaitable resolves when ``deliver`` brings the decoded images (server/frontend/wire.py).
-What goes back is the request's logits and each adapter's labels from the snapshot that answered;
-usage and the per-key and per-task metrics are counted here, where the pass ran.
+It is the single-process server's service (``service.start_service``) without HTTP, and it only
+forms batches: no event loop stands between a request and its pass. A request is two frames from an
+API process, read by that connection's thread:
+
+- ``run``: the runner's work starts at once (as ``LocalRunner``'s does in one process): the adapters
+  asked for pinned (loaded first, on the loader's threads, if they are not resident) and the images
+  announced to the engine loop, so a forming batch waits for them while the API process decodes;
+- ``deliver``: the decoded images (server/frontend/wire.py: read in place from shared memory), or
+  None when they will not come (a bad upload, a client gone).
+
+Once both are in, the request is queued on the engine loop (server/engine_loop.py). Its answer comes
+back from the engine's collector thread (``ConnectionSink``): the batch's answers for one API
+process in one write, each the request's arrays and its labels by key (labels.py), pickled once per
+request, never per task. Usage and the per-key and per-task metrics are counted here, where the pass
+ran. The event loop serves the control path only: registrations, the keys' limits, descriptions.
 """
 
 from __future__ import annotations
@@ -15,55 +24,203 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import itertools
 import logging
 import signal
+import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
-from ..app import _update_gauges, start_service, stop_service
+from memvit.memory_core import BASE_TASK
+
+from ..answers import Answer
+from ..engine_loop import Job, Result
 from ..errors import RetryLaterError
-from ..link import Handler, LinkServer, current_peer
-from ..pipeline import Tenant
+from ..link import Connection, LinkServer, _frame, current_peer
+from ..registry import Pin
+from ..runner import as_items
+from ..service import start_service, stop_service, update_gauges
 from ..settings import Settings
 from ..shm_arena import Reader
-from ..stages import begin_stages
 from ..state import AppState
 from ..task_labels import TaskLabels
+from .labels import LabelKeys
 from .limits import Admissions
-from .remote import Answer
+from .remote import answer_to_wire
 from .shared_metrics import SharedMetrics
-from .wire import Images, Payload, unpack
+from .wire import Payload, unpack
 
 log = logging.getLogger("memvit.server.model")
-DELIVERY_SECONDS = 120.0  # an API process that never sends the images it announced: the batcher stops waiting
+REFRESH_SECONDS = 2.0  # a change waits at most this for the other API processes to read it
+DELIVERY_SECONDS = 120.0  # an API process that never sends the images it announced: the engine stops waiting
 SOCKET = "model.sock"
+_WAITING = object()  # a pin or images not in yet
 
 
 class ImagesWithdrawnError(RetryLaterError):
     """The API process will not send the images (a bad upload, or its client went away)."""
 
 
+@dataclass(eq=False, slots=True)
+class Pending:
+    """A request announced by an API process: its pin and its images, whichever comes in last."""
+
+    connection: Connection
+    call_id: int
+    count: int
+    adapters: tuple[str, ...] | None
+    tasks: list[str] | None
+    tenant: str
+    weight: float
+    top_k: int
+    logits: bool
+    since: float = field(default_factory=time.monotonic)
+    pin: Any = _WAITING  # Pin, or the error that refused it
+    images: Any = _WAITING  # the payload, or None: withdrawn
+
+    def release(self) -> None:
+        if isinstance(self.pin, Pin):
+            self.pin.release()
+
+
+class ConnectionSink:
+    """An API process's answers, from the engine's collector thread: one write for a batch's."""
+
+    def __init__(self, handlers: ModelHandlers, connection: Connection) -> None:
+        self.handlers, self.connection = handlers, connection
+
+    def deliver(self, finished: list[tuple[Job, Result]]) -> None:
+        keys, frames = self.handlers.keys.cached(), []
+        for job, result in finished:
+            pending: Pending = job.context
+            pending.release()
+            if isinstance(result, Answer):
+                frames.append(_frame((pending.call_id, True, answer_to_wire(result, keys))))
+            else:
+                frames.append(self.connection.failure(pending.call_id, result))
+        self.connection.send(frames)
+
+
 class ModelHandlers:
     """The calls an API process makes; ``state.service`` is loaded."""
 
-    def __init__(self, state: AppState) -> None:
-        assert state.service is not None
-        self.state = state
-        self.service = state.service
+    def __init__(self, state: AppState, loop: asyncio.AbstractEventLoop) -> None:
+        assert state.service is not None and state.service.engine_loop is not None
+        self.state, self.service, self.metrics = state, state.service, state.metrics
+        self.loop = loop  # the control path's
+        self.engine = state.service.engine_loop
         self.reader = Reader()
         self.admissions = Admissions(state.metrics)
-        self._waiting: dict[tuple[int, int], asyncio.Future[Payload | None]] = {}
+        self.keys = LabelKeys()
+        self._pending: dict[tuple[int, int], Pending] = {}
+        self._sinks: dict[int, ConnectionSink] = {}
+        self._early: dict[tuple[int, int], Any] = {}
+        self.server: LinkServer | None = None
+        self._tokens = itertools.count()
+        self._refreshes: dict[int, tuple[set[int], asyncio.Event]] = {}
+        self._lock = threading.Lock()
 
-    def table(self) -> dict[str, Handler]:
+    def inline(self) -> dict[str, Callable[..., None]]:
+        """The data path's calls, run on the connection's reader thread."""
+        return {"run": self.run, "deliver": self.deliver}
+
+    def table(self) -> dict[str, Any]:
+        """The control path's calls, run on the event loop."""
         a = self.admissions
         return {
-            "info": self.info, "run": self.run, "deliver": self.deliver, "register": self.register,
-            "delete": self.delete, "training": self.training, "invalid": self.invalid,
-            "resident": self.resident, "admit": a.admit, "charge": a.charge, "release": a.release,
+            "info": self.info, "register": self.register, "delete": self.delete, "training": self.training,
+            "invalid": self.invalid, "resident": self.resident, "labels": self.labels, "admit": a.admit,
+            "charge": a.charge, "release": a.release, "refreshed": self.refreshed,
         }  # fmt: skip
 
+    # -- the data path (reader threads, then the engine's threads) ---------------------------------------
+    def run(self, connection: Connection, call_id: int, number: int, count: int, tasks: list[str] | None,
+            tenant: str, weight: float, top_k: int, logits: bool) -> None:  # fmt: skip
+        adapters = None if tasks is None else tuple(t for t in tasks if t != BASE_TASK)
+        pending = Pending(connection, call_id, count, adapters, tasks, tenant, weight, top_k, logits)
+        key = (connection.peer, number)
+        with self._lock:
+            self._pending[key] = pending
+            pending.images = self._early.pop(key, _WAITING)  # a deliver read first (never, in order)
+        self.engine.announce(count)
+        # Unfiltered (a small registry): every adapter, less any deleted meanwhile or invalid here.
+        wanted = self.service.registry.every_name() if adapters is None else adapters
+        try:
+            self.service.registry.acquire_then(
+                wanted, lambda pin: self._arrived(key, pin=pin), optional=adapters is None
+            )
+        except Exception as exc:  # refused before any load (too many adapters)
+            self._arrived(key, pin=exc)
+
+    def deliver(self, connection: Connection, call_id: int, number: int, payload: Payload | None) -> None:
+        self._arrived((connection.peer, number), images=payload)
+
+    def _arrived(self, key: tuple[int, int], **part: Any) -> None:
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None:
+                if "images" in part and len(self._early) < 1024:
+                    self._early[key] = part["images"]
+                return
+            for name, value in part.items():
+                setattr(pending, name, value)
+            if pending.pin is _WAITING or pending.images is _WAITING:
+                return
+            del self._pending[key]
+        self._queue(pending)
+
+    def _queue(self, pending: Pending) -> None:
+        connection = pending.connection
+        try:
+            if isinstance(pending.pin, BaseException):
+                raise pending.pin
+            if pending.images is None:
+                raise ImagesWithdrawnError("the request's images were withdrawn")
+            items = as_items(unpack(pending.images, self.reader), pending.count)
+        except Exception as exc:
+            self.engine.withdraw(pending.count)
+            pending.release()
+            connection.send([connection.failure(pending.call_id, exc)])
+            return
+        sink = self._sink(connection)
+        job = Job(items, pending.adapters, pending.tasks, sink, top_k=pending.top_k, logits=pending.logits,
+                  flow=pending.tenant, weight=pending.weight, context=pending)  # fmt: skip
+        try:
+            self.engine.submit(job, announced=True)
+        except Exception as exc:  # overloaded
+            pending.release()
+            connection.send([connection.failure(pending.call_id, exc)])
+
+    def _sink(self, connection: Connection) -> ConnectionSink:
+        sink = self._sinks.get(connection.peer)
+        if sink is None or sink.connection is not connection:
+            sink = self._sinks[connection.peer] = ConnectionSink(self, connection)
+        return sink
+
+    def sweep(self, older_than: float = DELIVERY_SECONDS) -> None:
+        """Requests whose images never came are withdrawn (the engine loop stops waiting for them)."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [
+                k for k, p in self._pending.items() if p.images is _WAITING and now - p.since > older_than
+            ]
+        for key in stale:
+            self._arrived(key, images=None)
+
+    def forget(self, peer: int) -> None:
+        """An API process went away: the images it announced will not come, its slots are free."""
+        with self._lock:
+            keys = [k for k in self._pending if k[0] == peer]
+        for key in keys:
+            self._arrived(key, images=None)
+        self._sinks.pop(peer, None)
+        self.loop.call_soon_threadsafe(self.admissions.forget, peer)
+
+    # -- the control path (the event loop) ----------------------------------------------------------------
     async def info(self) -> dict[str, Any]:
         engine = self.service.engine
         return {
@@ -78,53 +235,39 @@ class ModelHandlers:
             "max_tasks": self.service.registry.max_tasks,
         }
 
-    def _slot(self, number: int) -> asyncio.Future[Payload | None]:
-        key = (current_peer.get(), number)
-        if key not in self._waiting:
-            self._waiting[key] = asyncio.get_running_loop().create_future()
-        return self._waiting[key]
-
-    async def run(self, number: int, count: int, tasks: list[str] | None, tenant: Tenant) -> Answer:
-        slot, key = self._slot(number), (current_peer.get(), number)
-
-        async def images() -> Images:
-            try:
-                payload = await asyncio.wait_for(slot, DELIVERY_SECONDS)
-            finally:
-                self._waiting.pop(key, None)
-            if payload is None:
-                raise ImagesWithdrawnError("the request's images were withdrawn")
-            return unpack(payload, self.reader)
-
-        stages = begin_stages()  # this call's task: the batcher adds the queue, copy and pass here
-        out = await self.service.pipeline.run(images(), count, tasks, tenant)
-        adapter_set = out.adapter_set
-        return Answer(
-            base=out.base.numpy(),
-            adapters={name: values.numpy() for name, values in out.adapters.items()},
-            labels={name: adapter_set[name].weights.labels for name in out.adapters},
-            registry=self.service.registry.info(adapter_set.version),
-            stages=dict(stages.seconds),
-        )
-
-    async def deliver(self, number: int, payload: Payload | None) -> None:
-        slot = self._slot(number)
-        if not slot.done():
-            slot.set_result(payload)
-
-    def forget(self, peer: int) -> None:
-        """An API process went away: the images it announced will not come, its slots are free."""
-        for key in [k for k in self._waiting if k[0] == peer]:
-            slot = self._waiting.pop(key)
-            if not slot.done():
-                slot.set_result(None)
-        self.admissions.forget(peer)
-
     async def register(self, data: bytes, replace: bool) -> Any:
-        return await asyncio.to_thread(self.service.registry.register, data, replace=replace)
+        answer = await asyncio.to_thread(self.service.registry.register, data, replace=replace)
+        await self._every_process_read_it()
+        return answer
 
     async def delete(self, name: str) -> Any:
-        return await asyncio.to_thread(self.service.registry.delete, name)
+        answer = await asyncio.to_thread(self.service.registry.delete, name)
+        await self._every_process_read_it()
+        return answer
+
+    async def _every_process_read_it(self) -> None:
+        """Before a change is acknowledged: every other API process has read the journal (it is told
+        ``changed`` and says ``refreshed``), so whichever process a client's next request reaches
+        sees the change (the one that made it reads the journal itself). At most ``REFRESH_SECONDS``:
+        a process that does not answer catches up at its next poll."""
+        token = next(self._tokens)
+        waiting = self._refreshes[token] = (set(), asyncio.Event())
+        try:
+            peers = self.server.broadcast("changed", token, skip=current_peer.get())
+            waiting[0].update(peers)
+            if peers:
+                await asyncio.wait_for(waiting[1].wait(), REFRESH_SECONDS)
+        except TimeoutError:
+            log.warning("an API process did not read a registry change within %.0f s", REFRESH_SECONDS)
+        finally:
+            del self._refreshes[token]
+
+    async def refreshed(self, token: int) -> None:
+        waiting = self._refreshes.get(token)
+        if waiting is not None:
+            waiting[0].discard(current_peer.get())
+            if not waiting[0]:
+                waiting[1].set()
 
     async def training(self, name: str) -> dict[str, Any] | None:
         return await asyncio.to_thread(self.service.registry.training, name)
@@ -133,14 +276,24 @@ class ModelHandlers:
         return self.service.registry.invalid
 
     async def resident(self) -> int:
-        _update_gauges(self.service, self.state.metrics)
+        update_gauges(self.service, self.state.metrics)
         return len(self.service.live.current)
+
+    async def labels(self, keys: list[bytes]) -> dict[bytes, tuple[str, ...]]:
+        return self.keys.labels(keys)
+
+
+async def _sweep_forever(handlers: ModelHandlers) -> None:
+    while True:
+        await asyncio.sleep(DELIVERY_SECONDS / 10)
+        handlers.sweep()
 
 
 async def serve_model(settings: Settings, directory: Path, ready: Callable[[], None]) -> int:
     """Until SIGTERM: load, then answer the API processes. 0 after a stop, 1 if loading failed."""
     stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
     labels = TaskLabels(settings.metrics_tasks, settings.metrics_top_tasks)
     metrics = SharedMetrics(directory, "model", labels)
     state = AppState(settings=settings, metrics=metrics)
@@ -149,14 +302,22 @@ async def serve_model(settings: Settings, directory: Path, ready: Callable[[], N
     if state.service is None:
         await stop_service(state)
         return 1
-    handlers = ModelHandlers(state)
-    server = LinkServer(directory / SOCKET, handlers.table(), on_disconnect=handlers.forget)
+    handlers = ModelHandlers(state, loop)
+    server = LinkServer(
+        directory / SOCKET,
+        handlers.table(),
+        loop=loop,
+        inline=handlers.inline(),
+        on_disconnect=handlers.forget,
+    )
+    handlers.server = server
     await server.start()
+    state.tasks.append(asyncio.create_task(_sweep_forever(handlers), name="sweep"))
     ready()
     log.info("model process ready; answering the API processes on %s", directory / SOCKET)
     await stop.wait()
     await server.close()
-    await stop_service(state)  # the batcher, the store poller, the usage since the last record
+    await stop_service(state)  # the engine loop, the store poller, the usage since the last record
     with contextlib.suppress(BufferError):  # a tensor may still view the memory; the exit unmaps it
         handlers.reader.close()
     return 0

@@ -12,19 +12,18 @@ the guard and the error bodies are the single-process server's own code.
   caller's key here, then made by the model process, after which this replica refreshes at once.
   Each journal entry is applied whole (server/registry/catalog.py), so a change is seen by every
   process within one poll and never half.
-- ``RemotePipeline``: ``ClassifyPipeline`` with ``run`` across the link: the model process's
-  pipeline runs (pinning the adapters and announcing the images to its batcher) while this process
-  decodes, then the decoded images follow through shared memory (``wire.py``); the answer's logits
-  and labels come back, and the response is built here.
+- ``RemoteRunner``: the request side's ``Runner`` (server/runner.py) across the link: the model
+  process's runner starts (pinning the adapters and announcing the images to its engine loop) while
+  this process decodes, then the decoded images follow through shared memory (``wire.py``); the
+  request's ``Answer`` comes back (its arrays, its labels by key: labels.py), and the response is
+  built here by the same request side as in one process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,22 +33,19 @@ import numpy as np
 import torch
 
 from memvit.adapters import AdapterBundle, read_bundle
-from memvit.memory_core import FusedOutput
 
-from ..device_decode import DeviceDecoder
-from ..fair_queue import FairPool
-from ..images import ImageDecoder
+from ..answers import Answer
 from ..link import LinkClient, LinkDownError
-from ..pipeline import ANONYMOUS, ClassifyPipeline, Tenant
 from ..registry import RegistryInfo
 from ..registry.catalog import Catalog
-from ..registry.registry import CatalogReads
+from ..registry.reads import CatalogReads
+from ..runner import Ask, Images
 from ..shm_arena import Arena
-from ..stages import current_stages
 from ..store import AdapterStore, Entry
 from ..store.base import legacy_name
 from ..usage_log import UsageLog
-from .wire import Images, pack
+from .labels import LabelCache
+from .wire import pack
 
 
 class ModelLink:
@@ -59,12 +55,31 @@ class ModelLink:
         self.path = Path(path)
         self.client: LinkClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._background: set[asyncio.Future] = set()
+        self.registry: RemoteRegistry | None = None  # refreshed when the model process says it changed
+        self._refreshing: set[asyncio.Task] = set()
 
     async def connect(self) -> None:
-        client = LinkClient(self.path)
+        client = LinkClient(self.path, on_notice=self._notice)
         await client.connect()
         self.client, self.loop = client, asyncio.get_running_loop()
+
+    def _notice(self, method: str, *args: Any) -> None:
+        """``changed``: another process changed the registry; its change is acknowledged once every
+        API process has read the journal (``refreshed``), so a client's next request sees it here too."""
+        if method != "changed":
+            return
+        (token,) = args
+
+        async def refresh() -> None:
+            try:
+                if self.registry is not None:
+                    await asyncio.to_thread(self.registry.sync)
+            finally:
+                self.call_soon("refreshed", token)
+
+        task = asyncio.ensure_future(refresh())
+        self._refreshing.add(task)
+        task.add_done_callback(self._refreshing.discard)
 
     async def wait_closed(self) -> None:
         if self.client is not None:
@@ -77,12 +92,18 @@ class ModelLink:
             raise LinkDownError("the model process is not reachable; retry shortly")
         return await client.call(method, *args, **kwargs)
 
+    def send(self, method: str, *args: Any) -> asyncio.Future:
+        """A call whose frame leaves now, before any made after it; the future of its answer."""
+        client = self.client
+        if client is None or not client.connected:
+            raise LinkDownError("the model process is not reachable; retry shortly")
+        return client.send(method, *args)
+
     def call_soon(self, method: str, *args: Any) -> None:
-        """A call nobody waits for (a release, a cancellation); its failure is ignored."""
-        task = asyncio.ensure_future(self.call(method, *args))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        task.add_done_callback(_retrieve)
+        """A call nobody waits for (a delivery, a release); dropped while the link is down."""
+        client = self.client
+        if client is not None and client.connected:
+            client.notify(method, *args)
 
     def call_sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """From a worker thread (never the event loop's): the call, run on the event loop."""
@@ -185,82 +206,52 @@ class RemoteRegistry(CatalogReads):
         return info
 
 
-@dataclass(frozen=True)
-class Answer:
-    """One request's share of a fused pass, as the model process sends it back."""
-
-    base: np.ndarray
-    adapters: dict[str, np.ndarray]
-    labels: dict[str, tuple[str, ...] | None]  # each adapter's, from the snapshot that answered
-    registry: RegistryInfo  # at the snapshot's version
-    stages: dict[str, float]  # seconds of the stages timed there: queue, copy, pass (and a device decode)
-
-
-class _Prepared(SimpleNamespace):
-    pass
+def answer_to_wire(answer: Answer, keys: Any) -> tuple:
+    """An answer as the model process sends it: its arrays as raw bytes (a numpy array pickles at ten
+    times a bytes object's cost), each task's labels by key (``keys``: ``LabelKeys.cached()``)."""
+    probs, logits = answer.probs, answer.logits
+    shape = (*probs.shape, 0 if logits is None else logits.shape[2])
+    return (answer.tasks, shape, answer.classes.tobytes(), probs.tobytes(), answer.index.tobytes(),
+            None if logits is None else logits.tobytes(), keys.keys(answer.labels), answer.version,
+            answer.registered, tuple(answer.stages.items()))  # fmt: skip
 
 
-class _AnsweredSet:
-    """What ``ClassifyPipeline.respond`` reads of the snapshot that answered: its version and each
-    adapter's labels."""
-
-    def __init__(self, version: int, labels: dict[str, tuple[str, ...] | None]) -> None:
-        self.version = version
-        self.names = tuple(labels)
-        self._labels = labels
-
-    def __getitem__(self, name: str) -> _Prepared:
-        return _Prepared(weights=_Prepared(labels=self._labels[name]))
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
-def as_output(answer: Answer) -> FusedOutput:
-    base = torch.from_numpy(answer.base)
-    n = base.shape[0]
-    rows = torch.arange(n)
-    adapters = {name: torch.from_numpy(values) for name, values in answer.adapters.items()}
-    answered = _AnsweredSet(answer.registry.version, answer.labels)
-    return FusedOutput.of_tasks(base, adapters, dict.fromkeys(adapters, rows), answered)  # type: ignore[arg-type]
+def answer_from_wire(wire: tuple, labels: tuple) -> Answer:
+    tasks, (n, T, k, C), classes, probs, index, logits, _, version, registered, stages = wire
+    return Answer(
+        tasks,
+        np.frombuffer(classes, dtype=np.int64),
+        np.frombuffer(probs, dtype=np.float32).reshape(n, T, k),
+        np.frombuffer(index, dtype=np.int64).reshape(n, T, k),
+        None if logits is None else np.frombuffer(logits, dtype=np.float32).reshape(n, T, C),
+        labels,
+        version,
+        registered,
+        dict(stages),
+    )
 
 
-class RemotePipeline(ClassifyPipeline):
-    """``/classify`` and the protocol's infer in an API process: decoding here, the pass there."""
+class RemoteRunner:
+    """``Runner`` across the link: the model process's ``LocalRunner``'s work is done there (pin,
+    announce, batch, count), this process decodes meanwhile, and the images follow through shared
+    memory (``wire.py``). What comes back is the request's ``Answer``, labels by key (labels.py)."""
 
     def __init__(
-        self,
-        registry: RemoteRegistry,
-        decoder: ImageDecoder,
-        decode_pool: Executor,
-        link: ModelLink,
-        arena: Arena | None,
-        *,
-        max_image_bytes: int,
-        decode_order: FairPool | None = None,
-        device_decoder: DeviceDecoder | None = None,
+        self, link: ModelLink, arena: Arena | None, registry: RemoteRegistry, labels: LabelCache
     ) -> None:
-        """``device_decoder``: only its checks run here (``prepare``); its JPEGs travel encoded and
-        are decoded on the model's device, in their batch."""
-        super().__init__(
-            registry,  # type: ignore[arg-type]  # the reading side, which is what the pipeline uses here
-            decoder,
-            None,  # type: ignore[arg-type]  # no batcher here: the model process's
-            decode_pool,
-            max_image_bytes=max_image_bytes,
-            decode_order=decode_order,
-            device_decoder=device_decoder,
-        )
-        self.link, self.arena = link, arena
+        self.link, self.arena, self.registry, self.labels = link, arena, registry, labels
         self._numbers = itertools.count()
 
-    async def run(
-        self, images: Awaitable[Images], count: int, tasks: list[str] | None, tenant: Tenant = ANONYMOUS
-    ) -> FusedOutput:
-        """The model process's ``ClassifyPipeline.run`` starts first (pins the adapters, announces the
-        images to the batcher), then waits for the images this process decodes meanwhile."""
+    async def run(self, ask: Ask, images: Awaitable[Images]) -> Answer:
+        """The model process starts first (pins the adapters, announces the images), then waits for
+        the images this process decodes meanwhile."""
         number = next(self._numbers)
-        call = asyncio.ensure_future(self.link.call("run", number, count, tasks, tenant))
+        tenant = ask.tenant
+        call = asyncio.ensure_future(
+            self.link.call(
+                "run", number, ask.count, ask.tasks, tenant.id, tenant.weight, ask.top_k, ask.logits
+            )
+        )
         tickets: list = []
 
         def free(_: asyncio.Future | None = None) -> None:  # once the model process has answered
@@ -279,17 +270,13 @@ class RemotePipeline(ClassifyPipeline):
                 free()
             self.link.call_soon("deliver", number, payload)  # after "run" on the one socket
             delivered = True
-            answer: Answer = await asyncio.shield(call)
+            wire = await asyncio.shield(call)
         finally:
             if not delivered:  # a bad image, or the client went away: the model process stops waiting
                 self.link.call_soon("deliver", number, None)
-        self.registry.remember(answer.registry)  # type: ignore[attr-defined]
-        stages = current_stages()
-        if stages is not None:  # the request's Server-Timing and stage metrics: the model's stages too
-            for stage, seconds in answer.stages.items():
-                stages.add(stage, seconds)
-            stages.answered = time.perf_counter()
-        return as_output(answer)
+        tasks, keys, version, registered = wire[0], wire[6], wire[7], wire[8]
+        self.registry.remember(RegistryInfo(version, registered))
+        return answer_from_wire(wire, await self.labels.resolve(tasks, keys))
 
 
 class ResidentCount:
@@ -308,18 +295,3 @@ class RemoteUsage:
 
     def flush(self) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class RemoteService:
-    """``Service`` as an API process has it (server/state.py)."""
-
-    engine: EngineInfo
-    live: ResidentCount
-    registry: RemoteRegistry
-    pipeline: RemotePipeline
-    decode_pool: Executor
-    usage: RemoteUsage
-
-    async def close(self) -> None:
-        self.decode_pool.shutdown(wait=False, cancel_futures=True)

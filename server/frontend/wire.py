@@ -12,7 +12,6 @@ payload that does not fit in the arena travels inline in the call: slower, never
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -24,37 +23,27 @@ from ..shm_arena import Arena, Reader, Ticket
 Images = Union[Tensor, list[Union[Tensor, Encoded]]]  # noqa: UP007 (a runtime alias, py3.10)
 
 
-@dataclass(frozen=True)
-class TensorNote:
-    data: Ticket | bytes  # in the arena, or inline
-    shape: tuple[int, ...]
-    dtype: str  # torch's name, e.g. "float32"
+# Notes are plain tuples: unpickled for every request, a tuple costs a sixth of a dataclass.
+# ("t", data, shape, dtype): a tensor's bytes (any dtype, torch's name, e.g. "float32");
+# ("j", data, name, orientation): a JPEG's bytes, for the device decoder.
+# ``data``: (arena, offset, length) in shared memory, or the bytes themselves (inline).
+Note = tuple
+Payload = Union[Note, list[Note]]  # noqa: UP007
 
 
-@dataclass(frozen=True)
-class EncodedNote:
-    data: Ticket | bytes
-    name: str
-    orientation: int
-
-
-Note = Union[TensorNote, EncodedNote]  # noqa: UP007
-Payload = Union[TensorNote, list[Note]]  # noqa: UP007
-
-
-def _put(arena: Arena | None, data: memoryview | bytes, tickets: list[Ticket]) -> Ticket | bytes:
+def _put(arena: Arena | None, data: memoryview | bytes, tickets: list[Ticket]) -> tuple | bytes:
     ticket = arena.put(data) if arena is not None else None
     if ticket is None:
         return bytes(data)
     tickets.append(ticket)
-    return ticket
+    return (ticket.arena, ticket.offset, ticket.length)
 
 
-def _tensor(arena: Arena | None, tensor: Tensor, tickets: list[Ticket]) -> TensorNote:
+def _tensor(arena: Arena | None, tensor: Tensor, tickets: list[Ticket]) -> Note:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
     dtype = str(tensor.dtype).removeprefix("torch.")
-    return TensorNote(_put(arena, raw, tickets), tuple(tensor.shape), dtype)
+    return ("t", _put(arena, raw, tickets), tuple(tensor.shape), dtype)
 
 
 def pack(images: Images, arena: Arena | None) -> tuple[Payload, list[Ticket]]:
@@ -65,34 +54,35 @@ def pack(images: Images, arena: Arena | None) -> tuple[Payload, list[Ticket]]:
     notes: list[Note] = []
     for item in images:
         if isinstance(item, Encoded):
-            notes.append(EncodedNote(_put(arena, item.data, tickets), item.name, item.orientation))
+            notes.append(("j", _put(arena, item.data, tickets), item.name, item.orientation))
         else:
             notes.append(_tensor(arena, item, tickets))
     return notes, tickets
 
 
-def _bytes_of(data: Ticket | bytes, reader: Reader) -> memoryview | bytearray:
-    return reader.view(data) if isinstance(data, Ticket) else bytearray(data)
+def _bytes_of(data: tuple | bytes, reader: Reader) -> memoryview | bytearray:
+    return reader.view_at(*data) if isinstance(data, tuple) else bytearray(data)
 
 
-def _unpack_tensor(note: TensorNote, reader: Reader) -> Tensor:
-    dtype = getattr(torch, note.dtype)
-    raw = _bytes_of(note.data, reader)
+def _unpack_tensor(note: Note, reader: Reader) -> Tensor:
+    _, data, shape, dtype_name = note
+    dtype = getattr(torch, dtype_name)
+    raw = _bytes_of(data, reader)
     if len(raw) == 0:
-        return torch.empty(note.shape, dtype=dtype)
-    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(note.shape)
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def unpack(payload: Payload, reader: Reader) -> Images:
     """The images ``pack`` wrote: tensors over the shared memory itself, JPEG bytes copied out."""
-    if isinstance(payload, TensorNote):
+    if isinstance(payload, tuple):
         return _unpack_tensor(payload, reader)
     items: list[Tensor | Encoded] = []
     for note in payload:
-        if isinstance(note, EncodedNote):
-            data = note.data
-            raw = reader.read(data) if isinstance(data, Ticket) else data
-            items.append(Encoded(raw, note.name, note.orientation))
+        if note[0] == "j":
+            _, data, name, orientation = note
+            raw = bytes(reader.view_at(*data)) if isinstance(data, tuple) else data
+            items.append(Encoded(raw, name, orientation))
         else:
             items.append(_unpack_tensor(note, reader))
     return items

@@ -49,3 +49,39 @@ class Load:
         with self._lock:
             claimed, self._claimed = self._claimed, True
             return not claimed
+
+
+def when_loaded(
+    pin: Pin,
+    loads: list[tuple[str, Load]],
+    settle: Callable[[str, Load], None],
+    then: Callable[[Pin | BaseException], None],
+) -> None:
+    """``then(pin)`` once every load is done and ``settle``d (at once when there are none, else on the
+    thread that finished the last one); ``then(error)``, with ``pin`` released, when one failed."""
+
+    def finish() -> None:
+        try:
+            for name, load in loads:
+                settle(name, load)
+        except BaseException as exc:
+            pin.release()
+            then(exc)
+            return
+        then(pin)
+
+    if not loads:
+        then(pin)
+        return
+    left = [len(loads)]
+    lock = threading.Lock()
+
+    def one_done(_: object) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        finish()
+
+    for _, load in loads:
+        load.future.add_done_callback(one_done)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,54 +36,10 @@ from ..store.journal import new_entry
 from .bundles import check_put, entry_for, resident_bytes
 from .catalog import Catalog, Change
 from .loader import BundleLoader
+from .reads import CatalogReads, RegistryInfo
 from .resident import Pin, Resident, ResidentSet
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RegistryInfo:
-    """What every answer says about the registry: its version (the journal's head: equal versions,
-    equal registries, on every replica) and how many adapters it holds."""
-
-    version: int
-    adapters: int
-
-
-class CatalogReads:
-    """What a registry answers from its catalog alone, for the in-process registry and an API
-    process's replica of it (server/frontend/remote.py). Needs ``catalog`` and ``_counts`` (recent
-    versions -> adapters registered then)."""
-
-    catalog: Catalog
-    _counts: dict[int, int]
-
-    @property
-    def version(self) -> int:
-        return self.catalog.version
-
-    def __len__(self) -> int:
-        return len(self.catalog)
-
-    def info(self, version: int | None = None) -> RegistryInfo:
-        """The registry at ``version`` (a snapshot's, say), as far as it is remembered; else now."""
-        count = self._counts.get(version) if version is not None else None
-        if count is None:
-            return RegistryInfo(self.catalog.version, len(self.catalog))
-        return RegistryInfo(version, count)  # type: ignore[arg-type]  # not None here
-
-    def get(self, name: str) -> Entry:
-        """The registered adapter ``name`` (UnknownAdapterError, a 404, when it is not registered)."""
-        entry = self.catalog.get(name)
-        if entry is None:
-            raise UnknownAdapterError(f"no adapter named {name!r} is registered", field="name")
-        return entry
-
-    def unknown(self, names: Iterable[str]) -> list[str]:
-        return [n for n in names if n not in self.catalog]
-
-    def all_names(self) -> list[str]:
-        return [e.name for e in self.catalog.page(None, len(self.catalog))]
 
 
 class AdapterRegistry(CatalogReads):
@@ -119,6 +74,7 @@ class AdapterRegistry(CatalogReads):
             metrics=metrics,
         )
         self._counts: dict[int, int] = {}  # recent versions -> adapters registered then
+        self._closures: tuple[int, dict] = (-1, {})  # a version, and closures at it
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -139,12 +95,21 @@ class AdapterRegistry(CatalogReads):
         return found
 
     def closure(self, names: Iterable[str]) -> tuple[str, ...]:
-        """``names`` with their registered ancestors, each parent before its extensions."""
-        ordered: dict[str, None] = {}
-        for name in names:
-            for member in reversed(self.catalog.lineage(name)):
-                ordered.setdefault(member, None)
-        return tuple(ordered)
+        """``names`` with their registered ancestors, each parent before its extensions (remembered
+        per version for the requests asking the same)."""
+        key = names if isinstance(names, tuple) else tuple(names)
+        if self._closures[0] != self.catalog.version:
+            self._closures = (self.catalog.version, {})
+        found = self._closures[1].get(key)
+        if found is None:
+            ordered: dict[str, None] = {}
+            for name in key:
+                for member in reversed(self.catalog.lineage(name)):
+                    ordered.setdefault(member, None)
+            found = tuple(ordered)
+            if len(self._closures[1]) < 4096:
+                self._closures[1][key] = found
+        return found
 
     # -- requests ----------------------------------------------------------------------------------
     def acquire(self, names: Iterable[str], *, optional: bool = False) -> Pin:
@@ -153,6 +118,12 @@ class AdapterRegistry(CatalogReads):
 
     async def acquire_async(self, names: Iterable[str], *, optional: bool = False) -> Pin:
         return await self.resident.acquire_async(self.closure(names), optional=optional)
+
+    def acquire_then(
+        self, names: Iterable[str], then: Callable[[Pin | BaseException], None], *, optional: bool = False
+    ) -> None:
+        """``acquire`` without waiting: ``then(pin)`` or ``then(error)`` once loaded (ResidentSet)."""
+        self.resident.acquire_then(self.closure(names), optional=optional, then=then)
 
     def lookup_refresh(self) -> None:
         """Catch up with the journal before calling a name unknown (rate-limited, single flight)."""

@@ -32,7 +32,7 @@ from ..errors import ResidentSetFullError, TooManyTasksError, UnknownTaskError
 from ..metrics import Metrics
 from ..store import Entry, StoreUnavailableError
 from .eviction import SegmentedLRU
-from .flight import Load, Pin
+from .flight import Load, Pin, when_loaded
 
 log = logging.getLogger(__name__)
 _STALE_RETRIES = 3
@@ -70,9 +70,16 @@ class ResidentSet:
         self.loads = 0  # cold loads started (each reads one bundle): what single flight keeps low
         # Adapters asked for, resident ("hit") or not ("miss": loaded, or joining a load under way).
         self.lookups: Counter[str] = Counter(hit=0, miss=0)
+        self._series: dict[str, object] = {}
         self._resident: dict[str, Resident] = {}
         self._order = SegmentedLRU(max_adapters)  # which to evict first
         self._pins: Counter[str] = Counter()
+        # Requests asking the same adapters while all are resident (a burst of one key's, or every
+        # unfiltered request) pin them as a group: the first pins each name (and touches the eviction
+        # order once), the others count on it, O(1) each. ``_changes`` counts what could make a
+        # group's adapters no longer resident as they were; a group pinned before a change takes no one.
+        self._groups: dict[tuple[str, ...], list[int]] = {}  # names -> [requests holding it, _changes then]
+        self._changes = 0
         self._stale: set[str] = set()  # replaced in the registry while pinned: reloaded when next asked
         self._loading: dict[str, Load] = {}
         self._bytes = 0
@@ -125,6 +132,16 @@ class ResidentSet:
             raise
         return pin
 
+    def acquire_then(
+        self, names: Iterable[str], *, optional: bool = False, then: Callable[[Pin | BaseException], None]
+    ) -> None:
+        """``acquire`` without waiting, for a caller that is neither an event loop nor a thread that may
+        block (the model process's link reader): ``then(pin)`` once every load is done, at once when
+        every adapter is resident, else on the thread that finished the last load; ``then(error)``
+        when one failed (nothing pinned then). Raises at once what ``acquire`` raises before loading."""
+        pin, loads = self._begin(tuple(names))
+        when_loaded(pin, loads, lambda name, load: _settle(pin, name, load, optional), then)
+
     def _begin(self, names: tuple[str, ...]) -> tuple[Pin, list[tuple[str, Load]]]:
         if len(names) > self.max_adapters:
             raise TooManyTasksError(
@@ -133,29 +150,49 @@ class ResidentSet:
                 field="tasks",
             )
         loads, started = [], []
+        pins = self._pins
         with self._lock:
+            group = self._groups.get(names)
+            if group is not None and group[1] == self._changes:  # held, and nothing changed since
+                group[0] += 1
+                self._lookup("hit", len(names))
+                return Pin(self._unpin_group, names), []
             for name in names:
-                self._pins[name] += 1
+                pins[name] = pins.get(name, 0) + 1
                 if name in self._resident and name not in self._stale:
                     self._order.touch(name)
-                    self._lookup("hit")
                     continue
-                self._lookup("miss")
                 load = self._loading.get(name)
                 if load is None:
                     load = self._loading[name] = Load()
                     started.append((name, load))
                 loads.append((name, load))
+            self._lookup("hit", len(names) - len(loads))  # once per request, not per adapter
+            self._lookup("miss", len(loads))
+            if not loads and group is None:  # the first of a group: requests asking the same follow
+                self._groups[names] = [1, self._changes]
+                return Pin(self._unpin_group, names), []
         for name, load in started:
             self._pool.submit(self._run, name, load)
         return Pin(self._unpin, names), loads
 
+    def _unpin_group(self, names: tuple[str, ...]) -> None:
+        with self._lock:
+            group = self._groups[names]
+            group[0] -= 1
+            if group[0]:
+                return
+            del self._groups[names]
+        self._unpin(names)
+
     def _unpin(self, names: tuple[str, ...]) -> None:
         with self._lock:
             for name in names:
-                self._pins[name] -= 1
-                if self._pins[name] <= 0:
+                left = self._pins[name] - 1
+                if left <= 0:
                     del self._pins[name]
+                else:
+                    self._pins[name] = left
 
     # -- loading -----------------------------------------------------------------------------------
     def _run(self, name: str, load: Load) -> None:
@@ -246,6 +283,7 @@ class ResidentSet:
                 self._resident[name] = resident
                 self._stale.discard(name)
                 self._order.add(name)
+                self._changes += 1
         if victims:
             log.debug("evicted %s to load %s", victims, name)
         self._gauges()
@@ -290,20 +328,26 @@ class ResidentSet:
         with self._lock:
             if self._pins[name] > 0:
                 self._stale.add(name)
+                self._changes += 1
                 return
         self.remove(name)
 
     def _forget(self, name: str) -> None:
+        self._changes += 1
         self._order.forget(name)
         held = self._resident.pop(name, None)
         if held is not None:
             self._bytes -= held.nbytes
         self._stale.discard(name)
 
-    def _lookup(self, result: str) -> None:
-        self.lookups[result] += 1
-        if self.metrics is not None:
-            self.metrics.adapter_lookups.labels(result).inc()
+    def _lookup(self, result: str, n: int = 1) -> None:
+        if n:
+            self.lookups[result] += n
+            if self.metrics is not None:
+                series = self._series.get(result)
+                if series is None:  # a label lookup takes a lock: once per result
+                    series = self._series[result] = self.metrics.adapter_lookups.labels(result)
+                series.inc(n)
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:

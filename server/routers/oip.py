@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, Response
 
 from ..deps import PrincipalDep, SettingsDep, StateDep, TicketDep, charge, resolve_tasks, service_of
 from ..edge.principal import Principal
-from ..errors import ImageTooLargeError, NonFiniteOutputError, TooManyImagesError
+from ..errors import ImageTooLargeError, TooManyImagesError
 from ..oip import models
 from ..oip.protocol import (
     HEADER_LENGTH,
@@ -25,7 +25,7 @@ from ..oip.protocol import (
     parse_infer_request,
 )
 from ..openapi import protocol_errors
-from ..pipeline import Tenant
+from ..pipeline import Ask, Tenant
 from ..stages import current_stages
 from ..state import Service
 
@@ -115,17 +115,15 @@ async def infer(
     tenant = await charge(ticket, count)  # then the key's limits (413, 429), before any other work
     tasks, names = await _outputs(model, parsed, service, principal)
     images = _images(parsed, service, settings, tenant)
-    out = await service.pipeline.run(images, count, tasks, tenant)
-    logits = out.logits()
-    names = names if names is not None else {task: task for task in logits}
+    # The logits of every task (the classification extension's top k is read off them here).
+    answer = await service.pipeline.run(Ask(count, tasks, tenant, top_k=0, logits=True), images)
+    position = {task: t for t, task in enumerate(answer.tasks)}
+    names = names if names is not None else {task: task for task in answer.tasks}
     engine, registry = service.engine, service.registry
     outputs, binary = [], set()
     for task, name in names.items():
-        values = logits[task].float()
-        if not torch.isfinite(values).all():
-            raise NonFiniteOutputError(f"task {task!r} produced non-finite logits; not answering with them")
         asked = next((o for o in parsed.outputs if o.name == name), None)
-        array = values.numpy()
+        array = answer.task_logits(position[task])
         if asked is not None and asked.class_count > 0:
             labels = models.labels_of(task, engine, registry)
             outputs.append(OutputTensor(name, "BYTES", classification(array, labels, asked.class_count)))

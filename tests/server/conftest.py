@@ -5,6 +5,7 @@ The servers themselves start in launcher.py (which benchmarks/serve.py uses too)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,3 +96,14 @@ def photo(name: str) -> bytes:
     if not path.is_file():
         pytest.skip(f"{path} not found (../shared/data is absent)")
     return path.read_bytes()
+
+
+def published(client: httpx.Client, lines: list[str], seconds: float = 5.0) -> str:
+    """``/metrics`` once it holds ``lines`` (or after ``seconds``): in a group of processes, each
+    publishes its counters every second (server/frontend/shared_metrics.py)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        text = client.get("/metrics").text
+        if all(line in text for line in lines) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)

@@ -73,7 +73,14 @@ def running_server(
     """uvicorn serving ``app`` (default ``create_app(settings)``) in a thread; yields the URL once ready.
 
     ``api_processes`` > 1: ``memvit serve`` with that many API processes in the ``front_end`` mode,
-    as a child process group (stopped with SIGTERM), from the same settings."""
+    as a child process group (stopped with SIGTERM), from the same settings.
+
+    ``MEMVIT_TEST_API_PROCESSES=N`` (N > 1) runs every server a test does not hand its own app as
+    such a group (in ``MEMVIT_TEST_FRONT_END``'s mode, ``model-process`` by default): the HTTP tests,
+    run once so, hold a group to one process's answers."""
+    if app is None and api_processes == 1:
+        api_processes = int(os.environ.get("MEMVIT_TEST_API_PROCESSES", "1"))
+        front_end = os.environ.get("MEMVIT_TEST_FRONT_END", front_end)
     if api_processes > 1:
         with ServerGroup(settings, api_processes, front_end) as group:
             yield group.url

@@ -120,6 +120,8 @@ def test_a_file_the_device_decoder_refuses_gets_the_cpu_paths_error_and_the_rest
         cpu(broken_jpeg(), "bad")
     assert type(out[1]) is type(expected.value) and str(out[1]) == str(expected.value)
     assert isinstance(out[0], torch.Tensor) and torch.equal(out[0], out[2])
+    x, failed = device.decode_batch([items[1]])  # a batch of nothing but a broken file
+    assert x.shape == (1, *device.shape) and type(failed[0]) is type(expected.value)
 
 
 @pytest.mark.parametrize(

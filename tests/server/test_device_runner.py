@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from memvit.memory_core import MemoryViT
+from memvit.server.answers import Want
 from memvit.server.device_decode import DeviceDecoder
 from memvit.server.device_runner import DeviceRunner
 from memvit.server.errors import BrokenImageError, DeviceMemoryError
@@ -44,13 +45,13 @@ def test_a_mixed_batch_gives_the_plain_pass(setup) -> None:
     items = [device.prepare(b, f"i{k}") for k, b in enumerate(blobs)]
     assert [type(i).__name__ for i in items] == ["Encoded", "Tensor", "Encoded", "Tensor", "Encoded"]
     tasks = [["a0"], ["a1", "a2"], [], ["a0"], ["a2"]]
-    ran = DeviceRunner(engine, device).run(items, loaded, tasks)
+    ran = DeviceRunner(engine, device).run(items, loaded, tasks, [Want(0, 5, 3, True)])
     expected = engine(torch.stack([cpu(b) for b in blobs]), loaded, tasks=tasks)
-    out = ran.slice(0, 5)
-    assert max_diff(out.base, expected.base) <= 0.05  # the device decoder's input is within 2/255
-    assert out.adapters.keys() == expected.adapters.keys()
-    part = ran.slice(1, 3)  # one request's share
-    assert torch.equal(part.base, out.base[1:3]) and part.images["a1"].tolist() == [0]
+    base = ran.cut(Want(0, 5, 3, True), ["base"], 1, 3).task_logits(0)
+    assert max_diff(torch.from_numpy(base), expected.base) <= 0.05  # the device decoder's input: within 2/255
+    part = ran.cut(Want(1, 2, 3, True), ["a1", "a2"], 1, 3)  # one request's share
+    for t, task in enumerate(part.tasks):
+        assert max_diff(torch.from_numpy(part.task_logits(t)), expected.adapters[task][:1]) <= 0.05
     assert set(ran.seconds) >= {"decode", "pass"}
 
 
@@ -61,10 +62,10 @@ def test_a_broken_jpeg_fails_its_request_alone(setup) -> None:
         device.prepare(broken_jpeg(), "bad"),
         device.prepare(jpeg(photo(1)), "ok2"),
     ]
-    ran = DeviceRunner(engine, device).run(items, loaded, None)
+    ran = DeviceRunner(engine, device).run(items, loaded, None, [Want(0, 2, 1, False), Want(2, 3, 1, False)])
     with pytest.raises(BrokenImageError, match="bad"):
-        ran.slice(0, 2)  # the request holding the broken image
-    assert len(ran.slice(2, 3)) == 1 and len(ran.slice(0, 1)) == 1
+        ran.cut(Want(0, 2, 1, False), None, 1, 3)  # the request holding the broken image
+    assert len(ran.cut(Want(2, 3, 1, False), None, 1, 3)) == 1
 
 
 def test_running_out_of_device_memory_splits_the_batch(setup, monkeypatch) -> None:
@@ -81,12 +82,11 @@ def test_running_out_of_device_memory_splits_the_batch(setup, monkeypatch) -> No
         return real(self, x, *args, **kwargs)
 
     monkeypatch.setattr(MemoryViT, "forward", small_device)
-    ran = DeviceRunner(engine).run(images, loaded, None)
+    ran = DeviceRunner(engine).run(images, loaded, None, [Want(0, 5, 1, True)])
     assert runs == [5, 2, 3, 1, 2]  # halves, then halves of what still did not fit
-    out = ran.slice(0, 5)
-    assert max_diff(out.base, expected.base) <= TOL
-    for name in expected.adapters:
-        assert max_diff(out.adapters[name], expected.adapters[name]) <= TOL
+    answer = ran.cut(Want(0, 5, 1, True), None, 1, 3)  # one request across the three parts
+    for t, task in enumerate(answer.tasks):
+        assert max_diff(torch.from_numpy(answer.task_logits(t)), expected.logits()[task]) <= TOL
 
 
 def test_an_image_that_never_fits_answers_503_and_the_others_are_answered(setup, monkeypatch) -> None:
@@ -100,8 +100,9 @@ def test_an_image_that_never_fits_answers_503_and_the_others_are_answered(setup,
         return real(self, x, *args, **kwargs)
 
     monkeypatch.setattr(MemoryViT, "forward", image_two_never_fits)
-    ran = DeviceRunner(engine).run(images, loaded, None)
+    wants = [Want(0, 2, 1, False), Want(2, 3, 1, False), Want(3, 5, 1, False)]
+    ran = DeviceRunner(engine).run(images, loaded, None, wants)
     with pytest.raises(DeviceMemoryError) as refused:
-        ran.slice(2, 3)
+        ran.cut(wants[1], None, 1, 3)
     assert refused.value.status == 503 and refused.value.headers() == {"Retry-After": "1"}
-    assert len(ran.slice(0, 2)) == 2 and len(ran.slice(3, 5)) == 2
+    assert len(ran.cut(wants[0], None, 1, 3)) == 2 and len(ran.cut(wants[2], None, 1, 3)) == 2

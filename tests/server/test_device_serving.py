@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from memvit.memory_core import MemoryViT
+from memvit.server.app import create_app
 from memvit.server.device_decode import DeviceDecoder
 from memvit.server.images import ImageDecoder
 from memvit.server.stages import STAGES
@@ -57,19 +58,23 @@ def timings(response: httpx.Response) -> dict[str, float]:
 def test_jpegs_decoded_with_their_batch_answer_as_the_cpu_path(settings, tiny_weights, monkeypatch) -> None:
     settings = settings.model_copy(update={"decode_device": "device", "server_timing": True})
     on_device: list[str] = []
-    decode = DeviceDecoder.decode
+    decode = DeviceDecoder.decode_batch
 
     def spy(self, items):
         on_device.extend(item.name for item in items)
         return decode(self, items)
 
-    monkeypatch.setattr(DeviceDecoder, "decode", spy)
+    monkeypatch.setattr(DeviceDecoder, "decode_batch", spy)
     uploads = [jpeg(photo(0)), png(photo(1)), jpeg(photo(2).convert("L"))]
     engine = MemoryViT.from_timm(weights=tiny_weights)
     cpu = ImageDecoder(engine, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
     with torch.no_grad():
         expected = engine(torch.stack([cpu(b) for b in uploads])).base
-    with running_server(settings) as url, httpx.Client(base_url=url, timeout=60) as client:
+    # In this process (the spy must see the decoder), whatever MEMVIT_TEST_API_PROCESSES says.
+    with (
+        running_server(settings, create_app(settings)) as url,
+        httpx.Client(base_url=url, timeout=60) as client,
+    ):
         r = post_image(client, *uploads, logits=True)
         assert r.status_code == 200, r.text
         served = torch.tensor([img["tasks"]["base"]["logits"] for img in r.json()["results"]])
@@ -115,7 +120,11 @@ def test_a_pass_out_of_device_memory_answers_503_and_the_server_keeps_serving(se
 
     monkeypatch.setattr(MemoryViT, "forward", forward)
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    with running_server(settings) as url, httpx.Client(base_url=url, timeout=60, headers=headers) as client:
+    app = create_app(settings)  # in this process: the injected failure is this process's
+    with (
+        running_server(settings, app) as url,
+        httpx.Client(base_url=url, timeout=60, headers=headers) as client,
+    ):
         full["on"] = True
         r = post_image(client, jpeg(photo(4)), jpeg(photo(5)))
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text

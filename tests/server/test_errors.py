@@ -43,7 +43,8 @@ def test_overloaded_says_so_with_one_line_per_refusal(tiny_weights, tmp_path, ca
             files = {"image": ("x.png", png.getvalue())}
             return await asyncio.gather(*(http.post("/classify", files=files) for _ in range(24)))
 
-    with caplog.at_level(logging.WARNING), running_server(settings) as url:
+    # In this process: caplog sees its log lines, whatever MEMVIT_TEST_API_PROCESSES says.
+    with caplog.at_level(logging.WARNING), running_server(settings, create_app(settings)) as url:
         responses = asyncio.run(burst(url))
     refused = [r for r in responses if r.status_code == 503]
     assert refused and all(r.status_code in (200, 503) for r in responses)

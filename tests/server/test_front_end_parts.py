@@ -69,3 +69,69 @@ def test_a_replica_holds_its_share_of_a_keys_limits() -> None:
     tickets[0].release()
     with pytest.raises(RateLimitedError):
         limiter.admit("acme", policy).charge(1)
+
+
+def test_an_api_process_builds_its_service_without_touching_the_gpu(
+    tiny_weights, tmp_path, monkeypatch
+) -> None:
+    """An API process of a model on CUDA that decodes JPEGs there only checks uploads: it creates no
+    CUDA context (each would hold ~500 MiB of the GPU's memory for nothing)."""
+    from memvit.memory_core import MemoryViT
+    from memvit.server.device_decode import JpegCheck
+    from memvit.server.frontend.api_process import _build
+    from memvit.server.frontend.remote import ModelLink
+    from memvit.server.settings import Settings
+    from tests.server.test_device_decode import jpeg, photo
+
+    def no_gpu(*args, **kwargs):
+        raise AssertionError("an API process touched CUDA")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_gpu)
+    engine = MemoryViT.from_timm(weights=tiny_weights)
+    info = {
+        "labels": engine.labels, "spec": engine.spec, "source": engine.source, "device": "cuda:0",
+        "dtype": "float32", "data_config": engine.data_config(), "in_chans": 3,
+        "num_classes": int(engine.base.num_classes), "max_tasks": 64,
+    }  # fmt: skip
+    settings = Settings(weights=tiny_weights, adapter_store=tmp_path / "store", decode_device="auto")
+    service = _build(settings, ModelLink(tmp_path / "model.sock"), None, info)
+    try:
+        assert isinstance(service.pipeline.decoder, JpegCheck)  # JPEGs go to the model's device
+        assert isinstance(service.pipeline.decoder(jpeg(photo(0)), "a.jpg"), Encoded)
+        assert not torch.cuda.is_initialized()
+    finally:
+        service.decode_pool.shutdown()
+
+
+def test_an_answer_crosses_the_link_with_its_labels_by_key() -> None:
+    import asyncio
+
+    import numpy as np
+
+    from memvit.server.answers import Answer
+    from memvit.server.frontend.labels import LabelCache, LabelKeys
+    from memvit.server.frontend.remote import answer_from_wire, answer_to_wire
+
+    base, cats, dogs_old, dogs = ("b0", "b1"), ("cat", "lion"), ("dog", "wolf"), ("dog", "wolf", "fox")
+    answer = Answer(
+        ("base", "cats", "dogs"), np.array([2, 2, 3]), np.random.rand(2, 3, 2).astype(np.float32),
+        np.random.randint(0, 2, (2, 3, 2)), np.random.rand(2, 3, 3).astype(np.float32),
+        (base, cats, dogs), 7, 2, {"queue": 0.5},
+    )  # fmt: skip
+    keys = LabelKeys()
+    wire = answer_to_wire(answer, keys.cached())
+    asked: list = []
+
+    async def ask(missing):
+        asked.append(missing)
+        return keys.labels(missing)
+
+    catalog = {"cats": cats, "dogs": dogs_old}  # the replica has not read the replacement of "dogs"
+    cache = LabelCache(base, catalog.get, ask)
+    back = answer_from_wire(wire, asyncio.run(cache.resolve(wire[0], wire[6])))
+    assert back.labels == (base, cats, dogs) and len(asked) == 1  # asked for dogs' alone, once
+    for name in ("classes", "probs", "index", "logits"):
+        assert np.array_equal(getattr(back, name), getattr(answer, name))
+    assert (back.tasks, back.version, back.registered, back.stages) == (answer.tasks, 7, 2, {"queue": 0.5})
+    asyncio.run(cache.resolve(wire[0], wire[6]))
+    assert len(asked) == 1  # known now

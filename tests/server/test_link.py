@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from memvit.server.errors import BrokenImageError
-from memvit.server.link import LinkClient, LinkDownError, LinkServer
+from memvit.server.link import LinkClient, LinkDownError, LinkServer, _frame
 from memvit.server.shm_arena import Arena, Reader
 
 
@@ -52,8 +53,8 @@ def test_another_process_reads_the_arena(arena) -> None:
     assert arena.put(b"still mine") is not None  # the reader left the writer's memory alone
 
 
-async def _linked(tmp_path, handlers):
-    server = LinkServer(tmp_path / "link.sock", handlers)
+async def _linked(tmp_path, handlers, inline=None):
+    server = LinkServer(tmp_path / "link.sock", handlers, loop=asyncio.get_running_loop(), inline=inline)
     await server.start()
     client = LinkClient(tmp_path / "link.sock")
     await client.connect()
@@ -87,3 +88,38 @@ def test_calls_in_flight_are_answered_in_any_order_and_errors_keep_their_kind(tm
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_inline_calls_are_answered_from_any_thread_without_the_event_loop(tmp_path) -> None:
+    """The data path's calls run on the connection's reader thread and are answered later, from
+    another thread, several answers in one write; the event loop is never involved."""
+    answered_on: list[str] = []
+    waiting: list = []
+
+    def run(connection, call_id, x: int) -> None:  # queues work and returns at once
+        waiting.append((connection, call_id, x))
+        if len(waiting) == 3:
+            threading.Thread(target=answer_all).start()
+
+    def answer_all() -> None:
+        answered_on.append(threading.current_thread().name)
+        connection = waiting[0][0]
+        frames = []
+        for _, call_id, x in waiting:
+            frames.append(_frame((call_id, True, x + 1)))
+        connection.send(frames)
+
+    async def scenario() -> list[int]:
+        loop = asyncio.get_running_loop()
+        server, client = await _linked(tmp_path, {}, inline={"run": run})
+        blocked = threading.Event()
+        loop.call_soon(lambda: blocked.wait(0.5))  # the event loop busy: inline calls do not wait on it
+        results = await asyncio.gather(*(client.call("run", x) for x in range(3)))
+        with pytest.raises(KeyError):
+            await client.call("missing")
+        await client.close()
+        await server.close()
+        return results
+
+    assert asyncio.run(scenario()) == [1, 2, 3]
+    assert answered_on and answered_on[0] != "MainThread"

@@ -9,7 +9,7 @@ import random
 import httpx
 
 from memvit.server.store import LocalStore
-from tests.server.conftest import TOKEN, running_server
+from tests.server.conftest import TOKEN, published, running_server
 from tests.server.filling import register_in_bulk
 from tests.server.test_api import jpeg, post_image, register
 
@@ -39,9 +39,12 @@ def test_a_thousand_adapters_load_serve_and_hot_swap(settings, store, make_bundl
             assert r.status_code == 200, r.text
             assert r.json()["tasks"] == [name]
             first[name] = r.json()["results"][0]["tasks"][name]["logits"]
-        metrics = client.get("/metrics").text
-        assert f"memvit_resident_adapters {float(RESIDENT)}" in metrics
-        assert f'memvit_adapter_loads_total{{result="loaded"}} {float(len(asked))}' in metrics
+        expected = [
+            f"memvit_resident_adapters {float(RESIDENT)}",
+            f'memvit_adapter_loads_total{{result="loaded"}} {float(len(asked))}',
+        ]
+        metrics = published(client, expected)
+        assert all(line in metrics for line in expected), metrics
         # Evicted, loaded again: the same logits, bit for bit (the same images in the same batch shape).
         again = post_image(client, jpeg(), jpeg((0, 0, 255)), tasks=asked[0], logits=True).json()
         assert again["results"][0]["tasks"][asked[0]]["logits"] == first[asked[0]]

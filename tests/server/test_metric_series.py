@@ -9,6 +9,7 @@ import re
 import httpx
 import pytest
 
+from memvit.server.app import create_app
 from memvit.server.metrics import Metrics
 from memvit.server.settings import Settings
 from memvit.server.store import open_store
@@ -83,7 +84,11 @@ def test_a_server_with_hundreds_of_adapters_exposes_a_bounded_few(
         max_wait_ms=2, metrics_top_tasks=4, metrics_tasks=["t239"], usage_log=False,
     )  # fmt: skip
     hot = names[100:104]
-    with running_server(settings) as url, httpx.Client(base_url=url, timeout=60) as http:
+    # One process: a scrape is when the top tasks are chosen (a group's processes choose at publishing).
+    with (
+        running_server(settings, create_app(settings)) as url,
+        httpx.Client(base_url=url, timeout=60) as http,
+    ):
 
         def ask(tasks: list[str]) -> None:
             r = http.post("/classify", files={"image": ("a.jpg", jpeg())}, params={"tasks": ",".join(tasks)})

@@ -1,31 +1,40 @@
-"""The /classify pipeline's own rules, without HTTP: the response from one output, no null numbers."""
+"""The /classify request side's response (server/pipeline.py ``respond``), without HTTP: built from one
+answer, each task's top k by its own class count, its labels, its logits when asked."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from memvit.memory_core import FusedOutput, LiveAdapters
-from memvit.server.errors import NonFiniteOutputError
-from memvit.server.pipeline import ClassifyPipeline
-from memvit.server.registry import AdapterRegistry
-from memvit.server.store import LocalStore
+from memvit.server.answers import BatchAnswers, Want
+from memvit.server.pipeline import respond
 from tests.conftest import random_adapter, tiny_engine
 
 
-def _pipeline(engine, tmp_path) -> ClassifyPipeline:
-    registry = AdapterRegistry(LiveAdapters(engine), LocalStore(tmp_path), max_bundle_bytes=1000)
-    return ClassifyPipeline(registry, None, None, None, max_image_bytes=1000)  # type: ignore[arg-type]
-
-
-def test_response_is_built_from_one_output_and_never_holds_null(tmp_path) -> None:
+def test_the_response_is_built_from_one_answer() -> None:
     engine = tiny_engine()
-    out = engine(torch.randn(2, 3, 32, 32), engine.prepare_set([random_adapter("a", engine, classes=3)]))
-    response = _pipeline(engine, tmp_path).respond(out[1:2], ["x"], ["a"], top_k=2, logits=True)
-    task = response.results[0].tasks["a"]
-    assert list(response.results[0].tasks) == ["a"] and len(task.predictions) == 2
-    assert response.tasks == ["a"]
-    assert task.logits == pytest.approx(out.adapters["a"][1].tolist())
-    broken = FusedOutput.every_image(out.base, {"a": torch.full((2, 3), float("inf"))}, out.adapter_set)
-    with pytest.raises(NonFiniteOutputError, match="non-finite logits"):
-        _pipeline(engine, tmp_path).respond(broken, ["x", "y"], None, top_k=1, logits=False)
+    adapters = engine.prepare_set(
+        [random_adapter("a", engine, classes=3), random_adapter("b", engine, classes=9)]
+    )
+    out = engine(torch.randn(2, 3, 32, 32), adapters)
+    batch = BatchAnswers(out, engine.labels, [Want(0, 2, 5, True)])
+    batch.wait()
+    answer = batch.cut(Want(0, 2, 5, True), ["a", "base", "b"], version=4, registered=2)
+    response = respond(answer, ["x", "y"], top_k=5, logits=True)
+    assert response.tasks == ["a", "base", "b"]
+    assert (response.registry.version, response.registry.adapters) == (4, 2)
+    image = response.results[1]
+    assert image.image == "y" and list(image.tasks) == ["a", "base", "b"]
+    assert len(image.tasks["a"].predictions) == 3  # the task's 3 classes, though 5 were asked for
+    assert len(image.tasks["b"].predictions) == 5
+    assert image.tasks["a"].logits == pytest.approx(out.adapters["a"][1].tolist())
+    top = out.adapters["b"][1].softmax(-1).topk(5)
+    predicted = image.tasks["b"].predictions
+    assert [p.index for p in predicted] == top.indices.tolist()
+    assert [p.probability for p in predicted] == pytest.approx(top.values.tolist())
+    labels = adapters["b"].weights.labels
+    expected = [labels[j] if labels else f"class_{j}" for j in top.indices.tolist()]
+    assert [p.label for p in predicted] == expected
+    lean = respond(answer, ["x", "y"], top_k=1, logits=False)
+    assert lean.results[0].tasks["base"].logits is None and len(lean.results[0].tasks["b"].predictions) == 1
+    assert lean.model_dump_json()  # serialises as the response model says

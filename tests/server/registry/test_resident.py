@@ -214,3 +214,28 @@ def test_logits_do_not_depend_on_what_else_is_resident(replica, make_bundle) -> 
     again = logits("n0")  # loaded again, among other neighbours
     assert torch.equal(first, again)
     assert r.resident.loads == 7
+
+
+def test_requests_asking_the_same_adapters_pin_them_as_a_group(replica, make_bundle) -> None:
+    """The first pins each adapter, the others count on it (O(1) a request); the adapters stay
+    pinned until the last lets go; a change meanwhile makes the next request pin its own."""
+    writer = replica()
+    for name in "abcd":
+        writer.register(make_bundle(name).to_bytes())
+    r = replica(resident_adapters=3)
+    first = r.acquire(["a", "b"])  # loads them: a pin of its own
+    first.release()
+    pins = [r.acquire(["a", "b"]) for _ in range(3)]  # resident now: one group, three holders
+    assert r.resident._groups[("a", "b")][0] == 3 and r.resident._pins["a"] == 1
+    pins[0].release()
+    pins[1].release()
+    assert r.resident.pinned("a") and r.resident.pinned("b")  # the last holder keeps them
+    r.acquire(["c"]).release()
+    r.acquire(["d"]).release()  # the set is full: c goes, never a or b
+    assert sorted(r.live.current.names) == ["a", "b", "d"]
+    late = r.acquire(["a", "b"])  # the set changed since the group formed: its own pins
+    assert r.resident._pins["a"] == 2
+    pins[2].release()
+    late.release()
+    assert not r.resident.pinned("a") and not r.resident._groups
+    assert r.resident.lookups == {"hit": 8, "miss": 4}

@@ -1,0 +1,214 @@
+"""CPU per request of the model process, with the model pass and the pixels stubbed out.
+
+    python -m benchmarks.model_process_cpu                  # both decode paths, 3 rounds, ~1 min
+    python -m benchmarks.model_process_cpu --smoke          # a few seconds of each (CI)
+    python -m benchmarks.model_process_cpu --real-pass      # the tiny base's pass instead of the stub
+
+The model process of a group only forms batches (docs/design.md §5): what it spends per request,
+apart from the model's work, is its own overhead: reading the link, pinning the adapters, queueing,
+routing, forming and cutting batches, answering. The goal is 0.1 ms. Here the model process is the
+real one (``serve_model``, spawned as the supervisor spawns it), its pass stubbed: ``MemoryViT.
+forward`` returns zeros of the pass's shapes (the base's classes and each asked adapter's), so what
+is measured is everything but the model. 8 adapters resident, every request unfiltered (the base
+and all 8 answered, each with its top label, as the GPU suite's server step asks), one image each.
+
+Two paths: ``cpu`` (the images cross as decoded tensors, as when API processes decode) and
+``device`` (each crosses as a JPEG for the model process's device decoder: a 32x32 JPEG, so the
+decoding itself is negligible). This process plays two API processes: two links, each with its
+``RemoteRunner`` (server/frontend/remote.py) and its shared-memory arena, and closed-loop clients
+on them. The model process's CPU time is read from /proc before and after each phase and divided by
+the requests answered (CPU time, not throughput: this machine's cores also run the clients).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from PIL import Image
+
+from benchmarks.common import argument_parser, environment
+from memvit.adapters import bundle_for
+from memvit.memory_core import MemoryViT, save_base
+from tests.factories import random_adapter
+
+BASE = dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=10)
+PATHS = ("cpu", "device")
+
+
+def small_jpeg(side: int = 32) -> bytes:
+    buf = io.BytesIO()
+    Image.radial_gradient("L").resize((side, side)).convert("RGB").save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stubbed_forward(self, x, adapter_set=None, *, tasks=None, path="auto"):
+    """The pass's outputs, zeros, in their shapes: every adapter for every image (``tasks`` None), or
+    each image's own (a ``TaskIndex``, or names per image)."""
+    import numpy as np
+    import torch
+
+    from memvit.memory_core import AdapterSet, FusedOutput, TaskIndex
+
+    adapter_set = adapter_set if adapter_set is not None else AdapterSet()
+    B = x.shape[0]
+    base = torch.zeros(B, self.base.num_classes)
+    if tasks is None:
+        adapters = {a.name: torch.zeros(B, a.head_weight.shape[0]) for a in adapter_set}
+        return FusedOutput.every_image(base, adapters, adapter_set)
+    if not isinstance(tasks, TaskIndex):
+        tasks = TaskIndex.from_names(adapter_set, tasks)
+    image = np.repeat(np.arange(B), tasks.counts)
+    adapters, images = {}, {}
+    for position in np.unique(tasks.tasks).tolist():
+        adapter = adapter_set.adapters[position]
+        who = torch.from_numpy(image[tasks.tasks == position])
+        adapters[adapter.name] = torch.zeros(len(who), adapter.head_weight.shape[0])
+        images[adapter.name] = who
+    return FusedOutput.of_tasks(base, adapters, images, adapter_set)
+
+
+def _model(settings, directory: str, ready, stub: bool, profile: bool) -> None:
+    """The model process, as the supervisor starts it, its pass stubbed (``stub``); ``profile``: its
+    functions' CPU time, every thread's, printed when it stops (yappi, not a dependency)."""
+    import logging
+
+    from memvit.memory_core import MemoryViT
+    from memvit.server.frontend.model_process import serve_model
+
+    logging.basicConfig(level="WARNING")
+    if stub:
+        MemoryViT.forward = _stubbed_forward
+    if profile:
+        import yappi
+
+        yappi.set_clock_type("cpu")
+        yappi.start()
+    asyncio.run(serve_model(settings, Path(directory), ready.set))
+    if profile:
+        yappi.stop()
+        out = io.StringIO()
+        columns = {0: ("name", 80), 1: ("ncall", 9), 2: ("tsub", 8), 3: ("ttot", 8)}
+        yappi.get_func_stats().sort("tsub").print_all(out=out, columns=columns)
+        print("\n".join(out.getvalue().splitlines()[:50]), flush=True)
+
+
+async def _phase(runners: list, items, clients: int, seconds: float) -> int:
+    from memvit.server.runner import Ask
+
+    done, deadline = 0, time.perf_counter() + seconds
+
+    async def ready():
+        return items
+
+    async def client(runner) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await runner.run(Ask(1, None, top_k=1), ready())
+            done += 1
+
+    await asyncio.gather(*(client(runners[i % len(runners)]) for i in range(clients)))
+    return done
+
+
+async def _drive(directory: Path, pid: int, path: str, args, rounds: list[float]) -> None:
+    import torch
+
+    from memvit.server.device_decode import Encoded
+    from memvit.server.frontend.api_process import _build
+    from memvit.server.frontend.model_process import SOCKET
+    from memvit.server.frontend.remote import ModelLink
+    from memvit.server.shm_arena import Arena
+
+    links, services, arenas = [], [], []
+    for _ in range(2):  # two API processes
+        link = ModelLink(directory / SOCKET)
+        await link.connect()
+        arena = Arena(32 << 20)
+        services.append(await asyncio.to_thread(_build, args.settings, link, arena, await link.call("info")))
+        links.append(link)
+        arenas.append(arena)
+    runners = [s.pipeline.runner for s in services]
+    items = torch.randn(1, 3, 32, 32) if path == "cpu" else [Encoded(small_jpeg(), "photo.jpg", 1)]
+    await _phase(runners, items, args.clients, min(args.seconds, 2.0))  # warm-up
+    for r in range(args.rounds):
+        before = cpu_seconds(pid)
+        n = await _phase(runners, items, args.clients, args.seconds)
+        rounds.append(1e3 * (cpu_seconds(pid) - before) / n)
+        print(f"  round {r + 1} decode={path}: {n} requests, model process {rounds[-1]:.3f} ms CPU/request",
+              flush=True)  # fmt: skip
+    for link, service, arena in zip(links, services, arenas, strict=True):
+        await link.close()
+        service.decode_pool.shutdown()
+        arena.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argument_parser(__file__, __doc__)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--clients", type=int, default=64, help="requests in flight")
+    parser.add_argument("--seconds", type=float, default=8.0, help="per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--real-pass", action="store_true", help="the tiny base's pass, not the stub")
+    parser.add_argument("--smoke", action="store_true", help="one short round (CI)")
+    parser.add_argument("--profile", action="store_true", help="the model process's profile (needs yappi)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.seconds, args.rounds = 1.0, 1
+    from memvit.server.settings import Settings
+
+    engine = MemoryViT.from_timm("vit_tiny_patch16_224", **BASE)
+    stub = "stubbed pass" if not args.real_pass else "one block of width 32, 32x32 inputs"
+    print(
+        environment(stub, "8 adapters, every task answered", f"{args.clients} requests in flight"), flush=True
+    )
+    results: dict[str, float] = {}
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        weights = save_base(
+            engine.base, root / "base.safetensors", arch="vit_tiny_patch16_224", model_kwargs=BASE
+        )
+        for path, n in zip(args.paths, itertools.count()):
+            store, directory = root / f"store-{n}", root / f"run-{n}"
+            store.mkdir()
+            directory.mkdir()
+            for i in range(8):
+                adapter = random_adapter(f"task-{i}", engine, m=1, classes=10)
+                (store / f"task-{i}.safetensors").write_bytes(bundle_for(adapter, engine).to_bytes())
+            args.settings = Settings(_env_file=None, weights=weights, adapter_store=store, decode_device=path,
+                                     usage_log=False, log_level="warning")  # fmt: skip
+            ready = context.Event()
+            flags = (not args.real_pass, args.profile)
+            child = context.Process(target=_model, args=(args.settings, str(directory), ready, *flags))
+            child.start()
+            try:
+                while not ready.wait(1):
+                    if not child.is_alive():
+                        raise RuntimeError("the model process did not start")
+                rounds: list[float] = []
+                asyncio.run(_drive(directory, child.pid, path, args, rounds))
+                results[path] = statistics.median(rounds)
+            finally:
+                child.terminate()
+                child.join(30)
+    print("\n| decode | model process CPU ms/request (median) |")
+    print("| --- | --: |")
+    for path, value in results.items():
+        print(f"| {path} | {value:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
