@@ -311,7 +311,7 @@ class MemoryViT(AdapterPreparation, nn.Module):
         )
 
     def _blocks(self) -> InvariantBlocks:  # the batch-invariant mode's call sizes (invariant.py)
-        return self.invariant_blocks or InvariantBlocks.for_device(self.device)
+        return self.invariant_blocks or InvariantBlocks.for_device(self.device, self.dtype)
 
     def _check_stack(self, stack: AdapterStack) -> None:
         if stack.cls.device != self.device or stack.cls.dtype != self.dtype:

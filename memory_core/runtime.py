@@ -1,4 +1,4 @@
-"""Process-level tuning for CPU inference.
+"""Process-level settings for entry points: malloc tuning for CPU inference, float32 kept float32 on CUDA.
 
 glibc serves allocations above a (dynamic) threshold with fresh ``mmap`` pages and returns them on
 free, so every large activation of a pass page-faults its way into existence again. The fused pass
@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -34,3 +36,20 @@ def tune_malloc(threshold: int = 1 << 30) -> bool:
     ok = mallopt(_M_MMAP_THRESHOLD, threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, 2 * threshold) == 1
     log.info("glibc malloc thresholds %s", "set" if ok else "not set")
     return ok
+
+
+def exact_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """A float32 pass on CUDA in float32 throughout: no TF32 convolutions (cuDNN's default) or products.
+
+    With TF32, cuDNN picks the patch embedding's algorithm by batch size, and its 10-bit mantissa
+    makes an image's logits depend on the batch it ran in by more than 1e-3 (the GPU suite's server
+    step, DeiT-Tiny fp32 under load): an answer must not depend on its neighbours. The patch
+    embedding is ~1% of a ViT's FLOPs and the products already run in float32 (PyTorch's default), so
+    this costs ~nothing. Process-wide, so only entry points (the server) call it. Returns whether set.
+    """
+    if device.type != "cuda" or dtype != torch.float32:
+        return False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    log.info("float32 on CUDA: TF32 convolutions and products off (answers independent of the batch)")
+    return True

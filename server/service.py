@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from memvit.memory_core import LiveAdapters, MemoryViT
+from memvit.memory_core.runtime import exact_float32
 
 from .device_decode import DeviceDecoder, JpegCheck
 from .device_runner import DeviceRunner
@@ -69,6 +70,7 @@ def build_engine(settings: Settings) -> MemoryViT:
             labels = tuple(line.strip() for line in lines if line.strip())
         engine = MemoryViT.from_timm(settings.model, weights=settings.weights, labels=labels, **like)
     engine.cuda_graphs, engine.kernels = settings.cuda_graphs, settings.kernels
+    exact_float32(engine.device, engine.dtype)  # a float32 server answers in float32, whatever the batch
     return engine
 
 

@@ -25,6 +25,7 @@ from .report import Budget, StepReport, goal
 TRIED = (
     InvariantBlocks(rows=8192, thin=64, images=32, batches=4096),  # the blocked defaults before
     InvariantBlocks(rows=None, thin=64, images=None, batches=None),
+    InvariantBlocks(rows=None, thin=64, images=32, batches=4096),  # the patch embedding blocked alone
 )
 
 
@@ -63,24 +64,26 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
                 except Exception as exc:  # recorded, and on to the next setting
                     report.add("invariant vs default", {**what, "error": repr(exc)[:500]})
         if plan.device.type == "cuda":
-            for blocks in TRIED:
-                if budget.allows(30):
-                    report.attempt(
-                        "try: block sizes",
-                        {"arch": arch, "blocks": str(blocks)},
-                        _blocks,
-                        arch,
-                        blocks,
-                        plan,
-                    )
+            for dtype in plan.dtypes:
+                for blocks in TRIED:
+                    if budget.allows(30):
+                        report.attempt(
+                            "try: block sizes",
+                            {"arch": arch, "dtype": dtype, "blocks": str(blocks)},
+                            _blocks,
+                            arch,
+                            blocks,
+                            plan,
+                            dtype,
+                        )
     return "done"
 
 
-def _blocks(arch: str, blocks: InvariantBlocks, plan: Plan) -> dict:
-    e = engine(arch, plan, "bf16", batch_invariant=True)
-    default = engine(arch, plan, "bf16", batch_invariant=True)
+def _blocks(arch: str, blocks: InvariantBlocks, plan: Plan, dtype: str) -> dict:
+    e = engine(arch, plan, dtype, batch_invariant=True)
+    default = engine(arch, plan, dtype, batch_invariant=True)
     e.invariant_blocks = blocks
-    plain = engine(arch, plan, "bf16")
+    plain = engine(arch, plan, dtype)
     x = images(e, max(plan.batches))
     adapters = e.prepare_set(random_adapter(f"a{i}", e, m=1 + i % 3, classes=10) for i in range(8))
     asks = [["a1", "a5"]] + [[f"a{i % 8}"] for i in range(1, len(x))]  # image 0's rows: its own
@@ -99,7 +102,7 @@ def _blocks(arch: str, blocks: InvariantBlocks, plan: Plan) -> dict:
             plan.rounds,
         )
     return {
-        "holds (base, bf16)": holds,
+        "holds (base)": holds,
         "holds (routed adapters)": holds_adapters,
         "speed vs default blocks": sum(times["default blocks"]) / sum(times["these"]),
         "of the default mode (goal >= 0.8)": sum(times["default mode"]) / sum(times["these"]),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from memvit.memory_core import LiveAdapters, MemoryViT
+from memvit.memory_core.runtime import exact_float32
 from memvit.server.answers import Want
 from memvit.server.device_decode import DeviceDecoder
 from memvit.server.device_runner import DeviceRunner
@@ -41,13 +42,16 @@ class Sink:
 @pytest.fixture(scope="module")
 def served(tiny_weights):
     engine = MemoryViT.from_timm(weights=tiny_weights, device="cuda")
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    exact_float32(engine.device, engine.dtype)  # as the server does: TF32 would make answers batch-dependent
     live = LiveAdapters(engine)
     live.replace_all([random_adapter(f"a{i}", engine, m=1 + i % 2, classes=5 + i) for i in range(4)])
     cpu = ImageDecoder(engine, max_bytes=4_000_000, max_pixels=4_000_000)
     decoder = DeviceDecoder(cpu, "cuda")
     uploads = [jpeg(photo(i, (160 + 13 * i, 120 + 7 * (i % 5)))) for i in range(24)]
     items = [decoder.prepare(data, f"p{i}") for i, data in enumerate(uploads)]
-    return engine, live, decoder, items
+    yield engine, live, decoder, items
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def alone(engine, live, decoder, item, adapters) -> object:
