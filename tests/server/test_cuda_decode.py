@@ -111,6 +111,4 @@ def test_the_load_corrupts_a_decoder_without_the_barrier(decoders) -> None:
     # needs the barrier, so the race shows there too.
     gpu = torch.cuda.get_device_name()
     if corrupted == 0:  # a race shows when it shows: seen on an H200 in one run of two
-        pytest.skip(
-            f"no corruption without the barrier in {ROUNDS} rounds on {gpu}: the test above had no power"
-        )
+        pytest.skip(f"no corruption without the barrier in {ROUNDS} rounds on {gpu}: no power this time")
