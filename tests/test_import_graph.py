@@ -19,6 +19,17 @@ FORBIDDEN = {
     "memvit.memory_core": ("memvit.adapters", "memvit.server", "fastapi"),
     "memvit.adapters": ("memvit.server",),
 }
+# Inside a package, its subpackages (and top-level modules) in layer order, lowest first: a module
+# may import its own layer and those listed before it, never one listed after. A name not listed
+# is unconstrained (the package's own __init__, say). Each package's __init__ says the same in words.
+SERVER_LAYERS: tuple[tuple[str, ...], ...] = ()
+MEMORY_CORE_LAYERS: tuple[tuple[str, ...], ...] = ()
+ADAPTERS_LAYERS: tuple[tuple[str, ...], ...] = ()
+SUBLAYERS = {
+    "memvit.server": SERVER_LAYERS,
+    "memvit.memory_core": MEMORY_CORE_LAYERS,
+    "memvit.adapters": ADAPTERS_LAYERS,
+}
 
 
 def _module_name(path: Path) -> str:
@@ -107,6 +118,30 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
     )
 
 
+def _rank(module: str) -> tuple[str, int] | None:
+    """(package, the layer index of ``module``'s first name inside it), or None if not listed."""
+    parts = module.split(".")
+    package = ".".join(parts[:2])
+    if len(parts) < 3 or package not in SUBLAYERS:
+        return None
+    for index, names in enumerate(SUBLAYERS[package]):
+        if parts[2] in names:
+            return package, index
+    return None
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> import`` for every import of a higher layer inside one package (``SUBLAYERS``)."""
+    found = []
+    for name, targets in graph.items():
+        mine = _rank(name)
+        for target in targets:
+            theirs = _rank(target)
+            if mine and theirs and mine[0] == theirs[0] and theirs[1] > mine[1]:
+                found.append(f"{name} -> {target}")
+    return sorted(found)
+
+
 def old_names(graph: dict[str, set[str]]) -> list[str]:
     """``module -> import`` for every import of a folder by its bare name (``server``, not ``memvit.server``).
 
@@ -156,6 +191,20 @@ def test_violations_are_found() -> None:
     ]
 
 
+def test_no_upward_arrows_inside_a_package() -> None:
+    assert upward_arrows(import_graph()) == []
+
+
+def test_upward_arrows_are_found(monkeypatch) -> None:
+    monkeypatch.setitem(SUBLAYERS, "memvit.server", (("errors",), ("http",), ("cli",)))
+    graph = {
+        "memvit.server.errors": {"memvit.server.http.send"},
+        "memvit.server.http.app": {"memvit.server.errors", "memvit.server.http.deps"},
+        "memvit.server.cli.serve": {"memvit.server.http.app", "memvit.server.unlisted"},
+    }
+    assert upward_arrows(graph) == ["memvit.server.errors -> memvit.server.http.send"]
+
+
 def test_every_import_names_memvit() -> None:
     assert old_names(import_graph()) == []
     assert old_names({"memvit.server.x": {"server.old", "memvit.adapters", "adapters_hub"}}) == [
@@ -172,3 +221,5 @@ if __name__ == "__main__":
         print("layer violation:", line)
     for line in old_names(graph):
         print("bare folder name:", line)
+    for line in upward_arrows(graph):
+        print("upward arrow:", line)
