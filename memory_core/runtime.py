@@ -41,11 +41,11 @@ def tune_malloc(threshold: int = 1 << 30) -> bool:
 def exact_float32(device: torch.device, dtype: torch.dtype) -> bool:
     """A float32 pass on CUDA in float32 throughout: no TF32 convolutions (cuDNN's default) or products.
 
-    With TF32, cuDNN picks the patch embedding's algorithm by batch size, and its 10-bit mantissa
-    makes an image's logits depend on the batch it ran in by more than 1e-3 (the GPU suite's server
-    step, DeiT-Tiny fp32 under load): an answer must not depend on its neighbours. The patch
-    embedding is ~1% of a ViT's FLOPs and the products already run in float32 (PyTorch's default), so
-    this costs ~nothing. Process-wide, so only entry points (the server) call it. Returns whether set.
+    With TF32 on, the GPU suite's server step (DeiT-Tiny float32 under load, JPEGs decoded and
+    preprocessed on the device in batches) put 1,770 of 4,217 answers beyond 1e-3 of the same image's
+    answer alone; with it off, 0 of 58,074 (benchmarks/RESULTS.md §3.15). An answer must not depend on
+    its neighbours, and the products already run in float32 (PyTorch's default), so this costs ~nothing.
+    Process-wide, so only entry points (the server) call it. Returns whether it set anything.
     """
     if device.type != "cuda" or dtype != torch.float32:
         return False
