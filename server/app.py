@@ -19,7 +19,6 @@ from .edge.guard import Edge, GuardMiddleware
 from .edge.routes import missing_routes, route_table
 from .errors import install_error_handlers
 from .limits import Limiter
-from .metrics import Metrics, MetricsMiddleware, RequestMeter
 from .oip.errors import ProtocolErrorShape
 from .openapi import customise as customise_openapi
 from .routers import adapters, classify, health, oip, ui, usage
@@ -27,7 +26,8 @@ from .routers.classify_raw import MemvitAPI, RawClassify
 from .service import build_engine, preflight, resolve_device, start_service, stop_service
 from .settings import Settings, get_settings
 from .state import AppState
-from .task_labels import TaskLabels
+from .telemetry.metrics import Metrics, MetricsMiddleware, RequestMeter
+from .telemetry.task_labels import TaskLabels
 
 log = logging.getLogger("memvit.server")
 __all__ = ["build_engine", "create_app", "preflight", "resolve_device"]

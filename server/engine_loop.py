@@ -39,8 +39,8 @@ from .answers import Answer, Want
 from .device_runner import DeviceRunner, Item
 from .errors import OverloadedError, RetryLaterError
 from .fair_queue import ONE_FLOW, FairQueue
-from .metrics import Metrics
 from .tasks import unknown_tasks_error
+from .telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 Result = Answer | BaseException

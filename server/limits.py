@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import RateLimitedError, TooManyImagesError
-from .metrics import Metrics
 from .policy import Limits, Policy
+from .telemetry.metrics import Metrics
 
 
 class TokenBucket:

@@ -12,7 +12,7 @@ API process (only the runner differs: in-process, or across the link to the mode
   computed for the whole batch at once, cut for this request with one index; here only the response
   objects are built, one Python list per array, not a softmax or a ``.tolist()`` per task;
 - the request's stages (receive, decode, and the runner's queue, copy and pass) are timed
-  (server/stages.py).
+  (server/telemetry/stages.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .errors import ImageTooLargeError
 from .fair_queue import FairPool
 from .runner import ANONYMOUS, Ask, Images, Runner, Tenant
 from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
-from .stages import current_stages
+from .telemetry.stages import current_stages
 
 __all__ = ["ANONYMOUS", "Ask", "ClassifyPipeline", "Tenant"]
 

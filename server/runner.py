@@ -15,7 +15,7 @@ What the runner does for a request, in the process that runs the pass:
 - its answer cut from the batch's (server/answers.py), from the one snapshot that computed it;
 - what was computed counted for the key that asked, by the engine loop for each batch
   (``counting``): usage per key and task (server/usage.py) and the bounded per-key and per-task
-  metrics (server/metrics.py).
+  metrics (server/telemetry/metrics.py).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from memvit.memory_core import BASE_TASK
 from .answers import Answer
 from .device_runner import Item
 from .engine_loop import EngineLoop, Job, Result
-from .metrics import Metrics
 from .registry import AdapterRegistry, Pin
+from .telemetry.metrics import Metrics
 from .usage import UsageMeter
 
 Images = Tensor | Sequence[Item]  # (n, C, H, W) decoded on the CPU, or one item per image

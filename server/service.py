@@ -32,13 +32,13 @@ from .edge.principal import check_credentials
 from .engine_loop import EngineLoop
 from .fair_queue import FairPool
 from .images import ImageDecoder
-from .metrics import Metrics
 from .pipeline import ClassifyPipeline
 from .registry import AdapterRegistry
 from .runner import LocalRunner, Runner, counting
 from .settings import Settings
 from .state import AppState, Service
 from .store import StoreUnavailableError, open_store
+from .telemetry.metrics import Metrics
 from .usage import UsageMeter, replica_name
 from .usage_log import usage_log_for
 from .warmup import warm_up

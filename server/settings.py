@@ -104,7 +104,7 @@ class Settings(BaseSettings):
         60.0, gt=0, description="how often usage is written (a crash loses at most this much)"
     )
     replica_name: str | None = Field(None, description="this replica's name in the usage log (default: host)")
-    # Per-task Prometheus series (server/task_labels.py): base, these, the N most asked, then "other".
+    # Per-task Prometheus series (server/telemetry/task_labels.py): base, these, the N most asked, "other".
     metrics_tasks: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated adapter names that always get their own series"
     )

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .metrics import Metrics
 from .settings import Settings
+from .telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
     from .engine_loop import EngineLoop

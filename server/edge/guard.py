@@ -30,8 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..audit import AuditEntry, action_of, record
 from ..errors import ServiceError, status_of
 from ..limits import Limiter, Ticket
-from ..metrics import EDGE_DONE, Metrics
 from ..settings import Settings
+from ..telemetry.metrics import EDGE_DONE, Metrics
 from .access import check_access
 from .body import BodyLimits, content_length
 from .origin import OriginPolicy

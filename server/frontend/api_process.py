@@ -35,7 +35,7 @@ from ..settings import Settings
 from ..shm_arena import Arena
 from ..state import AppState, Service
 from ..store import open_store
-from ..task_labels import TaskLabels
+from ..telemetry.task_labels import TaskLabels
 from ..timeouts import header_timeout_protocol
 from ..usage_log import usage_log_for
 from .labels import LabelCache

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 
 from ..limits import Limiter, Ticket
 from ..link import current_peer
-from ..metrics import Metrics
 from ..policy import Limits, Policy
+from ..telemetry.metrics import Metrics
 from .remote import ModelLink
 
 

@@ -47,7 +47,7 @@ from ..service import start_service, stop_service, update_gauges
 from ..settings import Settings
 from ..shm_arena import Reader
 from ..state import AppState
-from ..task_labels import TaskLabels
+from ..telemetry.task_labels import TaskLabels
 from .labels import LabelKeys
 from .limits import Admissions
 from .remote import answer_to_wire

@@ -28,11 +28,11 @@ from memvit.memory_core import (
     UnknownAdapterError,
 )
 
-from ..metrics import Metrics
 from ..store import AdapterStore, Entry, Snapshot, StoreUnavailableError, key_of
 from ..store.base import legacy_name
 from ..store.entries import dependents
 from ..store.journal import new_entry
+from ..telemetry.metrics import Metrics
 from .bundles import check_put, entry_for, resident_bytes
 from .catalog import Catalog, Change
 from .loader import BundleLoader

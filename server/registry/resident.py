@@ -29,8 +29,8 @@ from memvit.adapters import AdapterBundle
 from memvit.memory_core import LiveAdapters, PreparedAdapter
 
 from ..errors import ResidentSetFullError, TooManyTasksError, UnknownTaskError
-from ..metrics import Metrics
 from ..store import Entry, StoreUnavailableError
+from ..telemetry.metrics import Metrics
 from .eviction import SegmentedLRU
 from .flight import Load, Pin, when_loaded
 

@@ -41,10 +41,10 @@ from ..edge.form import ClassifyQuery, Upload, boundary_of, read_files, read_que
 from ..edge.guard import Edge, refuse, route_path
 from ..edge.send import error_body, error_json
 from ..errors import ServiceError, status_of
-from ..metrics import EDGE_DONE, RequestMeter
 from ..schemas import ClassifyResponse
-from ..stages import begin_stages
 from ..state import AppState
+from ..telemetry.metrics import EDGE_DONE, RequestMeter
+from ..telemetry.stages import begin_stages
 from .classify import classify
 
 log = logging.getLogger("memvit.server.errors")

@@ -26,8 +26,8 @@ from ..oip.protocol import (
 )
 from ..openapi import protocol_errors
 from ..pipeline import Ask, Tenant
-from ..stages import current_stages
 from ..state import Service
+from ..telemetry.stages import current_stages
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 NO_BODY: dict[int | str, dict] = {200: {"description": "an empty body: the status says it", "content": {}}}

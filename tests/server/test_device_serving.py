@@ -18,7 +18,7 @@ from memvit.memory_core import MemoryViT
 from memvit.server.app import create_app
 from memvit.server.device_decode import DeviceDecoder
 from memvit.server.images import ImageDecoder
-from memvit.server.stages import STAGES
+from memvit.server.telemetry.stages import STAGES
 from tests.server.conftest import TOKEN, running_server
 from tests.server.test_api import post_image
 from tests.server.test_device_decode import broken_jpeg, jpeg, photo

@@ -21,8 +21,8 @@ from memvit.server.app import create_app
 from memvit.server.device_runner import DeviceRunner
 from memvit.server.engine_loop import EngineLoop, Job
 from memvit.server.errors import OverloadedError, UnknownTaskError
-from memvit.server.metrics import Metrics
 from memvit.server.settings import Settings
+from memvit.server.telemetry.metrics import Metrics
 from tests.conftest import images, random_adapter
 from tests.server.conftest import free_port, running_server
 

@@ -16,7 +16,7 @@ from memvit.server.device_decode import DeviceDecoder
 from memvit.server.device_runner import DeviceRunner
 from memvit.server.engine_loop import EngineLoop, Job
 from memvit.server.images import ImageDecoder
-from memvit.server.metrics import Metrics
+from memvit.server.telemetry.metrics import Metrics
 from memvit.server.warmup import batch_buckets, shapes, warm_up
 from tests.conftest import random_adapter
 from tests.factories import tiny_engine

@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from memvit.server.app import create_app
-from memvit.server.metrics import Metrics
 from memvit.server.settings import Settings
 from memvit.server.store import open_store
-from memvit.server.task_labels import OTHER, TaskLabels
+from memvit.server.telemetry.metrics import Metrics
+from memvit.server.telemetry.task_labels import OTHER, TaskLabels
 from tests.server.conftest import TOKEN, free_port, running_server
 from tests.server.filling import register_in_bulk
 from tests.server.test_api import jpeg

@@ -1,7 +1,7 @@
 """Prometheus metrics, one registry per app (so several apps in one process never collide).
 
 Every label's values are bounded: routes by template, tasks by ``TaskLabels`` (base, a configured
-list, the N most asked and ``other``: server/task_labels.py), keys by the keys file's ids (plus
+list, the N most asked and ``other``: server/telemetry/task_labels.py), keys by the keys file's ids (plus
 ``admin`` and ``anonymous``), whatever the registry holds.
 """
 
@@ -164,7 +164,7 @@ class Metrics:
 
 class MetricsMiddleware:
     """Counts requests by route template (not raw path: bounded label values) and status, and times
-    each request's stages (server/stages.py): observed per stage and, with ``server_timing``, said
+    each request's stages (server/telemetry/stages.py): observed per stage and, with ``server_timing``, said
     in the response's ``Server-Timing`` header."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics, server_timing: bool = False) -> None:
