@@ -48,10 +48,10 @@ import httpx
 from benchmarks.common import REPO, argument_parser, environment
 from benchmarks.loadgen import BOUNDARY, RawHttpClient
 from benchmarks.serve import process_cpu
-from memvit.server.keys import add_key, load_or_empty, write_ring
-from memvit.server.policy import Limits, Policy
-from memvit.server.usage import summarize
-from memvit.server.usage_log import LocalUsageLog
+from memvit.server.tenancy.keys import add_key, load_or_empty, write_ring
+from memvit.server.tenancy.policy import Limits, Policy
+from memvit.server.tenancy.usage import summarize
+from memvit.server.tenancy.usage_log import LocalUsageLog
 from tests.server.launcher import ServerProcess
 
 SAMPLES = sorted((REPO / "server" / "demo" / "samples").glob("*.png"))

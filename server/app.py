@@ -18,7 +18,6 @@ from fastapi import FastAPI
 from .edge.guard import Edge, GuardMiddleware
 from .edge.routes import missing_routes, route_table
 from .errors import install_error_handlers
-from .limits import Limiter
 from .oip.errors import ProtocolErrorShape
 from .openapi import customise as customise_openapi
 from .routers import adapters, classify, health, oip, ui, usage
@@ -28,6 +27,7 @@ from .settings import Settings, get_settings
 from .state import AppState
 from .telemetry.metrics import Metrics, MetricsMiddleware, RequestMeter
 from .telemetry.task_labels import TaskLabels
+from .tenancy.limits import Limiter
 
 log = logging.getLogger("memvit.server")
 __all__ = ["build_engine", "create_app", "preflight", "resolve_device"]

@@ -17,16 +17,16 @@ from fastapi import Depends, File, Query, Request, UploadFile
 
 from memvit.memory_core import BASE_TASK, LiveAdapters
 
-from .audit import AuditEntry
 from .edge.access import name_refused
 from .edge.principal import Principal
 from .errors import NotReadyError, TooManyImagesError, UnsupportedMediaTypeError
-from .limits import Ticket
 from .pipeline import ClassifyPipeline, Tenant
 from .registry import AdapterRegistry
 from .settings import Settings
 from .state import AppState, Service
 from .tasks import check_tasks, parse_tasks
+from .tenancy.audit import AuditEntry
+from .tenancy.limits import Ticket
 
 
 async def get_state(request: Request) -> AppState:
@@ -66,7 +66,7 @@ async def get_principal(request: Request) -> Principal:
 
 
 async def get_ticket(request: Request) -> Ticket:
-    """The guard's admission of this request to a metered route (server/limits.py)."""
+    """The guard's admission of this request to a metered route (server/tenancy/limits.py)."""
     ticket = getattr(request.state, "ticket", None)
     if ticket is None:  # a metered route served without the guard: fail closed
         raise RuntimeError("no ticket on the request: is GuardMiddleware installed and the route metered?")
@@ -81,7 +81,7 @@ async def charge(ticket: Ticket, images: int) -> Tenant:
 
 
 async def get_audit(request: Request) -> AuditEntry:
-    """The audit entry the guard opened for this state-changing request (server/audit.py)."""
+    """The audit entry the guard opened for this state-changing request (server/tenancy/audit.py)."""
     return request.state.audit
 
 

@@ -148,7 +148,7 @@ class RequestTooLargeError(ServiceError):
 
 
 class RateLimitedError(ServiceError):
-    """A key is past one of its limits (server/limits.py): 429, and ``Retry-After`` says when its
+    """A key is past one of its limits (server/tenancy/limits.py): 429, and ``Retry-After`` says when its
     request could pass (whole seconds, at least 1, as the header allows no fraction)."""
 
     status = 429  # a 4xx: its message is shown; not logged per refusal (a limit refuses a lot)

@@ -14,7 +14,7 @@ What the runner does for a request, in the process that runs the pass:
 - its images queued as its key's (its share of the passes by its weight), in one batch with others;
 - its answer cut from the batch's (server/answers.py), from the one snapshot that computed it;
 - what was computed counted for the key that asked, by the engine loop for each batch
-  (``counting``): usage per key and task (server/usage.py) and the bounded per-key and per-task
+  (``counting``): usage per key and task (server/tenancy/usage.py) and the bounded per-key and per-task
   metrics (server/telemetry/metrics.py).
 """
 
@@ -35,7 +35,7 @@ from .device_runner import Item
 from .engine_loop import EngineLoop, Job, Result
 from .registry import AdapterRegistry, Pin
 from .telemetry.metrics import Metrics
-from .usage import UsageMeter
+from .tenancy.usage import UsageMeter
 
 Images = Tensor | Sequence[Item]  # (n, C, H, W) decoded on the CPU, or one item per image
 

@@ -39,8 +39,8 @@ from .settings import Settings
 from .state import AppState, Service
 from .store import StoreUnavailableError, open_store
 from .telemetry.metrics import Metrics
-from .usage import UsageMeter, replica_name
-from .usage_log import usage_log_for
+from .tenancy.usage import UsageMeter, replica_name
+from .tenancy.usage_log import usage_log_for
 from .warmup import warm_up
 
 log = logging.getLogger("memvit.server")

@@ -81,7 +81,7 @@ class Settings(BaseSettings):
         False, description="with no admin token, let anyone who can reach the port manage adapters"
     )
 
-    # Tenant keys (server/keys.py, `memvit keys`): a JSON file of hashed keys, each covering adapter names.
+    # Tenant keys (server/tenancy/keys.py, `memvit keys`): a JSON file of hashed keys, each covering adapters.
     api_keys_file: Path | None = Field(None, description="tenant API keys (memvit keys add/list/revoke)")
     api_keys_reload_seconds: float = Field(2.0, gt=0, description="how often the keys file is checked")
     require_read_key: bool = Field(
@@ -98,7 +98,7 @@ class Settings(BaseSettings):
     header_timeout_seconds: float = Field(10.0, gt=0, description="deadline for a request's headers")
     body_timeout_seconds: float = Field(60.0, gt=0, description="total deadline for a request's body")
 
-    # Usage per key (server/usage.py): written beside the adapters, one record per replica and interval.
+    # Usage per key (server/tenancy/usage.py): written beside the adapters, a record per replica and interval.
     usage_log: bool = Field(True, description="write usage per key and task to the adapter store")
     usage_interval_seconds: float = Field(
         60.0, gt=0, description="how often usage is written (a crash loses at most this much)"

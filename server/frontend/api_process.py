@@ -36,8 +36,8 @@ from ..shm_arena import Arena
 from ..state import AppState, Service
 from ..store import open_store
 from ..telemetry.task_labels import TaskLabels
+from ..tenancy.usage_log import usage_log_for
 from ..timeouts import header_timeout_protocol
-from ..usage_log import usage_log_for
 from .labels import LabelCache
 from .limits import RemoteLimiter, ShareLimiter
 from .listen import Able, ListenWhenAble, bound

@@ -43,7 +43,7 @@ from ..runner import Ask, Images
 from ..shm_arena import Arena
 from ..store import AdapterStore, Entry
 from ..store.base import legacy_name
-from ..usage_log import UsageLog
+from ..tenancy.usage_log import UsageLog
 from .labels import LabelCache
 from .wire import pack
 

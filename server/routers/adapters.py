@@ -3,7 +3,7 @@
 Registering and deleting are admin routes: the guard (server/edge/) has checked the caller (a key's
 names too, when the path holds one), and capped the body, before these handlers run; a bundle's name
 is checked against the key once the registry has parsed it. Every answer names only the adapters the
-caller may read, and each change fills in the audit entry the guard opened (server/audit.py).
+caller may read, and each change fills in the audit entry the guard opened (server/tenancy/audit.py).
 """
 
 from __future__ import annotations

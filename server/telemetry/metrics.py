@@ -95,7 +95,7 @@ class Metrics:
             ["key", "limit"],
             registry=r,
         )
-        # server/audit.py: every attempt to change the adapter set, by action and the status answered.
+        # server/tenancy/audit.py: every attempt to change the adapter set, by action and the status answered.
         self.adapter_changes = Counter(
             "memvit_adapter_changes_total",
             "attempts to change the adapter set, by action (register, replace, delete) and HTTP status",

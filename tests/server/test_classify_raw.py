@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from memvit.server.app import create_app
-from memvit.server.keys import add_key
-from memvit.server.policy import Limits, Policy
 from memvit.server.settings import Settings
+from memvit.server.tenancy.keys import add_key
+from memvit.server.tenancy.policy import Limits, Policy
 from tests.server.conftest import TOKEN, free_port, running_server
 from tests.server.test_api import jpeg
 

@@ -12,8 +12,8 @@ from memvit.server.errors import RateLimitedError
 from memvit.server.frontend.limits import ShareLimiter
 from memvit.server.frontend.shared_metrics import merge
 from memvit.server.frontend.wire import pack, unpack
-from memvit.server.policy import Limits, Policy
 from memvit.server.shm_arena import Arena, Reader
+from memvit.server.tenancy.policy import Limits, Policy
 
 
 @pytest.mark.parametrize("arena_size", [1 << 20, 64])  # in the arena; too small: inline

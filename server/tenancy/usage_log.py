@@ -1,6 +1,6 @@
 """Where usage is written durably: beside the adapters, in the adapter store's folder or bucket.
 
-Each replica writes one record per interval (server/usage.py), never touching another replica's:
+Each replica writes one record per interval (server/tenancy/usage.py), never touching another replica's:
 
 - a folder: one line appended to ``.usage/<day>/<replica>.jsonl`` (its own file: no two writers
   ever share one), written in one ``write`` and fsynced. A replica killed mid-write may leave a
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from memvit.adapters.files import fsync_dir
 
-from .store import AdapterStore, LocalStore
+from ..store import AdapterStore, LocalStore
 
 log = logging.getLogger(__name__)
 PREFIX = ".usage"
@@ -116,7 +116,7 @@ class ObjectUsageLog(UsageLog):
         self._cache: dict[str, dict | None] = {}
 
     def append(self, record: dict) -> None:
-        from .store.base import ObjectExistsError
+        from ..store.base import ObjectExistsError
 
         key = f"{PREFIX}/{record['day']}/{record['replica']}/{record['seq']:010d}.json"
         with contextlib.suppress(ObjectExistsError):  # an earlier try wrote it after all: once

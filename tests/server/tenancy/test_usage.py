@@ -16,11 +16,11 @@ import pytest
 from typer.testing import CliRunner
 
 from memvit.server.cli import app as cli
-from memvit.server.keys import add_key
 from memvit.server.settings import Settings
 from memvit.server.store import open_store
-from memvit.server.usage import UsageMeter, UsageRow, summarize
-from memvit.server.usage_log import LocalUsageLog, ObjectUsageLog, encode
+from memvit.server.tenancy.keys import add_key
+from memvit.server.tenancy.usage import UsageMeter, UsageRow, summarize
+from memvit.server.tenancy.usage_log import LocalUsageLog, ObjectUsageLog, encode
 from tests.server.conftest import TOKEN, free_port, running_server
 from tests.server.test_api import jpeg, post_image, register
 

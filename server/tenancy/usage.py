@@ -2,7 +2,7 @@
 
 Counted in memory as requests are answered (``UsageMeter.record``, on the event loop), and written
 durably every ``MEMVIT_USAGE_INTERVAL_SECONDS`` as one record per replica and interval
-(server/usage_log.py: a line in the adapter store's folder, or an object in its bucket)::
+(server/tenancy/usage_log.py: a line in the adapter store's folder, or an object in its bucket)::
 
     {"format": "memvit.usage/1", "replica": "web-1-4242-a1b2c3", "seq": 17, "day": "2026-11-25",
      "start": "2026-11-25T10:00:00Z", "end": "2026-11-25T10:01:00Z",

@@ -12,7 +12,7 @@ change them, or both. Keys live in one JSON file (``MEMVIT_API_KEYS_FILE``), has
      "admin": {"weight": 1}}
 
 ``weight`` and ``limits`` (optional, on a key and on the ``anonymous`` and ``admin`` callers) are its
-share of the fused passes and its limits: server/policy.py.
+share of the fused passes and its limits: server/tenancy/policy.py.
 
 The key itself is shown once, by ``memvit keys add``, and never stored, logged or returned: a request
 is matched by the sha256 of the bearer value it sends. ``KeyFile`` re-reads the file when it changes

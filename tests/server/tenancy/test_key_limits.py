@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from memvit.server.app import create_app
-from memvit.server.keys import add_key, set_policy
-from memvit.server.policy import Limits, Policy
 from memvit.server.settings import Settings
+from memvit.server.tenancy.keys import add_key, set_policy
+from memvit.server.tenancy.policy import Limits, Policy
 from tests.server.conftest import TOKEN, free_port, published, running_server
 from tests.server.test_api import jpeg, post_image
 from tests.server.test_guard import exchange, multipart, request_head

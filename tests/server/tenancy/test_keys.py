@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from memvit.server.keys import (
+from memvit.server.tenancy.keys import (
     FORMAT,
     KeyFile,
     KeyRing,

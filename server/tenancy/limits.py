@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import RateLimitedError, TooManyImagesError
+from ..errors import RateLimitedError, TooManyImagesError
+from ..telemetry.metrics import Metrics
 from .policy import Limits, Policy
-from .telemetry.metrics import Metrics
 
 
 class TokenBucket:

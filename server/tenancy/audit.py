@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
-from .telemetry.metrics import Metrics
+from ..telemetry.metrics import Metrics
 
 log = logging.getLogger("memvit.audit")
 _PLAIN = re.compile(r"^[A-Za-z0-9._*-]{1,128}$")

@@ -14,7 +14,7 @@ caller with no key and the admin token are keys too as far as sharing goes)::
 - ``images_per_request``: the most images one request may hold (below the server's own cap).
 
 Nothing set: no limit. Parsed here, without torch, so that ``memvit keys`` stays quick; enforced by
-server/limits.py.
+server/tenancy/limits.py.
 """
 
 from __future__ import annotations
