@@ -64,7 +64,7 @@ from benchmarks.loadgen import LoadResult, classify_requests, load
 from memvit.adapters import bundle_for, save_bundle
 from memvit.adapters.preprocess import eval_transform, to_rgb
 from memvit.memory_core import AdapterSet, AdapterWeights, MemoryViT, save_base
-from memvit.server.images import ImageDecoder
+from memvit.server.inference.images import ImageDecoder
 from memvit.server.settings import Settings
 from tests.factories import random_adapter
 from tests.server.launcher import ServerProcess

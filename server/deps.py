@@ -20,11 +20,11 @@ from memvit.memory_core import BASE_TASK, LiveAdapters
 from .edge.access import name_refused
 from .edge.principal import Principal
 from .errors import NotReadyError, TooManyImagesError, UnsupportedMediaTypeError
+from .inference.tasks import check_tasks, parse_tasks
 from .pipeline import ClassifyPipeline, Tenant
 from .registry import AdapterRegistry
 from .settings import Settings
 from .state import AppState, Service
-from .tasks import check_tasks, parse_tasks
 from .tenancy.audit import AuditEntry
 from .tenancy.limits import Ticket
 

@@ -181,7 +181,7 @@ class OverloadedError(RetryLaterError):
 
 
 class DeviceMemoryError(RetryLaterError):
-    """A pass did not fit in the device's memory, even for one image (server/device_runner.py)."""
+    """A pass did not fit in the device's memory, even for one image (server/inference/device_runner.py)."""
 
 
 class ResidentSetFullError(RetryLaterError):

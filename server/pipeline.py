@@ -1,4 +1,5 @@
-"""POST /classify's request side: read, check, answer. What runs the pass is a runner's (server/runner.py).
+"""POST /classify's request side: read, check, answer. What runs the pass is a runner's
+(server/inference/runner.py).
 
 One object owns the path from checked input (``deps.classify_input``: the image count, and the tasks
 against the registry, before anything is decoded) to the response, the same in one process and in an
@@ -6,9 +7,9 @@ API process (only the runner differs: in-process, or across the link to the mode
 - each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop,
   each key's images taken in turn by the service the key received (``FairPool``), not first come;
   with the device decoder, the pool only checks each upload (caps, bombs, header, orientation) and
-  JPEGs are decoded on the model's device with their batch (server/device_decode.py);
+  JPEGs are decoded on the model's device with their batch (server/inference/device_decode.py);
 - the runner starts before the images are decoded (it pins the adapters and announces the images);
-- the response is built from the one ``Answer`` the runner returns (server/answers.py): numbers
+- the response is built from the one ``Answer`` the runner returns (server/inference/answers.py): numbers
   computed for the whole batch at once, cut for this request with one index; here only the response
   objects are built, one Python list per array, not a softmax or a ``.tolist()`` per task;
 - the request's stages (receive, decode, and the runner's queue, copy and pass) are timed
@@ -25,12 +26,12 @@ from concurrent.futures import Executor
 import torch
 from fastapi import UploadFile
 
-from .answers import Answer, Labels
-from .device_runner import Item
 from .edge.body import read_upload
 from .errors import ImageTooLargeError
-from .fair_queue import FairPool
-from .runner import ANONYMOUS, Ask, Images, Runner, Tenant
+from .inference.answers import Answer, Labels
+from .inference.device_runner import Item
+from .inference.fair_queue import FairPool
+from .inference.runner import ANONYMOUS, Ask, Images, Runner, Tenant
 from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
 from .telemetry.stages import current_stages
 

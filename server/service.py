@@ -4,7 +4,7 @@
 what differs between processes is only what is handed to it:
 
 - the process that holds the model (one process, or a group's model process): ``start_service``
-  loads the engine and the registry, starts the engine loop (server/engine_loop.py) and hands a
+  loads the engine and the registry, starts the engine loop (server/inference/engine_loop.py) and hands a
   ``LocalRunner`` over;
 - an API process (server/frontend/api_process.py): the engine's description, a replica of the
   registry and a ``RemoteRunner`` over the link (server/frontend/remote.py). It decodes uploads, and
@@ -26,22 +26,22 @@ import torch
 from memvit.memory_core import LiveAdapters, MemoryViT
 from memvit.memory_core.runtime import exact_float32
 
-from .device_decode import DeviceDecoder, JpegCheck
-from .device_runner import DeviceRunner
 from .edge.principal import check_credentials
-from .engine_loop import EngineLoop
-from .fair_queue import FairPool
-from .images import ImageDecoder
+from .inference.device_decode import DeviceDecoder, JpegCheck
+from .inference.device_runner import DeviceRunner
+from .inference.engine_loop import EngineLoop
+from .inference.fair_queue import FairPool
+from .inference.images import ImageDecoder
+from .inference.runner import LocalRunner, Runner, counting
+from .inference.warmup import warm_up
 from .pipeline import ClassifyPipeline
 from .registry import AdapterRegistry
-from .runner import LocalRunner, Runner, counting
 from .settings import Settings
 from .state import AppState, Service
 from .store import StoreUnavailableError, open_store
 from .telemetry.metrics import Metrics
 from .tenancy.usage import UsageMeter, replica_name
 from .tenancy.usage_log import usage_log_for
-from .warmup import warm_up
 
 log = logging.getLogger("memvit.server")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,7 +145,7 @@ def _seed_demo_store(settings: Settings, registry: AdapterRegistry) -> None:
 
 def _load(settings: Settings, metrics: Metrics) -> tuple[MemoryViT, AdapterRegistry, EngineLoop]:
     """The slow, blocking part of start-up (run in a thread): the model, the registry's index, and
-    the engine loop, started with the graphs it will replay captured (server/warmup.py)."""
+    the engine loop, started with the graphs it will replay captured (server/inference/warmup.py)."""
     engine = build_engine(settings)
     store = open_store(settings.adapter_store)
     registry = AdapterRegistry(

@@ -59,8 +59,8 @@ class Settings(BaseSettings):
     decode: Literal["exact", "fast"] = Field(
         "exact", description="exact: every pixel; fast: large JPEGs shrunk in the decoder (RESULTS)"
     )
-    # JPEGs decoded on the model's device in each batch (server/device_decode.py): "auto" does it when
-    # the model is on a GPU and decode is "exact"; "device" also on a CPU model (torchvision's CPU
+    # JPEGs decoded on the model's device in each batch (server/inference/device_decode.py): "auto" does it
+    # when the model is on a GPU and decode is "exact"; "device" also on a CPU model (torchvision's CPU
     # decoder: the device path's own code, as CI tests it); "cpu" never.
     decode_device: Literal["auto", "device", "cpu"] = Field(
         "auto", description="decode JPEGs on the model's device: auto (on a GPU), device, or cpu"
@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     server_timing: bool = Field(False, description="say each answer's stage times in a Server-Timing header")
     max_images_per_request: int = Field(16, ge=1)
     # Images are decoded and fused passes filled by the service each key has received, by its weight
-    # (server/fair_queue.py); false: by arrival, as before keys had shares.
+    # (server/inference/fair_queue.py); false: by arrival, as before keys had shares.
     fair_batching: bool = Field(True, description="share passes and decoders between keys by weight")
 
     max_image_bytes: int = Field(20 * 1024 * 1024, ge=1, description="upload cap per image")

@@ -17,7 +17,7 @@ from .settings import Settings
 from .telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
-    from .engine_loop import EngineLoop
+    from .inference.engine_loop import EngineLoop
     from .pipeline import ClassifyPipeline
 
 

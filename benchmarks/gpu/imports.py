@@ -50,7 +50,7 @@ MODULES = (
     "memvit.adapters",
     "memvit.server.app",
     "memvit.server.cli",
-    "memvit.server.images",
+    "memvit.server.inference.images",
     "fastapi",
     "starlette",
     "pydantic",

@@ -11,7 +11,7 @@ API process, read by that connection's thread:
 - ``deliver``: the decoded images (server/frontend/wire.py: read in place from shared memory), or
   None when they will not come (a bad upload, a client gone).
 
-Once both are in, the request is queued on the engine loop (server/engine_loop.py). Its answer comes
+Once both are in, the request is queued on the engine loop (server/inference/engine_loop.py). Its answer comes
 back from the engine's collector thread (``ConnectionSink``): the batch's answers for one API
 process in one write, each the request's arrays and its labels by key (labels.py), pickled once per
 request, never per task. Usage and the per-key and per-task metrics are counted here, where the pass
@@ -37,12 +37,12 @@ from typing import Any
 
 from memvit.memory_core import BASE_TASK
 
-from ..answers import Answer
-from ..engine_loop import Job, Result
 from ..errors import RetryLaterError
+from ..inference.answers import Answer
+from ..inference.engine_loop import Job, Result
+from ..inference.runner import as_items
 from ..link import Connection, LinkServer, _frame, current_peer
 from ..registry import Pin
-from ..runner import as_items
 from ..service import start_service, stop_service, update_gauges
 from ..settings import Settings
 from ..shm_arena import Reader

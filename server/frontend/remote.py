@@ -12,7 +12,7 @@ the guard and the error bodies are the single-process server's own code.
   caller's key here, then made by the model process, after which this replica refreshes at once.
   Each journal entry is applied whole (server/registry/catalog.py), so a change is seen by every
   process within one poll and never half.
-- ``RemoteRunner``: the request side's ``Runner`` (server/runner.py) across the link: the model
+- ``RemoteRunner``: the request side's ``Runner`` (server/inference/runner.py) across the link: the model
   process's runner starts (pinning the adapters and announcing the images to its engine loop) while
   this process decodes, then the decoded images follow through shared memory (``wire.py``); the
   request's ``Answer`` comes back (its arrays, its labels by key: labels.py), and the response is
@@ -34,12 +34,12 @@ import torch
 
 from memvit.adapters import AdapterBundle, read_bundle
 
-from ..answers import Answer
+from ..inference.answers import Answer
+from ..inference.runner import Ask, Images
 from ..link import LinkClient, LinkDownError
 from ..registry import RegistryInfo
 from ..registry.catalog import Catalog
 from ..registry.reads import CatalogReads
-from ..runner import Ask, Images
 from ..shm_arena import Arena
 from ..store import AdapterStore, Entry
 from ..store.base import legacy_name

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Depends
 
 from ..deps import ClassifyInputDep, PipelineDep, PrincipalDep, RegistryDep, require_multipart
 from ..errors import UnknownTaskError
+from ..inference.tasks import unknown_tasks_error
 from ..openapi import errors
 from ..schemas import ClassifyResponse
-from ..tasks import unknown_tasks_error
 
 router = APIRouter(tags=["classify"])
 

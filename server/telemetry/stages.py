@@ -8,7 +8,7 @@
     respond   from its logits on the host to the response's first byte (top-k, labels, JSON)
 
 Batch stages (copy, the device decode, pass) are the batch's: every request in it waited that long.
-On a GPU they come from CUDA events (server/device_runner.py), so timing them makes nobody wait.
+On a GPU they come from CUDA events (server/inference/device_runner.py), so timing them makes nobody wait.
 Every request's stages are observed in ``memvit_stage_seconds{stage=...}`` (six label values); with
 ``MEMVIT_SERVER_TIMING=true`` the response also says them in a ``Server-Timing`` header
 (https://www.w3.org/TR/server-timing/), in milliseconds, for one request's view in a browser's

@@ -7,7 +7,7 @@ caller with no key and the admin token are keys too as far as sharing goes)::
      "limits": {"images_per_second": 20, "burst": 40, "requests_in_flight": 8, "images_per_request": 16}}
 
 - ``weight`` (> 0, default 1): the key's share of the fused passes while other keys wait too
-  (server/fair_queue.py). Alone, a key gets every pass whatever its weight.
+  (server/inference/fair_queue.py). Alone, a key gets every pass whatever its weight.
 - ``images_per_second`` and ``burst``: a token bucket of ``burst`` images (default: one second's
   worth, at least 1) refilled at that rate; a request takes one token per image.
 - ``requests_in_flight``: requests of the key being served at once.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memvit.server.answers import BatchAnswers, Want
+from memvit.server.inference.answers import BatchAnswers, Want
 from memvit.server.pipeline import respond
 from tests.conftest import random_adapter, tiny_engine
 

@@ -1,5 +1,5 @@
-"""The device decoder (server/device_decode.py), run on CPU through torchvision's CPU decoder: the same
-code a GPU runs through nvJPEG. It must hand the model what the exact CPU path (Pillow) hands it,
+"""The device decoder (server/inference/device_decode.py), run on CPU through torchvision's CPU decoder: the
+same code a GPU runs through nvJPEG. It must hand the model what the exact CPU path (Pillow) hands it,
 within one or two levels of 255, and answer every broken or hostile upload with the same 4xx."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from memvit.memory_core import MemoryViT
-from memvit.server.device_decode import DeviceDecoder, Encoded
 from memvit.server.errors import ServiceError
-from memvit.server.images import ImageDecoder
+from memvit.server.inference.device_decode import DeviceDecoder, Encoded
+from memvit.server.inference.images import ImageDecoder
 from tests.conftest import SHARED_DATA
 
 FORMATS = SHARED_DATA / "photos" / "formats"

@@ -1,5 +1,5 @@
-"""The device runner (server/device_runner.py) on CPU: a batch of images decoded on the CPU and JPEGs
-for the device decoder gives the plain pass's answers; a broken JPEG fails its image alone; a pass
+"""The device runner (server/inference/device_runner.py) on CPU: a batch of images decoded on the CPU and
+JPEGs for the device decoder gives the plain pass's answers; a broken JPEG fails its image alone; a pass
 that runs out of device memory (the error injected) is split until it fits, and an image that never
 fits answers 503, while the rest are answered."""
 
@@ -12,13 +12,13 @@ import torch
 from PIL import Image
 
 from memvit.memory_core import MemoryViT
-from memvit.server.answers import Want
-from memvit.server.device_decode import DeviceDecoder
-from memvit.server.device_runner import DeviceRunner
 from memvit.server.errors import BrokenImageError, DeviceMemoryError
-from memvit.server.images import ImageDecoder
+from memvit.server.inference.answers import Want
+from memvit.server.inference.device_decode import DeviceDecoder
+from memvit.server.inference.device_runner import DeviceRunner
+from memvit.server.inference.images import ImageDecoder
 from tests.conftest import TOL, max_diff, random_adapter
-from tests.server.test_device_decode import broken_jpeg, jpeg, photo
+from tests.server.inference.test_device_decode import broken_jpeg, jpeg, photo
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,11 @@
 one batch while the device runs another and a third is read back.
 
 1. ``decode`` (the decode thread, on the device's *prep* stream): JPEGs decoded on the device with
-   their batch (server/device_decode.py); images decoded on the CPU (PNG, WebP, ...) stacked into a
+   their batch (server/inference/device_decode.py); images decoded on the CPU (PNG, WebP, ...) stacked into a
    pinned host buffer and copied. An event marks the batch ready.
 2. ``launch`` (the pass thread, on the compute stream): waits for that event on the device (never on
    the host), runs the pass (a CUDA graph replay, memory_core/graphs.py), then the batch's answers
-   (server/answers.py: a masked softmax and top-k of every row, copied to pinned host memory).
+   (server/inference/answers.py: a masked softmax and top-k of every row, copied to pinned host memory).
 3. ``collect`` (the collector thread): waits for the batch's last copy and hands the answers over.
 
 On a CPU the same calls run in turn, each when called. A batch that runs out of device memory is
@@ -29,9 +29,9 @@ from torch import Tensor
 from memvit.memory_core import AdapterSet, MemoryViT, TaskIndex
 from memvit.memory_core.staging import PinnedStaging
 
+from ..errors import DeviceMemoryError, ServiceError
 from .answers import Answer, BatchAnswers, Want
 from .device_decode import DeviceDecoder, Encoded
-from .errors import DeviceMemoryError, ServiceError
 
 log = logging.getLogger(__name__)
 

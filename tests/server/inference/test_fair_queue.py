@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from memvit.server.fair_queue import FairPool, FairQueue
+from memvit.server.inference.fair_queue import FairPool, FairQueue
 
 
 def drain(queue: FairQueue, n: int | None = None) -> list:

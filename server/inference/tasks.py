@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from memvit.memory_core import BASE_TASK, AdapterSet
 
-from .errors import TasksRequiredError, TooManyTasksError, UnknownTaskError
+from ..errors import TasksRequiredError, TooManyTasksError, UnknownTaskError
 
 if TYPE_CHECKING:
-    from .registry import AdapterRegistry
+    from ..registry import AdapterRegistry
 
 _NAMES_SHOWN = 20  # an error lists this many known tasks, not 100,000
 

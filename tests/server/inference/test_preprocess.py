@@ -1,4 +1,4 @@
-"""Batched preprocessing (server/preprocess.py): the base's eval transform for a batch of decoded
+"""Batched preprocessing (server/inference/preprocess.py): the base's eval transform for a batch of decoded
 JPEGs in two operations per image and a fixed number per batch, counted at the dispatcher, giving
 what torchvision gives image by image."""
 
@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize
 
 from memvit.memory_core import MemoryViT
-from memvit.server.device_decode import DeviceDecoder
-from memvit.server.images import ImageDecoder
-from memvit.server.preprocess import BatchPreprocess, orient
-from tests.server.test_device_decode import LEVELS, jpeg, photo
+from memvit.server.inference.device_decode import DeviceDecoder
+from memvit.server.inference.images import ImageDecoder
+from memvit.server.inference.preprocess import BatchPreprocess, orient
+from tests.server.inference.test_device_decode import LEVELS, jpeg, photo
 
 PER_IMAGE, PER_BATCH = 2, 10  # the goal (issue 41): aten operations on the device-decode path
 

@@ -7,7 +7,7 @@ collector's) is what CUDA's capture mode forbids. So the engine loop captures ev
 to meet before any of its threads run: at start-up, before ``/readyz`` says ready, and when the slot
 pools have grown (their generation counts up and every graph of the old generation is dropped:
 an adapter loaded past the pools' capacity, memory length or classes), with the loop's other stages
-idle (server/engine_loop.py).
+idle (server/inference/engine_loop.py).
 
 The shapes: every batch bucket up to ``max_batch`` (1, 2, 4, 8, 16, 24, ...), each with
 - the base alone (requests asking for no adapter);
@@ -78,7 +78,8 @@ def warm_up(engine: MemoryViT, adapter_set: AdapterSet, max_batch: int, max_task
         for batch, tasks, reads_set in planned:
             x = torch.zeros(batch, *size, device=engine.device, dtype=engine.dtype)
             engine(x, adapter_set if reads_set else None, tasks=tasks)
-        if engine.device.type == "cuda":  # (a stand-in's graphs run on the CPU: tests/server/test_warmup.py)
+        # (a stand-in's graphs run on the CPU: tests/server/inference/test_warmup.py)
+        if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
     log.info(
         "captured the graphs of %d passes (batches up to %d, %d adapters resident) in %.1f s",

@@ -1,4 +1,4 @@
-"""A batch's answers (server/answers.py): computed for the batch at once, cut per request, they are
+"""A batch's answers (server/inference/answers.py): computed for the batch at once, cut per request, they are
 what each task's own softmax and top-k give, whatever else shares the batch; padded classes never
 show; a non-finite logit is refused, never answered."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from memvit.memory_core import BASE_TASK, FusedOutput, LiveAdapters
-from memvit.server.answers import BatchAnswers, Want
 from memvit.server.errors import NonFiniteOutputError
+from memvit.server.inference.answers import BatchAnswers, Want
 from tests.conftest import random_adapter, tiny_engine
 
 

@@ -5,14 +5,14 @@
 One interface, two runners: ``LocalRunner`` (here, the process that holds the model: the single
 process, and the model process of a group) and ``RemoteRunner`` (an API process's, across the link:
 server/frontend/remote.py). ``images`` is an awaitable of the request's decoded images, or items for
-the device decoder (server/device_decode.py): the runner starts at once, pinning the adapters asked
+the device decoder (server/inference/device_decode.py): the runner starts at once, pinning the adapters asked
 for and announcing the images to the engine loop while they decode, so a forming batch waits for them.
 
 What the runner does for a request, in the process that runs the pass:
 - its adapters made resident (loaded from the store if they are not) and pinned until its batch has
   run, so no other request's cold load evicts them;
 - its images queued as its key's (its share of the passes by its weight), in one batch with others;
-- its answer cut from the batch's (server/answers.py), from the one snapshot that computed it;
+- its answer cut from the batch's (server/inference/answers.py), from the one snapshot that computed it;
 - what was computed counted for the key that asked, by the engine loop for each batch
   (``counting``): usage per key and task (server/tenancy/usage.py) and the bounded per-key and per-task
   metrics (server/telemetry/metrics.py).
@@ -30,12 +30,12 @@ from torch import Tensor
 
 from memvit.memory_core import BASE_TASK
 
+from ..registry import AdapterRegistry, Pin
+from ..telemetry.metrics import Metrics
+from ..tenancy.usage import UsageMeter
 from .answers import Answer
 from .device_runner import Item
 from .engine_loop import EngineLoop, Job, Result
-from .registry import AdapterRegistry, Pin
-from .telemetry.metrics import Metrics
-from .tenancy.usage import UsageMeter
 
 Images = Tensor | Sequence[Item]  # (n, C, H, W) decoded on the CPU, or one item per image
 
@@ -128,7 +128,7 @@ def _settle(finished: list[tuple[Job, Result]]) -> None:
 
 
 class LocalRunner:
-    """Runs requests on this process's engine loop (server/engine_loop.py)."""
+    """Runs requests on this process's engine loop (server/inference/engine_loop.py)."""
 
     def __init__(self, registry: AdapterRegistry, engine: EngineLoop) -> None:
         self.registry, self.engine = registry, engine

@@ -6,15 +6,15 @@ every one on a thread of its own, with no event loop anywhere on the way.
 - The *batcher* takes the first waiting request, then more, until ``max_batch`` images or
   ``max_wait`` seconds. It waits only for requests that are on their way (``announce``d while their
   images decode): a lone request runs at once instead of sitting out ``max_wait`` for nobody. Which
-  request is next is the fair queue's choice (server/fair_queue.py): the key that has received the
+  request is next is the fair queue's choice (server/inference/fair_queue.py): the key that has received the
   least service, by weight. Each batch reads the live adapter set once, so every request in it is
   answered by that one snapshot; a request asking for an adapter the snapshot no longer has fails
   alone. Routing costs each request what it asks for, never what else is resident.
-- *decode*, *pass* and *collector* are the device runner's three stages (server/device_runner.py),
+- *decode*, *pass* and *collector* are the device runner's three stages (server/inference/device_runner.py),
   each batch handed from one to the next: on a GPU, ``depth`` batches (3) are in flight at once, one
   being decoded, one computing, one read back; on a CPU one, since a second would only hold images
   back from a batch still forming.
-- The collector cuts each request's answer (server/answers.py) and hands the batch's answers to
+- The collector cuts each request's answer (server/inference/answers.py) and hands the batch's answers to
   their *sinks*, one call per sink per batch: an event loop's (one wake-up for all its requests), or
   an API process's connection (one write for all its answers, server/frontend/model_process.py).
 
@@ -35,12 +35,12 @@ from typing import Any, Protocol
 
 from memvit.memory_core import AdapterSet, LiveAdapters, TaskIndex
 
+from ..errors import OverloadedError, RetryLaterError
+from ..telemetry.metrics import Metrics
 from .answers import Answer, Want
 from .device_runner import DeviceRunner, Item
-from .errors import OverloadedError, RetryLaterError
 from .fair_queue import ONE_FLOW, FairQueue
 from .tasks import unknown_tasks_error
-from .telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 Result = Answer | BaseException
@@ -106,7 +106,7 @@ class EngineLoop:
         self.live, self.runner = live, runner
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.metrics, self.fair, self.registered = metrics, fair, registered
-        self.warm = warm  # captures the graphs of a snapshot's passes (server/warmup.py)
+        self.warm = warm  # captures the graphs of a snapshot's passes (server/inference/warmup.py)
         self._warmed: int | None = None  # the slot pools' generation they were captured for
         self.count = count  # what a batch answered, counted for the keys that asked (usage, metrics)
         self.depth = depth if depth is not None else (3 if runner.cuda else 1)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from memvit.memory_core import BASE_TASK, FusedOutput
 
-from .errors import NonFiniteOutputError
+from ..errors import NonFiniteOutputError
 
 Labels = tuple[str, ...] | None
 

@@ -1,4 +1,4 @@
-"""The engine loop on its own (server/engine_loop.py): batches form from requests that are on their
+"""The engine loop on its own (server/inference/engine_loop.py): batches form from requests that are on their
 way, a lone request does not wait for company that is not coming, keys share passes fairly, routing
 costs what a request asks for, several batches are in flight on a device that runs them apart, and
 the graphs are captured again, with the other stages idle, once the slot pools grow."""
@@ -18,9 +18,9 @@ from PIL import Image
 
 from memvit.memory_core import AdapterSet, LiveAdapters
 from memvit.server.app import create_app
-from memvit.server.device_runner import DeviceRunner
-from memvit.server.engine_loop import EngineLoop, Job
 from memvit.server.errors import OverloadedError, UnknownTaskError
+from memvit.server.inference.device_runner import DeviceRunner
+from memvit.server.inference.engine_loop import EngineLoop, Job
 from memvit.server.settings import Settings
 from memvit.server.telemetry.metrics import Metrics
 from tests.conftest import images, random_adapter

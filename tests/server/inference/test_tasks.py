@@ -1,5 +1,5 @@
-"""Task names (server/tasks.py): ``?tasks=`` parsed, checked against the registry, one error for both
-moments (asked for, and deleted while the request waited)."""
+"""Task names (server/inference/tasks.py): ``?tasks=`` parsed, checked against the registry, one error for
+both moments (asked for, and deleted while the request waited)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from memvit.adapters import bundle_for
 from memvit.memory_core import AdapterSet, LiveAdapters
 from memvit.server.errors import UnknownTaskError
+from memvit.server.inference.tasks import check_tasks, parse_tasks, unknown_tasks_error
 from memvit.server.registry import AdapterRegistry
 from memvit.server.store import LocalStore
-from memvit.server.tasks import check_tasks, parse_tasks, unknown_tasks_error
 from tests.conftest import random_adapter, tiny_engine
 
 

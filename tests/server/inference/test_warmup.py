@@ -12,15 +12,15 @@ import pytest
 from benchmarks.host_counts import StandInEvent, StandInGraphs
 from memvit.memory_core import LiveAdapters
 from memvit.memory_core.staging import HostBuffers
-from memvit.server.device_decode import DeviceDecoder
-from memvit.server.device_runner import DeviceRunner
-from memvit.server.engine_loop import EngineLoop, Job
-from memvit.server.images import ImageDecoder
+from memvit.server.inference.device_decode import DeviceDecoder
+from memvit.server.inference.device_runner import DeviceRunner
+from memvit.server.inference.engine_loop import EngineLoop, Job
+from memvit.server.inference.images import ImageDecoder
+from memvit.server.inference.warmup import batch_buckets, shapes, warm_up
 from memvit.server.telemetry.metrics import Metrics
-from memvit.server.warmup import batch_buckets, shapes, warm_up
 from tests.conftest import random_adapter
 from tests.factories import tiny_engine
-from tests.server.test_device_decode import jpeg, photo
+from tests.server.inference.test_device_decode import jpeg, photo
 
 MAX_BATCH = 16
 
@@ -75,7 +75,7 @@ def test_warm_up_captures_what_one_task_requests_meet(served) -> None:
 
 
 def test_every_adapter_beside_one_is_captured_on_first_use(served) -> None:
-    """What warm-up does not promise (server/warmup.py): such a batch's shape is captured once, then
+    """What warm-up does not promise (server/inference/warmup.py): such a batch's shape is captured once, then
     replayed; the test shows the bound holds (a few shapes, not one per batch)."""
     engine, graphs, live, decoder, items = served
     _, while_serving = serve(engine, graphs, live, decoder, items, [None, ("a0",)], jobs=200)

@@ -13,7 +13,7 @@ from memvit.adapters.preprocess import decode_target, eval_transform, load_rgb, 
 from memvit.adapters.training.data import ImageDataset, scan_folder
 from memvit.memory_core import MemoryViT
 from memvit.server.errors import BrokenImageError, EmptyImageError, ImageTooLargeError, NotAnImageError
-from memvit.server.images import ImageDecoder
+from memvit.server.inference.images import ImageDecoder
 from tests.server.conftest import photo
 
 GOOD = [

@@ -19,7 +19,7 @@ from torch import Tensor
 from memvit.adapters.preprocess import decode_target, eval_transform, load_rgb
 from memvit.memory_core import MemoryViT
 
-from .errors import BrokenImageError, EmptyImageError, ImageTooLargeError, NotAnImageError
+from ..errors import BrokenImageError, EmptyImageError, ImageTooLargeError, NotAnImageError
 
 # Pillow plugin ids; multi-picture JPEGs (MPO) come in through the JPEG plugin.
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")

@@ -8,7 +8,7 @@ bombs, a readable header; the EXIF orientation; a complete file), and the bytes 
 where ``decode_batch`` turns a batch of them into the model's input with
 ``torchvision.io.decode_jpeg(list, device=...)`` (nvJPEG on CUDA; libjpeg-turbo, Pillow's own
 library, on CPU, which is how CI runs this very code), then the base's eval transform for the whole
-batch in a fixed number of operations (server/preprocess.py: torchvision's antialiased resize in the
+batch in a fixed number of operations (server/inference/preprocess.py: torchvision's antialiased resize in the
 base's interpolation, which matches Pillow's to one level of 255, the orientation, the centre crop
 and the normalisation, all read off the base's own eval transform).
 
@@ -31,7 +31,7 @@ from PIL import Image
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from .errors import ServiceError
+from ..errors import ServiceError
 from .images import ImageDecoder
 from .preprocess import BatchPreprocess
 
