@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
 
+from .edge.errors import install_error_handlers
 from .edge.guard import Edge, GuardMiddleware
 from .edge.routes import missing_routes, route_table
-from .errors import install_error_handlers
 from .oip.errors import ProtocolErrorShape
 from .openapi import customise as customise_openapi
 from .routers import adapters, classify, health, oip, ui, usage

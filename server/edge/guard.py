@@ -27,13 +27,14 @@ from types import SimpleNamespace
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import ServiceError, status_of
+from ..errors import ServiceError
 from ..settings import Settings
 from ..telemetry.metrics import EDGE_DONE, Metrics
 from ..tenancy.audit import AuditEntry, action_of, record
 from ..tenancy.limits import Limiter, Ticket
 from .access import check_access
 from .body import BodyLimits, content_length
+from .errors import status_of
 from .origin import OriginPolicy
 from .principal import Credentials, set_principal
 from .routes import Route, route_table
