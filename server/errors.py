@@ -169,7 +169,7 @@ class ResidentSetFullError(RetryLaterError):
 
 
 class RequestTimeoutError(ServiceError):
-    """The client did not send its request's headers (server/timeouts.py) or its body (server/edge/body.py)
-    in time."""
+    """The client did not send its request's headers (server/http/timeouts.py) or its body
+    (server/edge/body.py) in time."""
 
     status = 408

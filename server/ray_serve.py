@@ -25,8 +25,8 @@ loopback default of a local ``serve run`` keeps the Host check on; the cluster c
 (docker/ray/), where the proxies listen on every interface, so the check is off unless
 ``MEMVIT_ALLOWED_HOSTS`` names the load balancer.
 
-This is the only module that imports ray (the ``ray`` extra); ``memvit.server.app`` and torch are imported
-in the replica, not where the application is built (the driver, Serve's controller).
+This is the only module that imports ray (the ``ray`` extra); ``memvit.server.http.app`` and torch are
+imported in the replica, not where the application is built (the driver, Serve's controller).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from .settings import Settings
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from .state import AppState
+    from .http.state import AppState
 
 REPLICA_HEADER = "x-memvit-replica"
 AFFINITY_ROUTER = "memvit.server.ray_router:AdapterAffinityRouter"
@@ -122,7 +122,7 @@ class MemvitDeployment:
     """One replica: settings checked at construction, the app built by ``create_app``, ready when loaded."""
 
     def __init__(self) -> None:
-        from .app import preflight
+        from .http.app import preflight
 
         self.settings = replica_settings()
         level = self.settings.log_level.upper()
@@ -138,7 +138,7 @@ class MemvitDeployment:
         self._app: FastAPI | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        from .app import create_app
+        from .http.app import create_app
 
         app = create_app(self.settings)
         app.add_middleware(HandOverMiddleware)  # a retried request whose body stayed with a dead replica

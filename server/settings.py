@@ -93,7 +93,7 @@ class Settings(BaseSettings):
         default_factory=list, description="comma-separated host names (a proxy's, a cluster's; *.example.com)"
     )
 
-    # Slow clients (headers: server/timeouts.py; body: server/edge/body.py): past these, the client gets
+    # Slow clients (headers: server/http/timeouts.py; body: server/edge/body.py): past these, the client gets
     # a 408 and its connection closes.
     header_timeout_seconds: float = Field(10.0, gt=0, description="deadline for a request's headers")
     body_timeout_seconds: float = Field(60.0, gt=0, description="total deadline for a request's body")

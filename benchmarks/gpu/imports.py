@@ -48,7 +48,7 @@ MODULES = (
     "tests.server.launcher",
     "memvit.memory_core",
     "memvit.adapters",
-    "memvit.server.app",
+    "memvit.server.http.app",
     "memvit.server.cli",
     "memvit.server.inference.images",
     "fastapi",

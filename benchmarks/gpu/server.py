@@ -63,7 +63,7 @@ LOG_HEAD, LOG_TAIL = 20_000, 60_000  # bytes of a server's log kept from its sta
 
 def run(plan: Plan, report: StepReport, budget: Budget) -> str:
     try:  # the server's own dependencies (FastAPI, pydantic, ...): carried as wheels to a lent GPU
-        import memvit.server.app  # noqa: F401
+        import memvit.server.http.app  # noqa: F401
     except ImportError as exc:
         report.note(f"skipped: the server's dependencies are missing ({exc}); docs/gpu.md says what to carry")
         return "skipped"

@@ -28,16 +28,16 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from ..app import create_app
+from ..http.app import create_app
+from ..http.service import assemble, start_service
+from ..http.state import AppState, Service
+from ..http.timeouts import header_timeout_protocol
 from ..link import LinkDownError
-from ..service import assemble, start_service
 from ..settings import Settings
 from ..shm_arena import Arena
-from ..state import AppState, Service
 from ..store import open_store
 from ..telemetry.task_labels import TaskLabels
 from ..tenancy.usage_log import usage_log_for
-from ..timeouts import header_timeout_protocol
 from .labels import LabelCache
 from .limits import RemoteLimiter, ShareLimiter
 from .listen import Able, ListenWhenAble, bound

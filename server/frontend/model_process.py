@@ -38,15 +38,15 @@ from typing import Any
 from memvit.memory_core import BASE_TASK
 
 from ..errors import RetryLaterError
+from ..http.service import start_service, stop_service, update_gauges
+from ..http.state import AppState
 from ..inference.answers import Answer
 from ..inference.engine_loop import Job, Result
 from ..inference.runner import as_items
 from ..link import Connection, LinkServer, _frame, current_peer
 from ..registry import Pin
-from ..service import start_service, stop_service, update_gauges
 from ..settings import Settings
 from ..shm_arena import Reader
-from ..state import AppState
 from ..telemetry.task_labels import TaskLabels
 from .labels import LabelKeys
 from .limits import Admissions

@@ -1,5 +1,5 @@
 """What an API process serves from: stand-ins for the model process's engine, registry, pipeline and
-service, with the interfaces the routes already use (server/deps.py, routers/, oip/), so the routes,
+service, with the interfaces the routes already use (server/http/deps.py, routers/, oip/), so the routes,
 the guard and the error bodies are the single-process server's own code.
 
 - ``ModelLink``: the link to the model process (server/link.py), replaced when the model process is

@@ -1,4 +1,4 @@
-"""The seam between the request side (read, check, answer: server/pipeline.py) and what runs the pass.
+"""The seam between the request side (read, check, answer: server/http/pipeline.py) and what runs the pass.
 
     answer = await runner.run(Ask(count, tasks, tenant, top_k, logits), images)
 

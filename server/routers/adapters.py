@@ -18,15 +18,15 @@ from fastapi import APIRouter, Depends, File, Path, Query, UploadFile
 from memvit.adapters import AdapterBundle
 from memvit.memory_core import NAME_PATTERN, UnknownAdapterError
 
-from ..deps import AuditDep, PrincipalDep, RegistryDep, SettingsDep, require_multipart
 from ..edge.access import name_refused
 from ..edge.body import read_upload
 from ..edge.principal import Principal
 from ..errors import BundleTooLargeError
-from ..openapi import errors
+from ..http.deps import AuditDep, PrincipalDep, RegistryDep, SettingsDep, require_multipart
+from ..http.openapi import errors
+from ..http.schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList
+from ..http.schemas import RegistryInfo as RegistryModel
 from ..registry import RegistryInfo
-from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList
-from ..schemas import RegistryInfo as RegistryModel
 from ..store import Entry
 
 router = APIRouter(prefix="/adapters", tags=["adapters"])

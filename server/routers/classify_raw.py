@@ -35,15 +35,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memvit.memory_core import MemvitError
 
-from ..deps import classify_input
 from ..edge.body import BodyLimits
 from ..edge.errors import status_of
 from ..edge.form import ClassifyQuery, Upload, boundary_of, read_files, read_query
 from ..edge.guard import Edge, refuse, route_path
 from ..edge.send import error_body, error_json
 from ..errors import ServiceError
-from ..schemas import ClassifyResponse
-from ..state import AppState
+from ..http.deps import classify_input
+from ..http.schemas import ClassifyResponse
+from ..http.state import AppState
 from ..telemetry.metrics import EDGE_DONE, RequestMeter
 from ..telemetry.stages import begin_stages
 from .classify import classify

@@ -14,11 +14,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from ..deps import PrincipalDep, SettingsDep, StateDep, service_of
 from ..edge.principal import Kind
 from ..errors import ForbiddenError, InvalidParameterError, NotRecordedError, ServiceError
-from ..openapi import errors
-from ..schemas import UsageEntry, UsageReport
+from ..http.deps import PrincipalDep, SettingsDep, StateDep, service_of
+from ..http.openapi import errors
+from ..http.schemas import UsageEntry, UsageReport
 from ..tenancy.usage import summarize
 
 router = APIRouter(tags=["usage"])

@@ -15,8 +15,8 @@ pytest.importorskip("kubernetes", reason="the kubernetes client is not installed
 
 import kubernetes.client
 
-from memvit.server.app import create_app
 from memvit.server.edge.routes import app_routes
+from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
 
 from .k8s_schema import _check_model

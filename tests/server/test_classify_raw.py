@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from memvit.server.app import create_app
+from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
 from memvit.server.tenancy.keys import add_key
 from memvit.server.tenancy.policy import Limits, Policy

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from memvit.memory_core import MemoryViT
-from memvit.server.app import create_app
+from memvit.server.http.app import create_app
 from memvit.server.inference.device_decode import DeviceDecoder
 from memvit.server.inference.images import ImageDecoder
 from memvit.server.telemetry.stages import STAGES

@@ -11,12 +11,12 @@ import sys
 import pytest
 from fastapi import APIRouter
 
-from memvit.server import app as app_module
-from memvit.server.app import create_app
 from memvit.server.edge.guard import GuardMiddleware
 from memvit.server.edge.routes import Access, RouteTable, app_routes, missing_routes, route_table
 from memvit.server.edge.send import error_body, send_error
 from memvit.server.errors import RequestTimeoutError
+from memvit.server.http import app as app_module
+from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
 from tests.server.conftest import TOKEN
 from tests.server.launcher import REPO

@@ -1,4 +1,4 @@
-"""Slow clients cannot hold the server: header (server/timeouts.py) and body (server/edge/body.py)
+"""Slow clients cannot hold the server: header (server/http/timeouts.py) and body (server/edge/body.py)
 deadlines.
 
 Against a real ``memvit serve`` (1 s header, 2 s body deadline) and, for both of uvicorn's HTTP
@@ -24,8 +24,8 @@ import pytest
 import uvicorn
 
 from memvit.server.edge.guard import GuardMiddleware
+from memvit.server.http.timeouts import header_timeout_protocol
 from memvit.server.settings import Settings
-from memvit.server.timeouts import header_timeout_protocol
 from tests.server.conftest import ServerProcess, free_port
 from tests.server.test_api import jpeg
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from memvit.server.app import preflight
 from memvit.server.cli import loopback_admin_default
+from memvit.server.http.app import preflight
 from memvit.server.settings import Settings
 from memvit.server.tenancy.keys import add_key, hash_key, revoke_key
 from tests.server.conftest import TOKEN, free_port, running_server

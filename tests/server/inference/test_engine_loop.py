@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 from memvit.memory_core import AdapterSet, LiveAdapters
-from memvit.server.app import create_app
 from memvit.server.errors import OverloadedError, UnknownTaskError
+from memvit.server.http.app import create_app
 from memvit.server.inference.device_runner import DeviceRunner
 from memvit.server.inference.engine_loop import EngineLoop, Job
 from memvit.server.settings import Settings

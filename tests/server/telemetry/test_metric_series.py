@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from memvit.server.app import create_app
+from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
 from memvit.server.store import open_store
 from memvit.server.telemetry.metrics import Metrics

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from memvit.server.app import create_app
+from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
 from memvit.server.tenancy.keys import add_key, set_policy
 from memvit.server.tenancy.policy import Limits, Policy

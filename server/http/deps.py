@@ -17,16 +17,16 @@ from fastapi import Depends, File, Query, Request, UploadFile
 
 from memvit.memory_core import BASE_TASK, LiveAdapters
 
-from .edge.access import name_refused
-from .edge.principal import Principal
-from .errors import NotReadyError, TooManyImagesError, UnsupportedMediaTypeError
-from .inference.tasks import check_tasks, parse_tasks
+from ..edge.access import name_refused
+from ..edge.principal import Principal
+from ..errors import NotReadyError, TooManyImagesError, UnsupportedMediaTypeError
+from ..inference.tasks import check_tasks, parse_tasks
+from ..registry import AdapterRegistry
+from ..settings import Settings
+from ..tenancy.audit import AuditEntry
+from ..tenancy.limits import Ticket
 from .pipeline import ClassifyPipeline, Tenant
-from .registry import AdapterRegistry
-from .settings import Settings
 from .state import AppState, Service
-from .tenancy.audit import AuditEntry
-from .tenancy.limits import Ticket
 
 
 async def get_state(request: Request) -> AppState:

@@ -22,9 +22,9 @@ from typing import Any
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
-from .edge.send import error_bytes
-from .edge.transport import CoalescedWrites
-from .errors import RequestTimeoutError
+from ..edge.send import error_bytes
+from ..edge.transport import CoalescedWrites
+from ..errors import RequestTimeoutError
 
 log = logging.getLogger("memvit.server.timeouts")
 
@@ -153,6 +153,6 @@ def header_timeout_protocol(seconds: float, http: str = "auto") -> type[asyncio.
     if missing:
         raise RuntimeError(
             f"header timeout: uvicorn's {name} lacks {', '.join(missing)}; this uvicorn version is not "
-            "supported by server/timeouts.py"
+            "supported by server/http/timeouts.py"
         )
     return type(f"HeaderTimeout{name}", (mixin, base), {"header_timeout": float(seconds)})

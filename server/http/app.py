@@ -15,19 +15,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
 
-from .edge.errors import install_error_handlers
-from .edge.guard import Edge, GuardMiddleware
-from .edge.routes import missing_routes, route_table
-from .oip.errors import ProtocolErrorShape
+from ..edge.errors import install_error_handlers
+from ..edge.guard import Edge, GuardMiddleware
+from ..edge.routes import missing_routes, route_table
+from ..oip.errors import ProtocolErrorShape
+from ..routers import adapters, classify, health, oip, ui, usage
+from ..routers.classify_raw import MemvitAPI, RawClassify
+from ..settings import Settings, get_settings
+from ..telemetry.metrics import Metrics, MetricsMiddleware, RequestMeter
+from ..telemetry.task_labels import TaskLabels
+from ..tenancy.limits import Limiter
 from .openapi import customise as customise_openapi
-from .routers import adapters, classify, health, oip, ui, usage
-from .routers.classify_raw import MemvitAPI, RawClassify
 from .service import build_engine, preflight, resolve_device, start_service, stop_service
-from .settings import Settings, get_settings
 from .state import AppState
-from .telemetry.metrics import Metrics, MetricsMiddleware, RequestMeter
-from .telemetry.task_labels import TaskLabels
-from .tenancy.limits import Limiter
 
 log = logging.getLogger("memvit.server")
 __all__ = ["build_engine", "create_app", "preflight", "resolve_device"]

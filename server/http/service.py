@@ -26,22 +26,22 @@ import torch
 from memvit.memory_core import LiveAdapters, MemoryViT
 from memvit.memory_core.runtime import exact_float32
 
-from .edge.principal import check_credentials
-from .inference.device_decode import DeviceDecoder, JpegCheck
-from .inference.device_runner import DeviceRunner
-from .inference.engine_loop import EngineLoop
-from .inference.fair_queue import FairPool
-from .inference.images import ImageDecoder
-from .inference.runner import LocalRunner, Runner, counting
-from .inference.warmup import warm_up
+from ..edge.principal import check_credentials
+from ..inference.device_decode import DeviceDecoder, JpegCheck
+from ..inference.device_runner import DeviceRunner
+from ..inference.engine_loop import EngineLoop
+from ..inference.fair_queue import FairPool
+from ..inference.images import ImageDecoder
+from ..inference.runner import LocalRunner, Runner, counting
+from ..inference.warmup import warm_up
+from ..registry import AdapterRegistry
+from ..settings import Settings
+from ..store import StoreUnavailableError, open_store
+from ..telemetry.metrics import Metrics
+from ..tenancy.usage import UsageMeter, replica_name
+from ..tenancy.usage_log import usage_log_for
 from .pipeline import ClassifyPipeline
-from .registry import AdapterRegistry
-from .settings import Settings
 from .state import AppState, Service
-from .store import StoreUnavailableError, open_store
-from .telemetry.metrics import Metrics
-from .tenancy.usage import UsageMeter, replica_name
-from .tenancy.usage_log import usage_log_for
 
 log = logging.getLogger("memvit.server")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,7 +60,7 @@ def build_engine(settings: Settings) -> MemoryViT:
     device, dtype = resolve_device(settings.device), DTYPES[settings.dtype]
     like = {"device": device, "dtype": dtype, "batch_invariant": settings.batch_invariant}
     if settings.uses_demo:
-        from .demo import BASE_WEIGHTS
+        from ..demo import BASE_WEIGHTS
 
         engine = MemoryViT.from_timm(weights=BASE_WEIGHTS, **like)
     else:
@@ -81,7 +81,7 @@ def preflight(settings: Settings) -> None:
     if settings.labels_file is not None and not settings.labels_file.is_file():
         raise ValueError(f"MEMVIT_LABELS_FILE: file not found: {settings.labels_file}")
     if settings.uses_demo:
-        from .demo import BASE_WEIGHTS
+        from ..demo import BASE_WEIGHTS
 
         if not BASE_WEIGHTS.is_file():
             raise ValueError(f"no model configured and the embedded demo is missing ({BASE_WEIGHTS})")
@@ -137,7 +137,7 @@ def assemble(
 
 def _seed_demo_store(settings: Settings, registry: AdapterRegistry) -> None:
     """With the demo model, a brand-new store starts from the demo's adapters (once in its life)."""
-    from .demo import demo_adapters
+    from ..demo import demo_adapters
 
     if settings.uses_demo and registry.seed_once({path.stem: path for path in demo_adapters()}):
         log.info("seeded the new adapter store %s with the demo adapters", registry.store.location)

@@ -13,17 +13,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .settings import Settings
-from .telemetry.metrics import Metrics
+from ..settings import Settings
+from ..telemetry.metrics import Metrics
 
 if TYPE_CHECKING:
-    from .inference.engine_loop import EngineLoop
+    from ..inference.engine_loop import EngineLoop
     from .pipeline import ClassifyPipeline
 
 
 @dataclass(frozen=True)
 class Service:
-    """What the routes serve from (server/service.py assembles it). In the process that holds the
+    """What the routes serve from (server/http/service.py assembles it). In the process that holds the
     model: the engine, its live adapter set, the registry, the usage meter and the engine loop; in an
     API process, their stand-ins (server/frontend/remote.py) and no engine loop."""
 

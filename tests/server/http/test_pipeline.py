@@ -1,4 +1,4 @@
-"""The /classify request side's response (server/pipeline.py ``respond``), without HTTP: built from one
+"""The /classify request side's response (server/http/pipeline.py ``respond``), without HTTP: built from one
 answer, each task's top k by its own class count, its labels, its logits when asked."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memvit.server.http.pipeline import respond
 from memvit.server.inference.answers import BatchAnswers, Want
-from memvit.server.pipeline import respond
 from tests.conftest import random_adapter, tiny_engine
 
 

@@ -26,14 +26,14 @@ from concurrent.futures import Executor
 import torch
 from fastapi import UploadFile
 
-from .edge.body import read_upload
-from .errors import ImageTooLargeError
-from .inference.answers import Answer, Labels
-from .inference.device_runner import Item
-from .inference.fair_queue import FairPool
-from .inference.runner import ANONYMOUS, Ask, Images, Runner, Tenant
+from ..edge.body import read_upload
+from ..errors import ImageTooLargeError
+from ..inference.answers import Answer, Labels
+from ..inference.device_runner import Item
+from ..inference.fair_queue import FairPool
+from ..inference.runner import ANONYMOUS, Ask, Images, Runner, Tenant
+from ..telemetry.stages import current_stages
 from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
-from .telemetry.stages import current_stages
 
 __all__ = ["ANONYMOUS", "Ask", "ClassifyPipeline", "Tenant"]
 

@@ -4,7 +4,7 @@ Routes declare their error statuses with ``errors(...)``; every error body is ``
 (``{"error": {"type", "message", "field"}}``), including the 422 FastAPI would otherwise describe as
 its own ``HTTPValidationError``. ``customise`` adds what only the settings know (how many images one
 request may carry), and the 400 of the Host check, which every route can answer. The schemathesis
-run in tests/server/test_openapi.py holds the document to it.
+run in tests/server/http/test_openapi.py holds the document to it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from ..settings import Settings
 from .schemas import ErrorResponse, ProtocolErrorResponse
-from .settings import Settings
 
 DESCRIPTIONS = {
     400: "malformed request: an empty or broken image, an unreadable multipart body, a Host header "
