@@ -129,8 +129,8 @@ async def _drive(directory: Path, pid: int, path: str, args, rounds: list[float]
     from memvit.server.frontend.api_process import _build
     from memvit.server.frontend.model_process import SOCKET
     from memvit.server.frontend.remote import ModelLink
+    from memvit.server.frontend.shm_arena import Arena
     from memvit.server.inference.device_decode import Encoded
-    from memvit.server.shm_arena import Arena
 
     links, services, arenas = [], [], []
     for _ in range(2):  # two API processes

@@ -1,5 +1,5 @@
 """The model process: the engine, the registry and its resident set, the engine loop, the usage meter
-and the keys' limits, behind a Unix socket that the API processes call (server/link.py).
+and the keys' limits, behind a Unix socket that the API processes call (server/frontend/link.py).
 
 It is the single-process server's service (``service.start_service``) without HTTP, and it only
 forms batches: no event loop stands between a request and its pass. A request is two frames from an
@@ -43,15 +43,15 @@ from ..http.state import AppState
 from ..inference.answers import Answer
 from ..inference.engine_loop import Job, Result
 from ..inference.runner import as_items
-from ..link import Connection, LinkServer, _frame, current_peer
 from ..registry import Pin
 from ..settings import Settings
-from ..shm_arena import Reader
 from ..telemetry.task_labels import TaskLabels
 from .labels import LabelKeys
 from .limits import Admissions
+from .link import Connection, LinkServer, _frame, current_peer
 from .remote import answer_to_wire
 from .shared_metrics import SharedMetrics
+from .shm_arena import Reader
 from .wire import Payload, unpack
 
 log = logging.getLogger("memvit.server.model")

@@ -2,7 +2,7 @@
 service, with the interfaces the routes already use (server/http/deps.py, routers/, oip/), so the routes,
 the guard and the error bodies are the single-process server's own code.
 
-- ``ModelLink``: the link to the model process (server/link.py), replaced when the model process is
+- ``ModelLink``: the link to the model process (server/frontend/link.py), replaced when the model process is
   restarted; a call while it is down is a 503 with ``Retry-After`` (``LinkDownError``).
 - ``EngineInfo``: what the routes read of the engine (labels, input shape, preprocessing), sent
   once by the model process; the decoder is built from it, so an API process holds no weights.
@@ -36,15 +36,15 @@ from memvit.adapters import AdapterBundle, read_bundle
 
 from ..inference.answers import Answer
 from ..inference.runner import Ask, Images
-from ..link import LinkClient, LinkDownError
 from ..registry import RegistryInfo
 from ..registry.catalog import Catalog
 from ..registry.reads import CatalogReads
-from ..shm_arena import Arena
 from ..store import AdapterStore, Entry
 from ..store.base import legacy_name
 from ..tenancy.usage_log import UsageLog
 from .labels import LabelCache
+from .link import LinkClient, LinkDownError
+from .shm_arena import Arena
 from .wire import pack
 
 

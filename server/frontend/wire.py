@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..inference.device_decode import Encoded
-from ..shm_arena import Arena, Reader, Ticket
+from .shm_arena import Arena, Reader, Ticket
 
 Images = Union[Tensor, list[Union[Tensor, Encoded]]]  # noqa: UP007 (a runtime alias, py3.10)
 

@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from memvit.server.errors import RateLimitedError
 from memvit.server.frontend.limits import ShareLimiter
 from memvit.server.frontend.shared_metrics import merge
+from memvit.server.frontend.shm_arena import Arena, Reader
 from memvit.server.frontend.wire import pack, unpack
 from memvit.server.inference.device_decode import Encoded
-from memvit.server.shm_arena import Arena, Reader
 from memvit.server.tenancy.policy import Limits, Policy
 
 

@@ -5,7 +5,7 @@ A frame is a 4-byte length and a pickle: ``(call id, method, args, kwargs)`` one
 ok, result)`` the other. The model process's side reads and writes on threads of its own (no event
 loop on the data path); an API process's side is its event loop's. Both ends are this package's own
 processes, started together by one supervisor (server/frontend/), on a socket in a directory only
-they can reach; large payloads (the uploads) go through shared memory (server/shm_arena.py) and
+they can reach; large payloads (the uploads) go through shared memory (server/frontend/shm_arena.py) and
 only their tickets through here. An
 error raised by a handler comes back as the same exception class with the same message and field,
 so an API process answers it exactly as the model process would have (server/errors.py).
@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import RetryLaterError
+from ..errors import RetryLaterError
 
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!I")

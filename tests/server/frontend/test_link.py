@@ -1,5 +1,5 @@
-"""The pieces between API processes and the model process: the shared-memory arena (server/shm_arena.py)
-and the framed calls over a Unix socket (server/link.py)."""
+"""The pieces between API processes and the model process: the shared-memory arena
+(server/frontend/shm_arena.py) and the framed calls over a Unix socket (server/frontend/link.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from memvit.server.errors import BrokenImageError
-from memvit.server.link import LinkClient, LinkDownError, LinkServer, _frame
-from memvit.server.shm_arena import Arena, Reader
+from memvit.server.frontend.link import LinkClient, LinkDownError, LinkServer, _frame
+from memvit.server.frontend.shm_arena import Arena, Reader
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_another_process_reads_the_arena(arena) -> None:
     ticket = arena.put(b"from the API process")
     where = f"Ticket({ticket.arena!r}, {ticket.offset}, {ticket.length})"
     program = (
-        "import sys; from memvit.server.shm_arena import Reader, Ticket; r = Reader(); "
+        "import sys; from memvit.server.frontend.shm_arena import Reader, Ticket; r = Reader(); "
         f"sys.stdout.buffer.write(r.read({where})); r.close()"
     )
     child = subprocess.run([sys.executable, "-c", program], capture_output=True, timeout=60, check=True)
