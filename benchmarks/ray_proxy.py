@@ -34,7 +34,7 @@ from tests.server.launcher import ServerProcess, free_port
 from tests.server.ray_cluster import RayNode, node_temp_dir, stop_all
 
 CONFIG = Path(__file__).resolve().parents[1] / "docker" / "ray" / "serve-config.yaml"
-CALLBACK = ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "memvit.server.ray_proxy:proxy_middlewares")
+CALLBACK = ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "memvit.server.ray.proxy:proxy_middlewares")
 
 
 def ray_config(path: Path, port: int, env: dict[str, str]) -> Path:

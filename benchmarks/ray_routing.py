@@ -5,7 +5,7 @@
 A two-node Ray cluster on this machine (tests/server/ray_cluster.py: two `ray start` nodes on
 loopback) runs three applications side by side, each docker/ray/serve-config.yaml's deployment with
 two replicas, one per node, sharing one local adapter store of ``--adapters`` small adapters:
-- ``affinity`` (route prefix /affinity): adapter-aware routing, as shipped (server/ray_router.py);
+- ``affinity`` (route prefix /affinity): adapter-aware routing, as shipped (server/ray/router.py);
 - ``random``: each request to a replica drawn uniformly at random (benchmarks/ray_uniform_router.py);
 - ``two-choices``: the shipped router with ``adapter_affinity: false``, i.e. Serve's default, power
   of two choices, which with two replicas sends each request to the one with the shorter queue.

@@ -59,7 +59,7 @@ PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for a body 
 class MemvitAPI(FastAPI):
     """FastAPI, with ``outer`` (if set) wrapped around its middleware stack: a route served before
     every layer, which hands what it does not serve to the stack. Middleware added after
-    ``create_app`` added its own (``own_middleware`` of them: a Ray replica's, server/ray_serve.py)
+    ``create_app`` added its own (``own_middleware`` of them: a Ray replica's, server/ray/serve.py)
     wraps the route as it wraps the stack."""
 
     outer: Callable[[ASGIApp, list], ASGIApp] | None = None

@@ -184,7 +184,7 @@ def test_the_metrics_count_the_same(servers) -> None:
 
 
 class Named:
-    """A middleware added after ``create_app``, as a Ray replica adds its own (server/ray_serve.py)."""
+    """A middleware added after ``create_app``, as a Ray replica adds its own (server/ray/serve.py)."""
 
     def __init__(self, app, name: str) -> None:
         self.app, self.name = app, name.encode()

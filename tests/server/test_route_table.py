@@ -155,6 +155,6 @@ def test_send_error_is_the_handlers_shape() -> None:
 
 
 def test_the_error_shape_loads_without_torch() -> None:
-    """The Ray proxy imports it (and memvit.server.ray_proxy) in a process that must stay light."""
-    code = "import sys, memvit.server.ray_proxy, memvit.server.edge.send; sys.exit('torch' in sys.modules)"
+    """The Ray proxy imports it (and memvit.server.ray.proxy) in a process that must stay light."""
+    code = "import sys, memvit.server.ray.proxy, memvit.server.edge.send; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

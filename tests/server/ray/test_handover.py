@@ -1,4 +1,4 @@
-"""The replica's guard against a body lost in a Ray Serve hand-over (server/ray_handover.py): a request
+"""The replica's guard against a body lost in a Ray Serve hand-over (server/ray/handover.py): a request
 whose body never starts gets 503 + Retry-After in the service's error shape, a body that starts and
 then pauses is read whole, and requests without a body are not touched. Plain ASGI, no Ray."""
 
@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from memvit.server.ray_handover import HandOverMiddleware
+from memvit.server.ray.handover import HandOverMiddleware
 
 
 async def _echo(request: Request) -> JSONResponse:

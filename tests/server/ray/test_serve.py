@@ -1,4 +1,4 @@
-"""memvit on a real two-node Ray cluster on this machine (server/ray_serve.py, docker/ray/).
+"""memvit on a real two-node Ray cluster on this machine (server/ray/serve.py, docker/ray/).
 
 One cluster for the module, shared by the tests in order: a head and a second node, each ``ray start
 --block`` in its own session on a loopback address, one ``memvit_slot`` resource each so the two
@@ -45,10 +45,10 @@ serve = pytest.importorskip("ray.serve", reason="the Ray Serve tests need the ra
 from memvit.adapters import bundle_for  # noqa: E402
 from memvit.adapters.preprocess import eval_transform, to_rgb  # noqa: E402
 from memvit.memory_core import MemoryViT  # noqa: E402
-from memvit.server.ray_affinity import KEY_HEADER  # noqa: E402
-from memvit.server.ray_proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
-from memvit.server.ray_router import rendezvous_order  # noqa: E402
-from memvit.server.ray_serve import REPLICA_HEADER  # noqa: E402
+from memvit.server.ray.affinity import KEY_HEADER  # noqa: E402
+from memvit.server.ray.proxy import CALLBACK, CALLBACK_ENV  # noqa: E402
+from memvit.server.ray.router import rendezvous_order  # noqa: E402
+from memvit.server.ray.serve import REPLICA_HEADER  # noqa: E402
 from memvit.server.registry import Catalog  # noqa: E402
 from memvit.server.store import open_store  # noqa: E402
 from tests.factories import random_adapter  # noqa: E402
@@ -133,7 +133,7 @@ class Cluster:
     def describe(self, want: int = 2, tries: int = 40) -> dict[str, dict]:
         """Each running replica's own account, through a Serve handle.
 
-        Each call carries its own routing key, so the router (server/ray_router.py) sends it to that
+        Each call carries its own routing key, so the router (server/ray/router.py) sends it to that
         key's home, a replica drawn by the hash: ``tries`` calls miss one of two replicas with
         odds of 2**-tries. Unkeyed, Serve would send every call to the replica with the shorter
         queue: never to one holding a test's requests (``_hold``) while the other holds none."""
@@ -527,7 +527,7 @@ def test_the_serve_config_is_valid_and_the_rayservice_embeds_it() -> None:
     config = yaml.safe_load(CONFIG.read_text())
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
-    assert app.import_path == "memvit.server.ray_serve:app"
+    assert app.import_path == "memvit.server.ray.serve:app"
     assert app.runtime_env["env_vars"]["MEMVIT_ADAPTER_STORE"].startswith("s3://")
     # The proxies listen on every interface: the replicas' Host check follows (server/edge/origin.py).
     assert app.runtime_env["env_vars"]["MEMVIT_HOST"] == config["http_options"]["host"] == "0.0.0.0"
@@ -654,7 +654,7 @@ def test_nothing_registered_is_lost(cluster: Cluster) -> None:
     assert set(stored.invalid) == {f"{name}.safetensors" for name in cluster.junk}
     for name, sha in cluster.registered.items():
         assert hashlib.sha256(stored.journal.get_bundle(stored.get(name))).hexdigest() == sha
-    # Every replica's own list: each asked by a key it is the home of (server/ray_router.py). Not by
+    # Every replica's own list: each asked by a key it is the home of (server/ray/router.py). Not by
     # unkeyed requests: Serve's proxy keeps each replica's queue length in a cache (10 s), and after a
     # load it may hold a stale count above zero for one replica; the shorter queue always wins, so
     # every one of a quick series of unkeyed requests can go to the other replica.

@@ -1,5 +1,5 @@
-"""The routing key read in Ray's proxy (server/ray_affinity.py) and the placement computed from it
-(server/ray_router.py), on their own. The real thing, requests landing on the replica that holds
+"""The routing key read in Ray's proxy (server/ray/affinity.py) and the placement computed from it
+(server/ray/router.py), on their own. The real thing, requests landing on the replica that holds
 their adapter, is in test_ray_serve.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from memvit.memory_core import NAME_PATTERN
-from memvit.server.ray_affinity import KEY_HEADER, AdapterAffinityMiddleware, key_from_request
-from memvit.server.ray_affinity import NAME_PATTERN as PROXY_NAME_PATTERN
+from memvit.server.ray.affinity import KEY_HEADER, AdapterAffinityMiddleware, key_from_request
+from memvit.server.ray.affinity import NAME_PATTERN as PROXY_NAME_PATTERN
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_the_middleware_adds_the_key_only_when_the_request_has_none() -> None:
     assert seen[KEY_HEADER.decode()] == ""
 
 
-ray_router = pytest.importorskip("memvit.server.ray_router", reason="the router needs the ray extra")
+ray_router = pytest.importorskip("memvit.server.ray.router", reason="the router needs the ray extra")
 
 
 def test_rendezvous_gives_each_replica_a_slice_and_moves_little_when_one_goes() -> None:

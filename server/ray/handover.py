@@ -6,7 +6,7 @@ replica drains by calling back into the proxy (Ray 2.60: ``receive_asgi_messages
 proxy's router retries the request on another replica (it does when the death shows up as the
 request is being placed), the new replica finds the queue empty and waits for a body that will not
 come, until the client gives up: a hang of the client's whole timeout, seen here as a 20 s read
-timeout for about one kill in five under load (tests/server/test_ray_serve.py).
+timeout for about one kill in five under load (tests/server/ray/test_serve.py).
 
 Normally a request's first body message is already in the proxy's queue when the replica asks for
 it, so ``HandOverMiddleware`` gives it ``FIRST_BODY_TIMEOUT_S`` to arrive: past that, the request is
@@ -15,7 +15,7 @@ sees ``http.disconnect``; what the app sends after that is dropped. Only the wai
 message is bounded: a body that began and then pauses (a slow upload) is the body deadline's
 business (server/edge/body.py), and requests without a body are never touched.
 
-It runs in the replica, in front of the app (server/ray_serve.py), and imports neither ray nor torch.
+It runs in the replica, in front of the app (server/ray/serve.py), and imports neither ray nor torch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import logging
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .edge.send import send_error
+from ..edge.send import send_error
 
 log = logging.getLogger("memvit.ray.handover")
 FIRST_BODY_TIMEOUT_S = 2.0

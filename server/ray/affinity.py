@@ -1,5 +1,5 @@
 """Which adapter a request is for, read in Ray's HTTP proxy, so Serve can send it to the replica
-that holds that adapter (the router: server/ray_router.py).
+that holds that adapter (the router: server/ray/router.py).
 
 The key comes from what the request already says; a client needs to know nothing of Ray:
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from memvit.server.ray_affinity import AdapterAffinityMiddleware
-from memvit.server.ray_proxy import ReplicaLossMiddleware, proxy_middlewares
+from memvit.server.ray.affinity import AdapterAffinityMiddleware
+from memvit.server.ray.proxy import ReplicaLossMiddleware, proxy_middlewares
 
 
 async def _silent(scope: Scope, receive: Receive, send: Send) -> None:
