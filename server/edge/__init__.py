@@ -14,4 +14,7 @@
   Ray proxy imports it).
 
 Nothing is imported here, so that ``memvit.server.edge.send`` stays light for the Ray proxy.
+
+May import ``errors``, ``settings``, ``telemetry``, ``store``, ``registry`` and ``tenancy`` (who a
+key is, its limits); never the inference loop, the app (server/http/) or the routers.
 """
