@@ -34,19 +34,11 @@ Name = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="adapter na
 
 
 def _info(entry: Entry, training: dict | None = None) -> AdapterInfo:
-    """From the registry's entry alone: listing reads no bundle."""
-    return AdapterInfo(
-        name=entry.name,
-        parent=entry.parent,
-        memory_tokens=entry.memory_tokens,
-        memory_norm=entry.memory_norm,
-        num_classes=entry.num_classes,
-        labels=list(entry.labels),
-        base_model=entry.base_model,
-        base_fingerprint=entry.base_fingerprint,
-        sha256=entry.sha256,
-        training=training,
-    )
+    """From the registry's entry alone: listing reads no bundle. The model reads the entry's fields by
+    name (``from_attributes``), so a field added to both is shown without a line here."""
+    info = AdapterInfo.model_validate(entry, from_attributes=True)
+    info.training = training
+    return info
 
 
 def _registry(info: RegistryInfo) -> RegistryModel:
