@@ -35,6 +35,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
+from memvit.adapters import AdapterBundle
 from memvit.memory_core import BASE_TASK
 
 from ..errors import RetryLaterError
@@ -235,8 +236,10 @@ class ModelHandlers:
             "max_tasks": self.service.registry.max_tasks,
         }
 
-    async def register(self, data: bytes, replace: bool) -> Any:
-        answer = await asyncio.to_thread(self.service.registry.register, data, replace=replace)
+    async def register(self, data: bytes, replace: bool, parsed: AdapterBundle | None = None) -> Any:
+        """``parsed``: the bundle as the API process read it (it parsed it to authorize it)."""
+        register = self.service.registry.register
+        answer = await asyncio.to_thread(register, data, replace=replace, parsed=parsed)
         await self._every_process_read_it()
         return answer
 

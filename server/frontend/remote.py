@@ -192,11 +192,13 @@ class RemoteRegistry(CatalogReads):
         self, data: bytes, *, replace: bool = False, authorize: Callable[[AdapterBundle], None] | None = None
     ) -> tuple[Entry, RegistryInfo, bool]:
         """Parsed and checked against the caller's key here (422, 403 before anything is sent), then
-        validated, written and journaled by the model process; this replica then reads the change."""
+        checked against the engine and the registry, written and journaled by the model process,
+        which takes the parsed bundle with the bytes (one parse per registration: the tensors
+        pickle at their size, a small part of the bytes'); this replica then reads the change."""
         bundle = read_bundle(data, max_bytes=self.max_bundle_bytes)
         if authorize is not None:
             authorize(bundle)
-        answer = self.link.call_sync("register", data, replace)
+        answer = self.link.call_sync("register", data, replace, bundle)
         self.catalog.refresh()
         return answer
 
