@@ -28,60 +28,19 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
-from memvit.memory_core import AdapterSet, LiveAdapters, TaskIndex
+from memvit.memory_core import AdapterSet, LiveAdapters
 
 from ..errors import OverloadedError, RetryLaterError
 from ..telemetry.metrics import Metrics
-from .answers import Answer, Want
-from .device_runner import DeviceRunner, Item
+from .answers import Answer
+from .device_runner import DeviceRunner
 from .fair_queue import ONE_FLOW, FairQueue
-from .tasks import unknown_tasks_error
+from .jobs import Batch, Job, Result, deliver, place, refuse_missing
 
 log = logging.getLogger(__name__)
-Result = Answer | BaseException
-
-
-class Sink(Protocol):
-    """Where finished requests go: ``deliver`` is called once per batch with its requests here."""
-
-    def deliver(self, finished: list[tuple[Job, Result]]) -> None: ...
-
-
-@dataclass(eq=False, slots=True)
-class Job:
-    """One request's images, queued for a pass."""
-
-    items: Sequence[Item]  # its n images: decoded (C, H, W), or JPEGs for the device decoder
-    adapters: tuple[str, ...] | None  # the adapters its images ask for (None: every one resident)
-    tasks: Sequence[str] | None  # what to answer, in order (None: the base and every adapter computed)
-    sink: Sink
-    top_k: int = 5
-    logits: bool = False
-    flow: str = ONE_FLOW  # whose request (a key's id) and its weight in the fair queue
-    weight: float = 1.0
-    context: Any = None  # the submitter's own (its future, its call): the engine never reads it
-    queued: float = 0.0  # perf_counter when it was queued
-    seconds: dict[str, float] = field(default_factory=dict)  # its stages: queue, decode, copy, pass
-    size: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.size = len(self.items)
-
-
-@dataclass
-class _Batch:
-    jobs: list[Job]
-    size: int  # images counted against the queue (every job's, the refused ones too)
-    adapter_set: AdapterSet | None = None
-    tasks: TaskIndex | None = None  # per image, the set positions it asks for (None: every one)
-    wants: list[Want] = field(default_factory=list)
-    stage: Any = None  # what the last stage handed on
-    started: float = 0.0
 
 
 class EngineLoop:
@@ -216,7 +175,7 @@ class EngineLoop:
             log.exception("capturing the passes' graphs failed")
         self._warmed = generation
 
-    def _form(self) -> _Batch | None:
+    def _form(self) -> Batch | None:
         queue_ = self._queue
         with self._lock:
             while self._running and (queue_.peek() is None or self._in_flight >= self.depth):
@@ -241,41 +200,19 @@ class EngineLoop:
             self._in_flight += 1
             waiting = self._waiting
         self.metrics.queue_depth.set(waiting)  # once a batch, not once a request
-        return _Batch(jobs, size)
+        return Batch(jobs, size)
 
-    def _route(self, batch: _Batch) -> None:
-        """The jobs the snapshot can answer, each image's adapters, and each job's images in the batch.
-        A job asking for an adapter the snapshot lacks (removed while it waited) fails alone. Costs
-        each job the adapters it asks for: never a pass over every resident name."""
-        adapter_set = batch.adapter_set = self.live.current  # one snapshot for the whole batch
-        runnable, refused = [], []
-        for job in batch.jobs:
-            gone = [] if job.adapters is None else [a for a in job.adapters if a not in adapter_set]
-            if gone:
-                why = ": removed while the request waited"
-                error = unknown_tasks_error(sorted(gone), adapter_set.names, len(adapter_set), why)
-                refused.append((job, error))
-            else:
-                runnable.append(job)
+    def _route(self, batch: Batch) -> None:
+        """One snapshot for the whole batch; its jobs routed against it (jobs.py), the refused answered
+        first (whatever happens to the rest)."""
+        refused = refuse_missing(batch, self.live.current)
         if refused:
             self._deliver(refused)
-        batch.jobs = runnable
-        if any(job.adapters is not None for job in runnable):  # routed: each job's adapters, as positions
-            parts = [
-                TaskIndex.every(adapter_set, job.size)
-                if job.adapters is None
-                else TaskIndex.uniform(adapter_set, job.adapters, job.size)
-                for job in runnable
-            ]
-            batch.tasks = TaskIndex.join(parts)
-        start = 0
-        for job in runnable:
-            batch.wants.append(Want(start, start + job.size, job.top_k, job.logits))
-            start += job.size
+        place(batch)
 
     # -- the stages ------------------------------------------------------------------------------------
     # Each step runs a batch through its stage; False: the batch is done with (answered or failed).
-    def _decode(self, batch: _Batch) -> bool:
+    def _decode(self, batch: Batch) -> bool:
         if not batch.jobs:
             self._finish(batch, [])
             return False
@@ -285,12 +222,12 @@ class EngineLoop:
             batch, lambda: self.runner.decode([item for job in batch.jobs for item in job.items])
         )
 
-    def _launch(self, batch: _Batch) -> bool:
+    def _launch(self, batch: Batch) -> bool:
         return self._step(
             batch, lambda: self.runner.launch(batch.stage, batch.adapter_set, batch.tasks, batch.wants)
         )
 
-    def _step(self, batch: _Batch, work: Callable[[], Any]) -> bool:
+    def _step(self, batch: Batch, work: Callable[[], Any]) -> bool:
         try:
             batch.stage = work()
         except Exception as exc:  # never leave a client hanging
@@ -299,7 +236,7 @@ class EngineLoop:
             return False
         return True
 
-    def _collect(self, batch: _Batch) -> None:
+    def _collect(self, batch: Batch) -> None:
         if not self._step(batch, lambda: self.runner.collect(batch.stage)):
             return
         ran = batch.stage
@@ -321,7 +258,7 @@ class EngineLoop:
                 log.exception("counting a batch's answers failed")
         self._finish(batch, finished)
 
-    def _run_inline(self, batch: _Batch) -> None:
+    def _run_inline(self, batch: Batch) -> None:
         """One batch in flight (a CPU): its stages in turn, on the batcher's thread (no hand-offs)."""
         if self._decode(batch) and self._launch(batch):
             self._collect(batch)
@@ -336,14 +273,14 @@ class EngineLoop:
         while (batch := self._stages[2].get()) is not None:
             self._collect(batch)
 
-    def _stage(self, index: int, step: Callable[[_Batch], bool]) -> None:
+    def _stage(self, index: int, step: Callable[[Batch], bool]) -> None:
         inbox, outbox = self._stages[index], self._stages[index + 1]
         while (batch := inbox.get()) is not None:
             if step(batch):
                 outbox.put(batch)
         outbox.put(None)
 
-    def _finish(self, batch: _Batch, finished: list[tuple[Job, Result]]) -> None:
+    def _finish(self, batch: Batch, finished: list[tuple[Job, Result]]) -> None:
         self._deliver(finished)
         with self._lock:
             self._waiting -= batch.size
@@ -353,14 +290,4 @@ class EngineLoop:
 
     @staticmethod
     def _deliver(finished: list[tuple[Job, Result]]) -> None:
-        """One call per sink, with all of its requests."""
-        by_sink: dict[int, list[tuple[Job, Result]]] = defaultdict(list)
-        sinks = {}
-        for job, result in finished:
-            by_sink[id(job.sink)].append((job, result))
-            sinks[id(job.sink)] = job.sink
-        for key, results in by_sink.items():
-            try:
-                sinks[key].deliver(results)
-            except Exception:
-                log.exception("delivering answers failed")
+        deliver(finished)
