@@ -43,7 +43,8 @@ from ..store import AdapterStore, Entry
 from ..store.base import legacy_name
 from ..tenancy.usage_log import UsageLog
 from .labels import LabelCache
-from .link import LinkClient, LinkDownError
+from .link import LinkDownError
+from .link_client import LinkClient
 from .shm_arena import Arena
 from .wire import pack
 

@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from memvit.server.errors import BrokenImageError
-from memvit.server.frontend.link import LinkClient, LinkDownError, LinkServer, _frame
+from memvit.server.frontend.link import LinkDownError, LinkServer, _frame
+from memvit.server.frontend.link_client import LinkClient
 from memvit.server.frontend.shm_arena import Arena, Reader
 
 
