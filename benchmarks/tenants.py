@@ -48,7 +48,7 @@ import httpx
 from benchmarks.common import REPO, argument_parser, environment
 from benchmarks.loadgen import BOUNDARY, RawHttpClient
 from benchmarks.serve import process_cpu
-from memvit.server.tenancy.keys import add_key, load_or_empty, write_ring
+from memvit.server.tenancy.key_file import add_key, load_or_empty, write_ring
 from memvit.server.tenancy.policy import Limits, Policy
 from memvit.server.tenancy.usage import summarize
 from memvit.server.tenancy.usage_log import LocalUsageLog

@@ -111,7 +111,7 @@ class Served:
         self.tokens: dict[str, str] = {}
         self.env = {"MEMVIT_LOG_LEVEL": "warning", "MEMVIT_STORE_POLL_SECONDS": "60", **env}
         if keys:  # two keys: "heavy" (every load of this server) and "light"
-            from memvit.server.tenancy.keys import add_key
+            from memvit.server.tenancy.key_file import add_key
 
             path = tmp / f"keys-{n}.json"
             self.tokens = {k: add_key(path, k, ["*"], read=True, write=False) for k in ("heavy", "light")}

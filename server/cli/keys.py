@@ -83,7 +83,8 @@ def add(
     file: KeysFile = None,
 ) -> None:
     """Add a key and print it once (stdout); only its sha256 is stored."""
-    from ..tenancy.keys import KeysFileError, add_key
+    from ..tenancy.key_file import add_key
+    from ..tenancy.keys import KeysFileError
     from ..tenancy.policy import DEFAULT
 
     path = _file(file)
@@ -100,7 +101,8 @@ def add(
 def list_keys(file: KeysFile = None) -> None:
     """The keys in the file: id, names, read, write, created, weight, limits (never a key or its hash);
     then the anonymous and admin callers, where their weight or limits are set."""
-    from ..tenancy.keys import RESERVED_IDS, KeysFileError, load_or_empty
+    from ..tenancy.key_file import load_or_empty
+    from ..tenancy.keys import RESERVED_IDS, KeysFileError
     from ..tenancy.policy import DEFAULT
 
     path = _file(file)
@@ -124,7 +126,8 @@ def revoke(
     file: KeysFile = None,
 ) -> None:
     """Remove a key; a server watching the file refuses it within MEMVIT_API_KEYS_RELOAD_SECONDS."""
-    from ..tenancy.keys import KeysFileError, revoke_key
+    from ..tenancy.key_file import revoke_key
+    from ..tenancy.keys import KeysFileError
 
     path = _file(file)
     try:
@@ -149,8 +152,9 @@ def set_policy(
 ) -> None:
     """Set a key's weight and limits (the options given; the others stay); a running server applies
     them within MEMVIT_API_KEYS_RELOAD_SECONDS."""
-    from ..tenancy.keys import RESERVED_IDS, KeysFileError, load_or_empty
-    from ..tenancy.keys import set_policy as write_policy
+    from ..tenancy.key_file import load_or_empty
+    from ..tenancy.key_file import set_policy as write_policy
+    from ..tenancy.keys import RESERVED_IDS, KeysFileError
     from ..tenancy.policy import Policy
 
     path = _file(file)

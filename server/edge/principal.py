@@ -21,7 +21,8 @@ from starlette.types import Scope
 from memvit.memory_core import BASE_TASK
 
 from ..settings import Settings
-from ..tenancy.keys import ApiKey, KeyFile
+from ..tenancy.key_file import KeyFile
+from ..tenancy.keys import ApiKey
 from ..tenancy.policy import DEFAULT, Policy
 
 

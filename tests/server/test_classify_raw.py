@@ -14,7 +14,7 @@ import pytest
 
 from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
-from memvit.server.tenancy.keys import add_key
+from memvit.server.tenancy.key_file import add_key
 from memvit.server.tenancy.policy import Limits, Policy
 from tests.server.conftest import TOKEN, free_port, running_server
 from tests.server.test_api import jpeg

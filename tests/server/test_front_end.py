@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from memvit.server.settings import Settings
-from memvit.server.tenancy.keys import add_key
+from memvit.server.tenancy.key_file import add_key
 from memvit.server.tenancy.policy import Limits, Policy
 from tests.server.conftest import TOKEN, free_port, running_server
 from tests.server.launcher import ServerGroup

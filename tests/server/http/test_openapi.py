@@ -15,7 +15,7 @@ import sys
 import httpx
 import pytest
 
-from memvit.server.tenancy.keys import add_key
+from memvit.server.tenancy.key_file import add_key
 from tests.server.conftest import TOKEN, free_port, running_server
 
 pytest.importorskip("schemathesis", reason="the OpenAPI run needs the dev extra (schemathesis)")

@@ -8,16 +8,8 @@ import stat
 
 import pytest
 
-from memvit.server.tenancy.keys import (
-    FORMAT,
-    KeyFile,
-    KeyRing,
-    KeysFileError,
-    add_key,
-    hash_key,
-    load_or_empty,
-    revoke_key,
-)
+from memvit.server.tenancy.key_file import KeyFile, add_key, load_or_empty, revoke_key
+from memvit.server.tenancy.keys import FORMAT, KeyRing, KeysFileError, hash_key
 
 
 class FakeClock:

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memvit.server.errors import RateLimitedError, TooManyImagesError
-from memvit.server.tenancy.keys import KeyRing, KeysFileError, add_key, load_or_empty, set_policy
+from memvit.server.tenancy.key_file import add_key, load_or_empty, set_policy
+from memvit.server.tenancy.keys import KeyRing, KeysFileError
 from memvit.server.tenancy.limits import Limiter, TokenBucket
 from memvit.server.tenancy.policy import Limits, Policy
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from memvit.server.cli import app as cli
 from memvit.server.settings import Settings
 from memvit.server.store import open_store
-from memvit.server.tenancy.keys import add_key
+from memvit.server.tenancy.key_file import add_key
 from memvit.server.tenancy.usage import UsageMeter, UsageRow, summarize
 from memvit.server.tenancy.usage_log import LocalUsageLog, ObjectUsageLog, encode
 from tests.server.conftest import TOKEN, free_port, running_server
