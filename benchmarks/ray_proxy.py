@@ -27,7 +27,7 @@ import yaml
 
 from benchmarks.common import DEIT_TINY, argument_parser, deit_tiny_engine, environment, natural_photos
 from benchmarks.loadgen import classify_requests, load
-from benchmarks.serve import adapter
+from benchmarks.serve_measures import adapter
 from memvit.adapters import bundle_for, save_bundle
 from memvit.memory_core import MemoryViT, save_base
 from tests.server.launcher import ServerProcess, free_port

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO
 from benchmarks.loadgen import RawHttpClient
-from benchmarks.serve import process_cpu
+from benchmarks.serve_measures import process_cpu
 from benchmarks.tenant_load import (
     Group,
     Servers,
