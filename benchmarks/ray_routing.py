@@ -36,7 +36,7 @@ import yaml
 from benchmarks.common import DEIT_TINY, argument_parser, deit_tiny_engine, environment
 from benchmarks.loadgen import BOUNDARY, RawHttpClient, multipart_body
 from benchmarks.ray_proxy import CALLBACK, CONFIG
-from benchmarks.registry_scale import bundles, fill_local, zipf_trace
+from benchmarks.registry_fill import bundles, fill_local, zipf_trace
 from memvit.memory_core import MemoryViT, save_base
 from memvit.server.store import LocalStore
 from tests.server.launcher import free_port
