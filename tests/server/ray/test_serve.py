@@ -2,10 +2,10 @@
 
 One cluster for the package (conftest.py), shared by its tests in file order: a head and a second
 node, each ``ray start --block`` in its own session on a loopback address, one ``memvit_slot``
-resource each so the two
-replicas land one per node; the shipped Serve config (docker/ray/serve-config.yaml, adjusted for
-ports, resources and the test bucket) deployed with ``serve run``; a bucket on the S3 test server as
-the registry the replicas share. Every answer the tests get is checked against logits computed here.
+resource each so the two replicas land one per node; the shipped Serve config
+(docker/ray/serve-config.yaml, adjusted for ports, resources and the test bucket) deployed with
+``serve run``; a bucket on the S3 test server as the registry the replicas share. Every answer the
+tests get is checked against logits computed here.
 
 Losses happen under load (CLIENTS threads classifying through the proxy) and with requests the lost
 replica is known to hold (bodies stopped halfway, placed by each replica's count of requests in
