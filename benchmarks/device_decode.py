@@ -6,7 +6,7 @@
 The shared real photos (photos/natural/) as JPEG uploads (the JPEGs as they are, the PNGs saved as
 JPEG quality 90), plus the JPEG format cases (photos/formats/: EXIF orientation, grey, MPO, ICC...),
 each turned into the model's input two ways: the exact CPU path (Pillow, ``ImageDecoder``, what
-training saw) and the device decoder (server/device_decode.py: torchvision's ``decode_jpeg`` on the
+training saw) and the device decoder (server/inference/device_decode.py: torchvision's ``decode_jpeg`` on the
 device, its antialiased resize, crop and normalisation). Printed: the largest difference of the
 inputs (normalised units, and in levels of 255), the real DeiT-Tiny's largest logit drift and
 top-1 agreement between the two, then images per second decoded and preprocessed in batches of 1
@@ -24,8 +24,8 @@ import torch
 from PIL import Image
 
 from benchmarks.common import SHARED_DATA, argument_parser, deit_tiny_engine, environment, natural_photos
-from memvit.server.device_decode import DeviceDecoder, Encoded
-from memvit.server.images import ImageDecoder
+from memvit.server.inference.device_decode import DeviceDecoder, Encoded
+from memvit.server.inference.images import ImageDecoder
 
 LEVEL = 1 / 255 / 0.229  # one level of 255 in the normalised input (ImageNet's smallest std)
 

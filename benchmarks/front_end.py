@@ -31,7 +31,7 @@ from benchmarks.common import (
     pin_malloc,
 )
 from benchmarks.loadgen import LoadResult, classify_requests, load
-from benchmarks.serve import adapter, batches, process_cpu
+from benchmarks.serve_measures import adapter, batches, process_cpu
 from memvit.adapters import bundle_for
 from memvit.memory_core import MemoryViT, save_base
 from tests.server.launcher import ServerProcess

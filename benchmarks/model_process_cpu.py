@@ -106,7 +106,7 @@ def _model(settings, directory: str, ready, stub: bool, profile: bool) -> None:
 
 
 async def _phase(runners: list, items, clients: int, seconds: float) -> int:
-    from memvit.server.runner import Ask
+    from memvit.server.inference.runner import Ask
 
     done, deadline = 0, time.perf_counter() + seconds
 
@@ -126,11 +126,11 @@ async def _phase(runners: list, items, clients: int, seconds: float) -> int:
 async def _drive(directory: Path, pid: int, path: str, args, rounds: list[float]) -> None:
     import torch
 
-    from memvit.server.device_decode import Encoded
     from memvit.server.frontend.api_process import _build
     from memvit.server.frontend.model_process import SOCKET
     from memvit.server.frontend.remote import ModelLink
-    from memvit.server.shm_arena import Arena
+    from memvit.server.frontend.shm_arena import Arena
+    from memvit.server.inference.device_decode import Encoded
 
     links, services, arenas = [], [], []
     for _ in range(2):  # two API processes

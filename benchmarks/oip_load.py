@@ -30,7 +30,7 @@ from benchmarks.common import (
     pin_malloc,
 )
 from benchmarks.loadgen import LoadResult, classify_requests, load
-from benchmarks.serve import adapter
+from benchmarks.serve_measures import adapter
 from memvit.adapters import bundle_for, save_bundle
 from memvit.memory_core import MemoryViT, save_base
 from tests.server.launcher import ServerProcess

@@ -27,14 +27,14 @@ import yaml
 
 from benchmarks.common import DEIT_TINY, argument_parser, deit_tiny_engine, environment, natural_photos
 from benchmarks.loadgen import classify_requests, load
-from benchmarks.serve import adapter
+from benchmarks.serve_measures import adapter
 from memvit.adapters import bundle_for, save_bundle
 from memvit.memory_core import MemoryViT, save_base
 from tests.server.launcher import ServerProcess, free_port
 from tests.server.ray_cluster import RayNode, node_temp_dir, stop_all
 
 CONFIG = Path(__file__).resolve().parents[1] / "docker" / "ray" / "serve-config.yaml"
-CALLBACK = ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "memvit.server.ray_proxy:proxy_middlewares")
+CALLBACK = ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "memvit.server.ray.proxy:proxy_middlewares")
 
 
 def ray_config(path: Path, port: int, env: dict[str, str]) -> Path:

@@ -5,7 +5,7 @@
 A two-node Ray cluster on this machine (tests/server/ray_cluster.py: two `ray start` nodes on
 loopback) runs three applications side by side, each docker/ray/serve-config.yaml's deployment with
 two replicas, one per node, sharing one local adapter store of ``--adapters`` small adapters:
-- ``affinity`` (route prefix /affinity): adapter-aware routing, as shipped (server/ray_router.py);
+- ``affinity`` (route prefix /affinity): adapter-aware routing, as shipped (server/ray/router.py);
 - ``random``: each request to a replica drawn uniformly at random (benchmarks/ray_uniform_router.py);
 - ``two-choices``: the shipped router with ``adapter_affinity: false``, i.e. Serve's default, power
   of two choices, which with two replicas sends each request to the one with the shorter queue.
@@ -19,24 +19,24 @@ per-round ratios.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import logging
 import os
 import statistics
 import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import yaml
-
 from benchmarks.common import DEIT_TINY, argument_parser, deit_tiny_engine, environment
-from benchmarks.loadgen import BOUNDARY, RawHttpClient, multipart_body
-from benchmarks.ray_proxy import CALLBACK, CONFIG
-from benchmarks.registry_scale import bundles, fill_local, zipf_trace
+from benchmarks.ray_proxy import CALLBACK
+from benchmarks.ray_rounds import (
+    APPS,
+    Round,
+    run_segment,
+    serve_config,
+    wait_running,
+)
+from benchmarks.registry_fill import bundles, fill_local, zipf_trace
 from memvit.memory_core import MemoryViT, save_base
 from memvit.server.store import LocalStore
 from tests.server.launcher import free_port
@@ -44,128 +44,8 @@ from tests.server.ray_cluster import RayNode, node_temp_dir, stop_all
 
 log = logging.getLogger("benchmarks.ray_routing")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Each application's request_router_config: the shipped router with its kwargs, or another router.
-APPS: dict[str, dict] = {
-    "affinity": {"request_router_kwargs": {"adapter_affinity": True}},
-    "random": {
-        "request_router_class": "benchmarks.ray_uniform_router:UniformRandomRouter",
-        "request_router_kwargs": {},
-    },
-    "two-choices": {"request_router_kwargs": {"adapter_affinity": False}},
-}
 BASELINES = ("random", "two-choices")
 SLOTS = {f"slot_{app}": 1 for app in APPS}  # each node offers one per app: one replica per node each
-
-
-@dataclass
-class Round:
-    hits: int
-    lookups: int
-    p50_ms: float
-    p99_ms: float
-    statuses: dict[int, int]
-    busiest: float  # the busier replica's share of the adapters asked for (0.5: even)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else float("nan")
-
-
-def serve_config(path: Path, port: int, env: dict[str, str], cpus: float, load_factor: float) -> Path:
-    """The shipped config as one application per entry of APPS, two replicas each, one per node."""
-    shipped = yaml.safe_load(CONFIG.read_text())
-    (template,) = shipped["applications"]
-    apps = []
-    for name, router in APPS.items():
-        app = yaml.safe_load(yaml.safe_dump(template))
-        app.update(name=name, route_prefix=f"/{name}")
-        app["runtime_env"]["env_vars"] = env
-        (deployment,) = app["deployments"]
-        deployment["autoscaling_config"].update(min_replicas=2, initial_replicas=2, max_replicas=2)
-        deployment["ray_actor_options"] = {"num_cpus": cpus, "resources": {f"slot_{name}": 1}}
-        routing = deployment["request_router_config"]
-        routing.update(yaml.safe_load(yaml.safe_dump(router)))  # a copy: APPS stays as written
-        if router["request_router_kwargs"].get("adapter_affinity"):
-            routing["request_router_kwargs"]["load_factor"] = load_factor
-        apps.append(app)
-    config = {**shipped, "proxy_location": "HeadOnly", "applications": apps}
-    config["http_options"] = {"host": "127.0.0.2", "port": port}
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def request_bytes(host: str, port: int, app: str, adapter: str, image: bytes) -> bytes:
-    body = multipart_body(image, "img.png")
-    head = (
-        f"POST /{app}/classify?top_k=1&tasks={adapter} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-async def replay(host: str, port: int, requests: list[bytes], clients: int) -> tuple[list[float], Counter]:
-    """``requests`` in order, by ``clients`` closed-loop clients; each request's latency and the statuses."""
-    latencies: list[float] = []
-    statuses: Counter = Counter()
-    queue = iter(requests)
-
-    async def client() -> None:
-        async with RawHttpClient(host, port) as http:
-            for request in queue:
-                began = time.perf_counter()
-                statuses[await http.send(request)] += 1
-                latencies.append(time.perf_counter() - began)
-
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return latencies, statuses
-
-
-def lookups(app: str) -> dict[str, Counter]:
-    """Adapters asked for on each replica of ``app``, resident ("hit") or not ("miss")."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("memvit", app_name=app)
-    seen: dict[str, Counter] = {}
-    try:
-        for _ in range(40):
-            info = handle.describe.remote().result(timeout_s=60)
-            seen[info["replica"]] = Counter(info["lookups"])
-            if len(seen) == 2:
-                break
-    finally:
-        handle.shutdown()
-    assert len(seen) == 2, f"{app}: found {len(seen)} replicas"
-    return seen
-
-
-def run_segment(host: str, port: int, app: str, names: list[str], image: bytes, clients: int) -> Round:
-    before = lookups(app)
-    latencies, statuses = asyncio.run(
-        replay(host, port, [request_bytes(host, port, app, n, image) for n in names], clients)
-    )
-    after = lookups(app)
-    per_replica = [after[r] - before.get(r, Counter()) for r in after]
-    delta = sum(per_replica, Counter())
-    asked = [c.total() for c in per_replica]
-    p50, p99 = np.percentile(latencies, [50, 99]) * 1000
-    return Round(
-        delta["hit"], delta.total(), float(p50), float(p99), dict(statuses), max(asked) / max(1, sum(asked))
-    )
-
-
-def wait_running(timeout: float = 240) -> None:
-    from ray import serve
-
-    def replicas(app: str) -> int:
-        status = serve.status().applications.get(app)
-        deployment = status.deployments.get("memvit") if status is not None else None
-        return deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
-
-    deadline = time.monotonic() + timeout
-    while not all(replicas(app) == 2 for app in APPS):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the Serve applications did not start: {serve.status()}")
-        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,7 +23,6 @@ then the journal's base and index in one write each, as a migration of that many
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import shutil
@@ -31,19 +30,16 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from memvit.adapters import AdapterBundle, bundle_for, read_bundle
+from benchmarks.registry_fill import bundles, fill_local, zipf_trace
+from memvit.adapters import read_bundle
 from memvit.memory_core import LiveAdapters, MemoryViT
 from memvit.server.registry import AdapterRegistry
-from memvit.server.registry.bundles import entry_for
-from memvit.server.store import LocalStore, Snapshot, open_store
-from memvit.server.store.journal import BASE_KEY, INDEX_KEY, bundle_key
-from tests.factories import random_adapter
+from memvit.server.store import LocalStore, open_store
 from tests.server.counting import counting_requests
 from tests.server.filling import register_in_bulk
 from tests.server.launcher import ServerProcess
@@ -53,29 +49,6 @@ from .common import DEIT_TINY, argument_parser, environment, pin_malloc, timed
 from .store_scale import backend
 
 BATCH = 8
-
-
-def bundles(engine: MemoryViT, count: int, m: int, classes: int) -> Iterator[tuple[AdapterBundle, bytes]]:
-    for i in range(count):
-        bundle = bundle_for(random_adapter(f"a{i:06d}", engine, m=m, classes=classes), engine)
-        yield bundle, bundle.to_bytes()
-
-
-def fill_local(store: LocalStore, items: Iterator[tuple[AdapterBundle, bytes]]) -> int:
-    """Bundle objects as plain files, then the journal's base and index (the store's own writes)."""
-    entries = []
-    for bundle, data in items:
-        sha256 = hashlib.sha256(data).hexdigest()
-        key = bundle_key(bundle.name, sha256)
-        path = store.root / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        entries.append(entry_for(bundle, key, sha256, len(data)))
-    snapshot = Snapshot(len(entries), {e.name: e for e in entries})
-    data = snapshot.to_bytes()
-    store._put(BASE_KEY, data, mode="create")
-    store._put(INDEX_KEY, data, mode="create")
-    return len(entries)
 
 
 def ready_ratio(full: str, empty: str, rounds: int) -> tuple[float, float]:
@@ -119,16 +92,6 @@ def cold_loads(registry: AdapterRegistry, names: list[str]) -> tuple[float, floa
     base = statistics.median(warm)
     p50, p99 = np.percentile(cold, [50, 99])
     return 1000 * (p50 - base), 1000 * (p99 - base), 1000 * base
-
-
-def zipf_trace(universe: int, length: int, s: float, seed: int) -> tuple[list[str], list[int]]:
-    """Adapter names by popularity rank (shuffled, so popularity is not alphabetical) and a trace of ranks."""
-    rng = np.random.default_rng(seed)
-    p = np.arange(1, universe + 1, dtype=float) ** -s
-    ranks = rng.choice(universe, size=length, p=p / p.sum()).tolist()
-    names = [f"a{i:06d}" for i in range(universe)]
-    random.Random(seed).shuffle(names)
-    return names, ranks
 
 
 def serve_both(

@@ -28,126 +28,25 @@ over ``--rounds`` rounds, and reports medians.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
-import datetime
-import os
-import re
-import signal
 import statistics
-import subprocess
 import tempfile
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from benchmarks.common import REPO, argument_parser, environment
-from benchmarks.loadgen import BOUNDARY, RawHttpClient
-from benchmarks.serve import process_cpu
-from memvit.server.keys import add_key, load_or_empty, write_ring
-from memvit.server.policy import Limits, Policy
-from memvit.server.usage import summarize
-from memvit.server.usage_log import LocalUsageLog
+from benchmarks.common import argument_parser, environment
+from benchmarks.tenant_costs import cost, usage
+from benchmarks.tenant_load import (
+    SAMPLES,
+    Group,
+    Servers,
+    classify_request,
+    drive,
+    p50_ms,
+    passes,
+)
+from memvit.server.tenancy.key_file import add_key
+from memvit.server.tenancy.policy import Limits, Policy
 from tests.server.launcher import ServerProcess
-
-SAMPLES = sorted((REPO / "server" / "demo" / "samples").glob("*.png"))
-
-
-def classify_request(port: int, key: str | None, images: int = 1) -> bytes:
-    """One prepared ``POST /classify?top_k=1`` with ``images`` of the demo's samples."""
-    parts = b"".join(
-        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; filename="s{i}.png"\r\n'
-        "Content-Type: image/png\r\n\r\n".encode()
-        + SAMPLES[i % len(SAMPLES)].read_bytes()
-        + b"\r\n"
-        for i in range(images)
-    )
-    body = parts + f"--{BOUNDARY}--\r\n".encode()
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    head = (
-        f"POST /classify?top_k=1 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}"
-        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-@dataclass
-class Done:
-    began: float
-    ended: float
-    status: int
-    images: int
-
-
-@dataclass
-class Group:
-    request: bytes
-    clients: int
-    images: int = 1
-    done: list[Done] = field(default_factory=list)
-
-
-async def _drive(port: int, groups: dict[str, Group], seconds: float) -> float:
-    """Every group's clients for ``seconds``; returns when the window counted from starts."""
-    stop = time.perf_counter() + seconds
-
-    async def client(group: Group) -> None:
-        while time.perf_counter() < stop:
-            # A refusal from the headers alone (a 429 at the edge) closes the connection, as the body
-            # was never read: open another and send again.
-            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-                async with RawHttpClient("127.0.0.1", port) as http:
-                    while time.perf_counter() < stop:
-                        began = time.perf_counter()
-                        status = await http.send(group.request)
-                        group.done.append(Done(began, time.perf_counter(), status, group.images))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client(g) for g in groups.values() for _ in range(g.clients)))
-    return start + seconds / 4  # the first quarter fills the pipeline
-
-
-def drive(port: int, groups: dict[str, Group], seconds: float) -> float:
-    return asyncio.run(_drive(port, groups, seconds))
-
-
-def passes(port: int) -> tuple[float, float, float]:
-    """The server's fused passes so far: their count, their images and their seconds (/metrics)."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    found = dict(re.findall(r"^(memvit_\w+_(?:sum|count)) (\S+)$", text, re.M))
-    return (float(found["memvit_batch_images_count"]), float(found["memvit_batch_images_sum"]),
-            float(found["memvit_fused_pass_seconds_sum"]))  # fmt: skip
-
-
-def p50_ms(done: list[Done], since: float) -> float:
-    return 1e3 * statistics.median(d.ended - d.began for d in done if d.began >= since and d.status == 200)
-
-
-@dataclass
-class Servers:
-    """The servers of one run, their keys and their stores (removed by ``stop``)."""
-
-    tmp: Path
-    keys_file: Path
-    keys: dict[str, str]  # by short name: a, b, c, l, f
-    ids: dict[str, str]  # their ids in the keys file
-    running: list[ServerProcess] = field(default_factory=list)
-
-    def start(self, name: str, *, keys: bool = True, **env: str) -> ServerProcess:
-        settings = {"MEMVIT_LOG_LEVEL": "warning", "MEMVIT_ADMIN_TOKEN": "bench-admin"}
-        settings["MEMVIT_API_KEYS_FILE"] = str(self.keys_file) if keys else ""
-        settings.update(env)
-        server = ServerProcess(None, self.tmp / f"store-{name}", stderr=None, **settings)
-        self.running.append(server.start(timeout=180))
-        return server
-
-    def stop(self) -> None:
-        for server in self.running:
-            server.stop()
 
 
 def latency(servers: Servers, fair: ServerProcess, fifo: ServerProcess, args) -> dict:
@@ -230,131 +129,6 @@ def limits(servers: Servers, fair: ServerProcess, args) -> dict:
     print(f"L's images in the worst window / (burst + rate x window): {worst:.3f}; over the whole "
           f"run ({span:.1f} s): {total:.3f}")  # fmt: skip
     return {"worst": worst, "refused": refused, "other_errors": f_errors}
-
-
-def cost(servers: Servers, args) -> float:
-    print("\n## 4. Throughput, 32 clients (two keys x 16), with fairness, weights, limits and usage on\n")
-    baseline_env = {"MEMVIT_FAIR_BATCHING": "false", "MEMVIT_USAGE_LOG": "false"}
-    label = "the same code, fairness, limits and usage off"
-    if args.baseline:
-        try:
-            tree = _checkout(args.baseline, servers.tmp / "baseline")
-            # Its memvit first on the path: `python -m memvit.server.cli` runs that revision's files.
-            baseline_env = {"PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-            label = f"revision {args.baseline} (its own files)"
-        except (OSError, subprocess.CalledProcessError) as exc:
-            print(f"(cannot check out {args.baseline}: {exc}; comparing against the features off)")
-    # The same keys for both; the baseline's file without weights and limits, which it would refuse.
-    plain = servers.tmp / "keys-plain.json"
-    ring = load_or_empty(servers.keys_file)
-    write_ring(plain, ring.replace(keys=tuple(dataclasses.replace(k, policy=Policy()) for k in ring.keys)))
-    today = servers.start("today", keys=False, MEMVIT_API_KEYS_FILE=str(plain), **baseline_env)
-    on = servers.start("on")
-    rates: dict[str, list[float]] = {"today": [], "on": []}
-    cpu: dict[str, list[float]] = {"today": [], "on": []}  # the server's CPU ms per image
-    for r in range(args.cost_rounds):
-        order = (("today", today), ("on", on)) if r % 2 == 0 else (("on", on), ("today", today))
-        for name, server in order:
-            groups = {k: Group(classify_request(server.port, servers.keys[k]), 16) for k in ("a", "b")}
-            cpu0 = process_cpu(server.pid)
-            since = drive(server.port, groups, args.cost_seconds)
-            cpu1 = process_cpu(server.pid)
-            answered = [d for g in groups.values() for d in g.done if d.status == 200]
-            window = [d for d in answered if d.began >= since]
-            rates[name].append(32 / statistics.fmean(d.ended - d.began for d in window))
-            if cpu0 is not None and cpu1 is not None:
-                cpu[name].append(1e3 * (cpu1 - cpu0) / len(answered))
-    print(f"baseline: {label}")
-    print("| round | today: images/s | CPU ms/image | on: images/s | CPU ms/image | images/s ratio |")
-    print("|--:|--:|--:|--:|--:|--:|")
-    ratios = []
-    for i in range(args.cost_rounds):
-        t, o = rates["today"][i], rates["on"][i]
-        ratios.append(o / t)
-        cells = [f"{cpu[n][i]:.2f}" if len(cpu[n]) > i else "-" for n in ("today", "on")]
-        print(f"| {i + 1} | {t:.1f} | {cells[0]} | {o:.1f} | {cells[1]} | {o / t:.3f} |")
-    if cpu["today"] and cpu["on"]:
-        efficiency = statistics.median(cpu["today"]) / statistics.median(cpu["on"])
-        print(f"images per CPU-second, on / today (medians): {efficiency:.3f}")
-    return statistics.median(ratios)
-
-
-def _checkout(revision: str, into: Path) -> Path:
-    """``revision``'s server, adapters and memory_core as an importable ``memvit`` in ``into``."""
-    into.mkdir(parents=True)
-    command = ["git", "-C", str(REPO), "archive", revision, "server", "adapters", "memory_core"]
-    archive = subprocess.run(command, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    package = into / "memvit"
-    package.mkdir()
-    for name in ("server", "adapters", "memory_core"):
-        (package / name).symlink_to(into / name)
-    return into
-
-
-def usage(servers: Servers, args) -> dict:
-    interval = 1.0
-    print(f"\n## 5. Usage: {args.usage_requests} requests, 3 keys, 2 replicas, one SIGKILLed once\n")
-    env = {
-        "MEMVIT_USAGE_INTERVAL_SECONDS": str(interval),
-        "MEMVIT_ADAPTER_STORE": str(servers.tmp / "shared"),
-    }
-    replicas = [servers.start("r1", **env), servers.start("r2", **env)]
-    answered: dict[str, int] = dict.fromkeys(("a", "b", "c"), 0)
-    by_killed: list[float] = []  # when the killed replica answered each request
-    killed_at: list[float] = []
-    state = {"count": 0, "killing": False}
-    lock = threading.Lock()
-
-    def kill_and_restart() -> None:
-        victim = replicas[1]
-        killed_at.append(time.perf_counter())
-        victim.kill(signal.SIGKILL)
-        victim.start(timeout=180)  # the same port and store; a new process, a new replica name
-        state["killing"] = False
-
-    async def client(who: str, replica: int) -> None:
-        while state["count"] < args.usage_requests:
-            server = replicas[replica]
-            try:
-                async with RawHttpClient("127.0.0.1", server.port) as http:
-                    request = classify_request(server.port, servers.keys[who])
-                    while state["count"] < args.usage_requests:
-                        status = await http.send(request)
-                        if status != 200:
-                            continue
-                        with lock:
-                            state["count"] += 1
-                            answered[who] += 1
-                            if replica == 1 and not killed_at:
-                                by_killed.append(time.perf_counter())
-                            if state["count"] == args.usage_requests * 2 // 5 and not state["killing"]:
-                                state["killing"] = True
-                                threading.Thread(target=kill_and_restart, name="restart", daemon=True).start()
-            except (ConnectionError, asyncio.IncompleteReadError, OSError):
-                await asyncio.sleep(0.2)  # the replica is down: try again once it is back
-
-    async def main() -> None:
-        await asyncio.gather(*(client(w, r) for w in answered for r in (0, 1) for _ in range(2)))
-
-    asyncio.run(main())
-    for thread in threading.enumerate():  # a restart still under way
-        if thread.name == "restart":
-            thread.join()
-    for server in replicas:
-        server.stop()  # SIGTERM: each writes what it counted since its last record
-    today = datetime.datetime.now(datetime.timezone.utc).date()
-    rows = summarize(LocalUsageLog(servers.tmp / "shared"), today - datetime.timedelta(days=1), today)
-    recorded = {
-        w: sum(r.requests for r in rows if r.key == servers.ids[w] and r.task == "base") for w in answered
-    }
-    lost = sum(answered.values()) - sum(recorded.values())
-    bound = sum(1 for t in by_killed if t > killed_at[0] - interval) if killed_at else 0
-    print("| key | answered | in the usage log |\n|---|--:|--:|")
-    for w in answered:
-        print(f"| {servers.ids[w]} | {answered[w]} | {recorded[w]} |")
-    print(f"missing: {lost}; the killed replica answered {bound} in its last {interval:g} s interval")
-    return {"lost": lost, "bound": bound}
 
 
 def main(argv: list[str] | None = None) -> None:

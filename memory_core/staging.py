@@ -99,7 +99,7 @@ class HostBuffers:
 
 
 class PinnedStaging:
-    """Stage a host tensor for a copy to the device (server/device_runner.py's images)."""
+    """Stage a host tensor for a copy to the device (server/inference/device_runner.py's images)."""
 
     def __init__(self, buffers: HostBuffers | None = None) -> None:
         self.buffers = buffers if buffers is not None else HostBuffers()

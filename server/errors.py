@@ -1,38 +1,18 @@
-"""Every domain error and its HTTP status, in one place. Responses are ``{"error": {...}}`` JSON, built
-by ``error_json`` (server/edge/send.py), the same function that builds the edge's own refusals.
+"""Every named error of the service: what went wrong, with the HTTP status it is answered with.
 
-Handlers never let an exception escape as a 500 with a traceback: a named error maps to its 4xx/503,
-a request that fails validation to 422 with the field, anything else to a logged 500 that says only
-"internal error".
+Each ``ServiceError`` names its condition and carries the status a client sees (``status``) and any
+headers (``headers()``, ``Retry-After`` say); the engine's and the bundle format's own errors come
+from memvit.memory_core and memvit.adapters. Nothing here knows HTTP's machinery: the mapping of
+every error to its response (the engine's errors' statuses, the JSON body, the FastAPI handlers) is
+server/edge/errors.py, in one place. This module imports nothing of memvit.server, so every layer may
+raise these.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import BaseRoute, Match
-
-from memvit.adapters import BaseMismatchError, BundleError
-from memvit.memory_core import (
-    AdapterInUseError,
-    DuplicateAdapterError,
-    InputError,
-    InvalidAdapterError,
-    MemvitError,
-    MissingParentError,
-    UnknownAdapterError,
-)
-
-from .edge.send import error_body, error_json
-from .store import StoreUnavailableError
-
-log = logging.getLogger(__name__)
+from memvit.memory_core import MemvitError
 
 
 class ServiceError(MemvitError):
@@ -148,7 +128,7 @@ class RequestTooLargeError(ServiceError):
 
 
 class RateLimitedError(ServiceError):
-    """A key is past one of its limits (server/limits.py): 429, and ``Retry-After`` says when its
+    """A key is past one of its limits (server/tenancy/limits.py): 429, and ``Retry-After`` says when its
     request could pass (whole seconds, at least 1, as the header allows no fraction)."""
 
     status = 429  # a 4xx: its message is shown; not logged per refusal (a limit refuses a lot)
@@ -181,7 +161,7 @@ class OverloadedError(RetryLaterError):
 
 
 class DeviceMemoryError(RetryLaterError):
-    """A pass did not fit in the device's memory, even for one image (server/device_runner.py)."""
+    """A pass did not fit in the device's memory, even for one image (server/inference/device_runner.py)."""
 
 
 class ResidentSetFullError(RetryLaterError):
@@ -189,79 +169,7 @@ class ResidentSetFullError(RetryLaterError):
 
 
 class RequestTimeoutError(ServiceError):
-    """The client did not send its request's headers (server/timeouts.py) or its body (server/edge/body.py)
-    in time."""
+    """The client did not send its request's headers (server/http/timeouts.py) or its body
+    (server/edge/body.py) in time."""
 
     status = 408
-
-
-# Engine and bundle errors, most specific first.
-DOMAIN_STATUS: list[tuple[type[Exception], int]] = [
-    (DuplicateAdapterError, 409),
-    (AdapterInUseError, 409),
-    (MissingParentError, 409),
-    (UnknownAdapterError, 404),
-    (BaseMismatchError, 422),
-    (BundleError, 422),
-    (InvalidAdapterError, 422),
-    (InputError, 422),
-    (StoreUnavailableError, 503),
-]
-
-
-def status_of(exc: Exception) -> int:
-    if isinstance(exc, ServiceError):
-        return exc.status
-    for kind, status in DOMAIN_STATUS:
-        if isinstance(exc, kind):
-            return status
-    return 500
-
-
-def _allowed_methods(request: Request) -> list[str]:
-    def walk(routes: list) -> Iterator[BaseRoute]:
-        for route in routes:
-            included = getattr(route, "original_router", None)  # FastAPI's wrapper of an included router
-            yield from walk(included.routes) if included is not None else (route,)
-
-    methods: set[str] = set()
-    for route in walk(request.app.router.routes):
-        if route.matches(request.scope)[0] != Match.NONE:
-            methods |= set(getattr(route, "methods", None) or ())
-    return sorted(methods)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(MemvitError)
-    async def _domain(request: Request, exc: MemvitError) -> JSONResponse:
-        status = status_of(exc)
-        if getattr(exc, "expected", False):
-            log.warning("%d on %s %s: %s", status, request.method, request.url.path, exc)
-        elif status >= 500:
-            log.exception("unexpected %s on %s", type(exc).__name__, request.url.path, exc_info=exc)
-        headers = exc.headers() if isinstance(exc, ServiceError) else None
-        return JSONResponse(error_body(exc, status), status_code=status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(part) for part in err.get("loc", ()) if part not in ("body", "query"))
-            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        field = next((str(e["loc"][-1]) for e in exc.errors() if e.get("loc")), None)
-        return JSONResponse(error_json("RequestValidationError", "; ".join(problems), field), status_code=422)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = error_json("HTTPException", str(exc.detail))
-        headers = dict(getattr(exc, "headers", None) or {})
-        if exc.status_code == 405:
-            # One path can be served by several routes (GET and DELETE /adapters/{name}); Starlette
-            # names only the first one's methods. Allow lists every method the path supports.
-            headers["Allow"] = ", ".join(_allowed_methods(request))
-        return JSONResponse(body, status_code=exc.status_code, headers=headers or None)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return JSONResponse(error_json("InternalError", "internal error"), status_code=500)

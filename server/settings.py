@@ -59,8 +59,8 @@ class Settings(BaseSettings):
     decode: Literal["exact", "fast"] = Field(
         "exact", description="exact: every pixel; fast: large JPEGs shrunk in the decoder (RESULTS)"
     )
-    # JPEGs decoded on the model's device in each batch (server/device_decode.py): "auto" does it when
-    # the model is on a GPU and decode is "exact"; "device" also on a CPU model (torchvision's CPU
+    # JPEGs decoded on the model's device in each batch (server/inference/device_decode.py): "auto" does it
+    # when the model is on a GPU and decode is "exact"; "device" also on a CPU model (torchvision's CPU
     # decoder: the device path's own code, as CI tests it); "cpu" never.
     decode_device: Literal["auto", "device", "cpu"] = Field(
         "auto", description="decode JPEGs on the model's device: auto (on a GPU), device, or cpu"
@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     server_timing: bool = Field(False, description="say each answer's stage times in a Server-Timing header")
     max_images_per_request: int = Field(16, ge=1)
     # Images are decoded and fused passes filled by the service each key has received, by its weight
-    # (server/fair_queue.py); false: by arrival, as before keys had shares.
+    # (server/inference/fair_queue.py); false: by arrival, as before keys had shares.
     fair_batching: bool = Field(True, description="share passes and decoders between keys by weight")
 
     max_image_bytes: int = Field(20 * 1024 * 1024, ge=1, description="upload cap per image")
@@ -81,7 +81,7 @@ class Settings(BaseSettings):
         False, description="with no admin token, let anyone who can reach the port manage adapters"
     )
 
-    # Tenant keys (server/keys.py, `memvit keys`): a JSON file of hashed keys, each covering adapter names.
+    # Tenant keys (server/tenancy/keys.py, `memvit keys`): a JSON file of hashed keys, each covering adapters.
     api_keys_file: Path | None = Field(None, description="tenant API keys (memvit keys add/list/revoke)")
     api_keys_reload_seconds: float = Field(2.0, gt=0, description="how often the keys file is checked")
     require_read_key: bool = Field(
@@ -93,18 +93,18 @@ class Settings(BaseSettings):
         default_factory=list, description="comma-separated host names (a proxy's, a cluster's; *.example.com)"
     )
 
-    # Slow clients (headers: server/timeouts.py; body: server/edge/body.py): past these, the client gets
+    # Slow clients (headers: server/http/timeouts.py; body: server/edge/body.py): past these, the client gets
     # a 408 and its connection closes.
     header_timeout_seconds: float = Field(10.0, gt=0, description="deadline for a request's headers")
     body_timeout_seconds: float = Field(60.0, gt=0, description="total deadline for a request's body")
 
-    # Usage per key (server/usage.py): written beside the adapters, one record per replica and interval.
+    # Usage per key (server/tenancy/usage.py): written beside the adapters, a record per replica and interval.
     usage_log: bool = Field(True, description="write usage per key and task to the adapter store")
     usage_interval_seconds: float = Field(
         60.0, gt=0, description="how often usage is written (a crash loses at most this much)"
     )
     replica_name: str | None = Field(None, description="this replica's name in the usage log (default: host)")
-    # Per-task Prometheus series (server/task_labels.py): base, these, the N most asked, then "other".
+    # Per-task Prometheus series (server/telemetry/task_labels.py): base, these, the N most asked, "other".
     metrics_tasks: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated adapter names that always get their own series"
     )

@@ -22,7 +22,17 @@ FORBIDDEN = {
 # Inside a package, its subpackages (and top-level modules) in layer order, lowest first: a module
 # may import its own layer and those listed before it, never one listed after. A name not listed
 # is unconstrained (the package's own __init__, say). Each package's __init__ says the same in words.
-SERVER_LAYERS: tuple[tuple[str, ...], ...] = ()
+SERVER_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "settings", "telemetry", "demo"),
+    ("store",),
+    ("registry",),
+    ("tenancy",),
+    ("inference",),
+    ("edge", "oip"),
+    ("http", "routers"),
+    ("frontend", "ray"),
+    ("cli", "ray_serve", "ray_router", "ray_proxy"),
+)
 MEMORY_CORE_LAYERS: tuple[tuple[str, ...], ...] = ()
 ADAPTERS_LAYERS: tuple[tuple[str, ...], ...] = ()
 SUBLAYERS = {
@@ -193,6 +203,14 @@ def test_violations_are_found() -> None:
 
 def test_no_upward_arrows_inside_a_package() -> None:
     assert upward_arrows(import_graph()) == []
+
+
+def test_every_server_name_has_a_layer() -> None:
+    """A new module or package in server/ says where it sits (server/__init__.py says it in words)."""
+    listed = {name for layer in SERVER_LAYERS for name in layer}
+    present = {p.stem for p in (REPO / "server").glob("*.py")} - {"__init__"}
+    present |= {p.parent.name for p in (REPO / "server").glob("*/__init__.py")}
+    assert present == listed
 
 
 def test_upward_arrows_are_found(monkeypatch) -> None:

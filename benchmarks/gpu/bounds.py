@@ -74,7 +74,7 @@ def store(e: MemoryViT, path: Path) -> None:
 
 
 def pixels(e: MemoryViT, photos: list[bytes], batch: int) -> torch.Tensor:
-    from memvit.server.images import ImageDecoder
+    from memvit.server.inference.images import ImageDecoder
 
     decoder = ImageDecoder(e, max_bytes=1 << 30, max_pixels=1 << 40)
     one = torch.stack([decoder(p) for p in photos])
@@ -130,10 +130,10 @@ def _overlapped(e: MemoryViT, s, pinned: torch.Tensor, seconds: float) -> float:
 
 def decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
     """The server's decoders alone: Pillow on every core (JPEGs decoded on the CPU), and the server's
-    own device decoder (``DeviceDecoder.decode``, server/device_decode.py) on batches of
+    own device decoder (``DeviceDecoder.decode``, server/inference/device_decode.py) on batches of
     ``DEVICE_BATCH`` JPEGs, as the batcher calls it: whatever it does per batch and per image is in
     the figure. ``decode_jpeg img/s`` is torchvision's batched decode alone, for scale."""
-    from memvit.server.images import ImageDecoder
+    from memvit.server.inference.images import ImageDecoder
 
     decoder = ImageDecoder(e, max_bytes=1 << 30, max_pixels=1 << 40)
     workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -148,7 +148,7 @@ def decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
     try:
         from torchvision.io import decode_jpeg
 
-        from memvit.server.device_decode import DeviceDecoder, Encoded
+        from memvit.server.inference.device_decode import DeviceDecoder, Encoded
     except ImportError:
         return {**row, "gpu": "skipped: torchvision is not installed"}
     device = DeviceDecoder(decoder, plan.device)  # on CPU (the smoke) torchvision's CPU decoder

@@ -63,7 +63,7 @@ LOG_HEAD, LOG_TAIL = 20_000, 60_000  # bytes of a server's log kept from its sta
 
 def run(plan: Plan, report: StepReport, budget: Budget) -> str:
     try:  # the server's own dependencies (FastAPI, pydantic, ...): carried as wheels to a lent GPU
-        import memvit.server.app  # noqa: F401
+        import memvit.server.http.app  # noqa: F401
     except ImportError as exc:
         report.note(f"skipped: the server's dependencies are missing ({exc}); docs/gpu.md says what to carry")
         return "skipped"
@@ -111,7 +111,7 @@ class Served:
         self.tokens: dict[str, str] = {}
         self.env = {"MEMVIT_LOG_LEVEL": "warning", "MEMVIT_STORE_POLL_SECONDS": "60", **env}
         if keys:  # two keys: "heavy" (every load of this server) and "light"
-            from memvit.server.keys import add_key
+            from memvit.server.tenancy.key_file import add_key
 
             path = tmp / f"keys-{n}.json"
             self.tokens = {k: add_key(path, k, ["*"], read=True, write=False) for k in ("heavy", "light")}

@@ -7,6 +7,9 @@ memvit info       info.py      can a model host adapters: shape, fingerprint, co
 memvit inspect    inspect.py   an adapter bundle's metadata, validated
 memvit keys       keys.py      tenant API keys: add, list, revoke; their weights and limits
 memvit usage      usage.py     requests, images and adapter rows per key, task and day
+
+May import every package of memvit.server (the top layer): the commands build on all of them, and
+nothing imports ``cli`` but the ``memvit`` entry point.
 """
 
 from __future__ import annotations

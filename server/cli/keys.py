@@ -1,4 +1,4 @@
-"""``memvit keys``: the tenant keys file (server/keys.py) that ``MEMVIT_API_KEYS_FILE`` names.
+"""``memvit keys``: the tenant keys file (server/tenancy/keys.py) that ``MEMVIT_API_KEYS_FILE`` names.
 
 memvit keys add acme --names 'acme-*' --write     # prints the new key once; only its sha256 is kept
 memvit keys list                                   # id, names, read, write, created, weight, limits
@@ -20,7 +20,7 @@ import typer
 from .common import fail
 
 if TYPE_CHECKING:
-    from ..policy import Policy
+    from ..tenancy.policy import Policy
 
 app = typer.Typer(help="Manage tenant API keys (the file MEMVIT_API_KEYS_FILE names).", no_args_is_help=True)
 
@@ -38,7 +38,7 @@ def _file(path: Path | None) -> Path:
     return path
 
 
-# Each key's share of the passes and its limits (server/policy.py), as options of `add` and `set`.
+# Each key's share of the passes and its limits (server/tenancy/policy.py), as options of `add` and `set`.
 Weight = Annotated[float | None, typer.Option(help="its share of the passes while others wait (default 1)")]
 Rate = Annotated[float | None, typer.Option(help="images per second (a token bucket)")]
 Burst = Annotated[int | None, typer.Option(help="images at once above the rate (default: one second's)")]
@@ -48,7 +48,7 @@ PerRequest = Annotated[int | None, typer.Option(help="images in one request")]
 
 def _policy(base: Policy, weight: float | None, *limit_options: float | None) -> Policy:
     """``base`` with the options given replaced (``limit_options`` in ``LIMIT_FIELDS``' order)."""
-    from ..policy import LIMIT_FIELDS, PolicyError, parse_policy
+    from ..tenancy.policy import LIMIT_FIELDS, PolicyError, parse_policy
 
     given = {k: v for k, v in zip(LIMIT_FIELDS, limit_options, strict=True) if v is not None}
     limits = {**base.limits.to_json(), **given}
@@ -83,8 +83,9 @@ def add(
     file: KeysFile = None,
 ) -> None:
     """Add a key and print it once (stdout); only its sha256 is stored."""
-    from ..keys import KeysFileError, add_key
-    from ..policy import DEFAULT
+    from ..tenancy.key_file import add_key
+    from ..tenancy.keys import KeysFileError
+    from ..tenancy.policy import DEFAULT
 
     path = _file(file)
     policy = _policy(DEFAULT, weight, images_per_second, burst, requests_in_flight, images_per_request)
@@ -100,8 +101,9 @@ def add(
 def list_keys(file: KeysFile = None) -> None:
     """The keys in the file: id, names, read, write, created, weight, limits (never a key or its hash);
     then the anonymous and admin callers, where their weight or limits are set."""
-    from ..keys import RESERVED_IDS, KeysFileError, load_or_empty
-    from ..policy import DEFAULT
+    from ..tenancy.key_file import load_or_empty
+    from ..tenancy.keys import RESERVED_IDS, KeysFileError
+    from ..tenancy.policy import DEFAULT
 
     path = _file(file)
     try:
@@ -124,7 +126,8 @@ def revoke(
     file: KeysFile = None,
 ) -> None:
     """Remove a key; a server watching the file refuses it within MEMVIT_API_KEYS_RELOAD_SECONDS."""
-    from ..keys import KeysFileError, revoke_key
+    from ..tenancy.key_file import revoke_key
+    from ..tenancy.keys import KeysFileError
 
     path = _file(file)
     try:
@@ -149,9 +152,10 @@ def set_policy(
 ) -> None:
     """Set a key's weight and limits (the options given; the others stay); a running server applies
     them within MEMVIT_API_KEYS_RELOAD_SECONDS."""
-    from ..keys import RESERVED_IDS, KeysFileError, load_or_empty
-    from ..keys import set_policy as write_policy
-    from ..policy import Policy
+    from ..tenancy.key_file import load_or_empty
+    from ..tenancy.key_file import set_policy as write_policy
+    from ..tenancy.keys import RESERVED_IDS, KeysFileError
+    from ..tenancy.policy import Policy
 
     path = _file(file)
     try:

@@ -34,9 +34,9 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
-    from ..app import create_app, preflight
+    from ..http.app import create_app, preflight
+    from ..http.timeouts import header_timeout_protocol
     from ..settings import Settings
-    from ..timeouts import header_timeout_protocol
 
     overrides = {
         "host": host,

@@ -5,7 +5,7 @@ memvit usage --since 2026-11-01 --until 2026-11-30 --key acme
 memvit usage --since 2026-11-01 --totals        # per key: requests, images, adapter rows
 memvit usage --store s3://bucket/adapters       # default: $MEMVIT_ADAPTER_STORE
 
-Reads the usage log every replica writes beside the adapters (server/usage_log.py), as ``GET /usage``
+Reads the usage log every replica writes beside the adapters (server/tenancy/usage_log.py), as ``GET /usage``
 does: it covers each replica up to its last written interval.
 """
 
@@ -43,8 +43,8 @@ def usage(
 ) -> None:
     """Usage per key, task and day: requests and images (base), requests and rows (each adapter)."""
     from ..store import is_object_url, open_store
-    from ..usage import BASE_TASK, summarize
-    from ..usage_log import LocalUsageLog, usage_log_for
+    from ..tenancy.usage import BASE_TASK, summarize
+    from ..tenancy.usage_log import LocalUsageLog, usage_log_for
 
     today = datetime.datetime.now(datetime.timezone.utc).date()
     last = until.date() if until else today

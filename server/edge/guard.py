@@ -6,7 +6,7 @@ For each request, in order, from its headers alone:
 3. for a route that changes state, that no other site's page sent it (origin.py; 403);
 4. who may call the route (access.py): a refusal (401/403) is sent before a byte of the body is read;
 5. the body cap: a Content-Length over it is answered 413 at once;
-6. for a route that runs images (``metered``), the caller's limits (server/limits.py): at its
+6. for a route that runs images (``metered``), the caller's limits (server/tenancy/limits.py): at its
    requests-in-flight limit or with an empty token bucket, 429 with ``Retry-After``; admitted, a
    ticket in ``scope["state"]`` that the route charges once it has counted the images, and that
    holds the request's in-flight slot until the app is done;
@@ -15,7 +15,7 @@ For each request, in order, from its headers alone:
 
 Every refusal carries ``connection: close`` (the unread rest of the body goes with the connection)
 and the standard error body (``send_error``). Every request to a state-changing route, refused or
-served, leaves one audit record (server/audit.py) with the status it got. Routes then only read
+served, leaves one audit record (server/tenancy/audit.py) with the status it got. Routes then only read
 input the guard let through.
 """
 
@@ -27,13 +27,14 @@ from types import SimpleNamespace
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..audit import AuditEntry, action_of, record
-from ..errors import ServiceError, status_of
-from ..limits import Limiter, Ticket
-from ..metrics import EDGE_DONE, Metrics
+from ..errors import ServiceError
 from ..settings import Settings
+from ..telemetry.metrics import EDGE_DONE, Metrics
+from ..tenancy.audit import AuditEntry, action_of, record
+from ..tenancy.limits import Limiter, Ticket
 from .access import check_access
 from .body import BodyLimits, content_length
+from .errors import status_of
 from .origin import OriginPolicy
 from .principal import Credentials, set_principal
 from .routes import Route, route_table

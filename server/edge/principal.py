@@ -1,7 +1,7 @@
 """Who is calling: resolved once per request by the guard, from ``Authorization: Bearer <value>``.
 
 - the admin token (``MEMVIT_ADMIN_TOKEN``, compared in constant time): ``admin``, every name;
-- a key of the keys file (``MEMVIT_API_KEYS_FILE``, server/keys.py): that key, the names it covers;
+- a key of the keys file (``MEMVIT_API_KEYS_FILE``, server/tenancy/keys.py): that key, the names it covers;
 - no bearer value: ``anonymous``;
 - a bearer value that matches nothing: ``unknown`` (the routes that look at credentials refuse it).
 
@@ -20,9 +20,10 @@ from starlette.types import Scope
 
 from memvit.memory_core import BASE_TASK
 
-from ..keys import ApiKey, KeyFile
-from ..policy import DEFAULT, Policy
 from ..settings import Settings
+from ..tenancy.key_file import KeyFile
+from ..tenancy.keys import ApiKey
+from ..tenancy.policy import DEFAULT, Policy
 
 
 class Kind(enum.Enum):

@@ -5,7 +5,7 @@ Every route of the app has a row (``create_app`` refuses to build an app with a 
 lacks: ``missing_routes``), so a new route cannot silently skip the guard. ``access`` and
 ``changes_state`` are explicit facts that checks key on: the access rules (server/edge/access.py),
 and the checks that only concern state-changing requests (their origin: server/edge/origin.py; the
-audit trail: server/audit.py) select them here instead of listing paths again.
+audit trail: server/tenancy/audit.py) select them here instead of listing paths again.
 
 A request that matches no row (the router answers it 404 or 405 without reading its body) gets the
 fallback: public, no state changed, no cap, the default deadline. HEAD is looked up as GET.

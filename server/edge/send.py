@@ -1,8 +1,8 @@
 """The service's one error shape, ``{"error": {"type", "message", "field"?}}``, and ``send_error``.
 
-``error_json`` builds every error body: the FastAPI exception handlers (server/errors.py), the
+``error_json`` builds every error body: the FastAPI exception handlers (server/edge/errors.py), the
 guard's refusals (401/403/413/408, server/edge/guard.py), the header deadline's raw 408
-(server/timeouts.py) and the Ray proxy's 503 (server/ray_proxy.py). ``send_error`` sends one at the
+(server/http/timeouts.py) and the Ray proxy's 503 (server/ray/proxy.py). ``send_error`` sends one at the
 ASGI level, before or instead of the app's response.
 
 It imports neither torch nor the model: the Ray proxy process loads it, and must stay light.

@@ -28,22 +28,22 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from ..app import create_app
-from ..link import LinkDownError
-from ..service import assemble, start_service
+from ..http.app import create_app
+from ..http.service import assemble, start_service
+from ..http.state import AppState, Service
+from ..http.timeouts import header_timeout_protocol
 from ..settings import Settings
-from ..shm_arena import Arena
-from ..state import AppState, Service
 from ..store import open_store
-from ..task_labels import TaskLabels
-from ..timeouts import header_timeout_protocol
-from ..usage_log import usage_log_for
+from ..telemetry.task_labels import TaskLabels
+from ..tenancy.usage_log import usage_log_for
 from .labels import LabelCache
 from .limits import RemoteLimiter, ShareLimiter
+from .link import LinkDownError
 from .listen import Able, ListenWhenAble, bound
 from .model_process import SOCKET, die_with_parent
 from .remote import EngineInfo, ModelLink, RemoteRegistry, RemoteRunner, RemoteUsage, ResidentCount
 from .shared_metrics import SharedMetrics
+from .shm_arena import Arena
 
 log = logging.getLogger("memvit.server.api")
 ARENA_BYTES = 32 << 20  # per API process: ~50 decoded 224x224 images in flight; more go inline

@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 
-from ..answers import Labels
+from ..inference.answers import Labels
 
 CAPACITY = 4096  # label tuples remembered on each side
 
@@ -80,7 +80,7 @@ class _BatchKeys:
 
     def keys(self, labels: tuple[Labels, ...]) -> tuple[bytes | None, ...]:
         """Each task's key, once per tuple of labels (the requests of a batch asking the same tasks
-        share theirs: server/answers.py)."""
+        share theirs: server/inference/answers.py)."""
         known = self._tuples.get(id(labels))
         if known is None:
             known = self._tuples[id(labels)] = tuple(self.key(one) for one in labels)

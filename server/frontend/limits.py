@@ -17,10 +17,10 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from ..limits import Limiter, Ticket
-from ..link import current_peer
-from ..metrics import Metrics
-from ..policy import Limits, Policy
+from ..telemetry.metrics import Metrics
+from ..tenancy.limits import Limiter, Ticket
+from ..tenancy.policy import Limits, Policy
+from .link import current_peer
 from .remote import ModelLink
 
 

@@ -1,5 +1,5 @@
 """The model process: the engine, the registry and its resident set, the engine loop, the usage meter
-and the keys' limits, behind a Unix socket that the API processes call (server/link.py).
+and the keys' limits, behind a Unix socket that the API processes call (server/frontend/link.py).
 
 It is the single-process server's service (``service.start_service``) without HTTP, and it only
 forms batches: no event loop stands between a request and its pass. A request is two frames from an
@@ -11,7 +11,7 @@ API process, read by that connection's thread:
 - ``deliver``: the decoded images (server/frontend/wire.py: read in place from shared memory), or
   None when they will not come (a bad upload, a client gone).
 
-Once both are in, the request is queued on the engine loop (server/engine_loop.py). Its answer comes
+Once both are in, the request is queued on the engine loop (server/inference/engine_loop.py). Its answer comes
 back from the engine's collector thread (``ConnectionSink``): the batch's answers for one API
 process in one write, each the request's arrays and its labels by key (labels.py), pickled once per
 request, never per task. Usage and the per-key and per-task metrics are counted here, where the pass
@@ -37,25 +37,25 @@ from typing import Any
 
 from memvit.memory_core import BASE_TASK
 
-from ..answers import Answer
-from ..engine_loop import Job, Result
 from ..errors import RetryLaterError
-from ..link import Connection, LinkServer, _frame, current_peer
+from ..http.service import start_service, stop_service
+from ..http.state import AppState
+from ..inference.answers import Answer
+from ..inference.engine_loop import Job, Result
+from ..inference.runner import as_items
 from ..registry import Pin
-from ..runner import as_items
-from ..service import start_service, stop_service, update_gauges
 from ..settings import Settings
-from ..shm_arena import Reader
-from ..state import AppState
-from ..task_labels import TaskLabels
+from ..telemetry.task_labels import TaskLabels
 from .labels import LabelKeys
 from .limits import Admissions
+from .link import Connection, LinkServer, _frame
+from .model_control import ControlCalls
 from .remote import answer_to_wire
 from .shared_metrics import SharedMetrics
+from .shm_arena import Reader
 from .wire import Payload, unpack
 
 log = logging.getLogger("memvit.server.model")
-REFRESH_SECONDS = 2.0  # a change waits at most this for the other API processes to read it
 DELIVERY_SECONDS = 120.0  # an API process that never sends the images it announced: the engine stops waiting
 SOCKET = "model.sock"
 _WAITING = object()  # a pin or images not in yet
@@ -105,8 +105,9 @@ class ConnectionSink:
         self.connection.send(frames)
 
 
-class ModelHandlers:
-    """The calls an API process makes; ``state.service`` is loaded."""
+class ModelHandlers(ControlCalls):
+    """The calls an API process makes; ``state.service`` is loaded. The data path is here, the control
+    path (registrations, descriptions) is ``ControlCalls`` (model_control.py)."""
 
     def __init__(self, state: AppState, loop: asyncio.AbstractEventLoop) -> None:
         assert state.service is not None and state.service.engine_loop is not None
@@ -219,68 +220,6 @@ class ModelHandlers:
             self._arrived(key, images=None)
         self._sinks.pop(peer, None)
         self.loop.call_soon_threadsafe(self.admissions.forget, peer)
-
-    # -- the control path (the event loop) ----------------------------------------------------------------
-    async def info(self) -> dict[str, Any]:
-        engine = self.service.engine
-        return {
-            "labels": engine.labels,
-            "spec": engine.spec,
-            "source": engine.source,
-            "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch."),
-            "data_config": engine.data_config(),
-            "in_chans": engine.base.patch_embed.proj.in_channels,
-            "num_classes": int(engine.base.num_classes),
-            "max_tasks": self.service.registry.max_tasks,
-        }
-
-    async def register(self, data: bytes, replace: bool) -> Any:
-        answer = await asyncio.to_thread(self.service.registry.register, data, replace=replace)
-        await self._every_process_read_it()
-        return answer
-
-    async def delete(self, name: str) -> Any:
-        answer = await asyncio.to_thread(self.service.registry.delete, name)
-        await self._every_process_read_it()
-        return answer
-
-    async def _every_process_read_it(self) -> None:
-        """Before a change is acknowledged: every other API process has read the journal (it is told
-        ``changed`` and says ``refreshed``), so whichever process a client's next request reaches
-        sees the change (the one that made it reads the journal itself). At most ``REFRESH_SECONDS``:
-        a process that does not answer catches up at its next poll."""
-        token = next(self._tokens)
-        waiting = self._refreshes[token] = (set(), asyncio.Event())
-        try:
-            peers = self.server.broadcast("changed", token, skip=current_peer.get())
-            waiting[0].update(peers)
-            if peers:
-                await asyncio.wait_for(waiting[1].wait(), REFRESH_SECONDS)
-        except TimeoutError:
-            log.warning("an API process did not read a registry change within %.0f s", REFRESH_SECONDS)
-        finally:
-            del self._refreshes[token]
-
-    async def refreshed(self, token: int) -> None:
-        waiting = self._refreshes.get(token)
-        if waiting is not None:
-            waiting[0].discard(current_peer.get())
-            if not waiting[0]:
-                waiting[1].set()
-
-    async def training(self, name: str) -> dict[str, Any] | None:
-        return await asyncio.to_thread(self.service.registry.training, name)
-
-    async def invalid(self) -> dict[str, str]:
-        return self.service.registry.invalid
-
-    async def resident(self) -> int:
-        update_gauges(self.service, self.state.metrics)
-        return len(self.service.live.current)
-
-    async def labels(self, keys: list[bytes]) -> dict[bytes, tuple[str, ...]]:
-        return self.keys.labels(keys)
 
 
 async def _sweep_forever(handlers: ModelHandlers) -> None:

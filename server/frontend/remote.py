@@ -1,8 +1,8 @@
 """What an API process serves from: stand-ins for the model process's engine, registry, pipeline and
-service, with the interfaces the routes already use (server/deps.py, routers/, oip/), so the routes,
+service, with the interfaces the routes already use (server/http/deps.py, routers/, oip/), so the routes,
 the guard and the error bodies are the single-process server's own code.
 
-- ``ModelLink``: the link to the model process (server/link.py), replaced when the model process is
+- ``ModelLink``: the link to the model process (server/frontend/link.py), replaced when the model process is
   restarted; a call while it is down is a 503 with ``Retry-After`` (``LinkDownError``).
 - ``EngineInfo``: what the routes read of the engine (labels, input shape, preprocessing), sent
   once by the model process; the decoder is built from it, so an API process holds no weights.
@@ -12,7 +12,7 @@ the guard and the error bodies are the single-process server's own code.
   caller's key here, then made by the model process, after which this replica refreshes at once.
   Each journal entry is applied whole (server/registry/catalog.py), so a change is seen by every
   process within one poll and never half.
-- ``RemoteRunner``: the request side's ``Runner`` (server/runner.py) across the link: the model
+- ``RemoteRunner``: the request side's ``Runner`` (server/inference/runner.py) across the link: the model
   process's runner starts (pinning the adapters and announcing the images to its engine loop) while
   this process decodes, then the decoded images follow through shared memory (``wire.py``); the
   request's ``Answer`` comes back (its arrays, its labels by key: labels.py), and the response is
@@ -34,17 +34,18 @@ import torch
 
 from memvit.adapters import AdapterBundle, read_bundle
 
-from ..answers import Answer
-from ..link import LinkClient, LinkDownError
+from ..inference.answers import Answer
+from ..inference.runner import Ask, Images
 from ..registry import RegistryInfo
 from ..registry.catalog import Catalog
 from ..registry.reads import CatalogReads
-from ..runner import Ask, Images
-from ..shm_arena import Arena
 from ..store import AdapterStore, Entry
 from ..store.base import legacy_name
-from ..usage_log import UsageLog
+from ..tenancy.usage_log import UsageLog
 from .labels import LabelCache
+from .link import LinkDownError
+from .link_client import LinkClient
+from .shm_arena import Arena
 from .wire import pack
 
 
@@ -192,11 +193,13 @@ class RemoteRegistry(CatalogReads):
         self, data: bytes, *, replace: bool = False, authorize: Callable[[AdapterBundle], None] | None = None
     ) -> tuple[Entry, RegistryInfo, bool]:
         """Parsed and checked against the caller's key here (422, 403 before anything is sent), then
-        validated, written and journaled by the model process; this replica then reads the change."""
+        checked against the engine and the registry, written and journaled by the model process,
+        which takes the parsed bundle with the bytes (one parse per registration: the tensors
+        pickle at their size, a small part of the bytes'); this replica then reads the change."""
         bundle = read_bundle(data, max_bytes=self.max_bundle_bytes)
         if authorize is not None:
             authorize(bundle)
-        answer = self.link.call_sync("register", data, replace)
+        answer = self.link.call_sync("register", data, replace, bundle)
         self.catalog.refresh()
         return answer
 

@@ -1,6 +1,6 @@
 """``/metrics`` as one view of every process of a front end, whichever process is scraped.
 
-Each process keeps its own ``Metrics`` (server/metrics.py) and publishes its exposition text to a
+Each process keeps its own ``Metrics`` (server/telemetry/metrics.py) and publishes its exposition text to a
 directory the supervisor owns (a temp dir, removed at exit), every ``PUBLISH_SECONDS`` and at exit;
 a scrape renders the scraped process's own metrics fresh and merges them with the others' last
 published text. Merged: counters and histograms are summed (requests, images, passes); gauges by
@@ -10,8 +10,8 @@ front end only the model process sets them; the API processes' stay 0). So the v
 ``PUBLISH_SECONDS`` behind for the processes not scraped, and never counts one twice.
 
 Why not prometheus_client's multiprocess mode: its gauges cannot be removed or relabelled (the
-bounded per-task series drop tasks, server/task_labels.py) and it would change how every metric is
-created; this leaves server/metrics.py as it is.
+bounded per-task series drop tasks, server/telemetry/task_labels.py) and it would change how every metric is
+created; this leaves server/telemetry/metrics.py as it is.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..metrics import Metrics
-from ..task_labels import TaskLabels
+from ..telemetry.metrics import Metrics
+from ..telemetry.task_labels import TaskLabels
 
 log = logging.getLogger(__name__)
 PUBLISH_SECONDS = 1.0

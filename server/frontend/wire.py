@@ -3,7 +3,7 @@ where it lies over the socket.
 
 What the model process's pipeline awaits is either one tensor ``(n, C, H, W)`` (the CPU decoder's
 images, stacked) or a list of per-image items, each a ``Tensor (C, H, W)`` or an
-``Encoded`` JPEG still to be decoded on the device (server/device_decode.py). ``pack`` writes each
+``Encoded`` JPEG still to be decoded on the device (server/inference/device_decode.py). ``pack`` writes each
 tensor's bytes (any dtype) or JPEG's bytes into the writer's arena once; ``unpack`` maps them back
 where they lie (``torch.frombuffer`` over the shared mapping, no copy), valid until the writer frees
 the tickets, which it does only once the model process has answered the call that read them. A
@@ -17,8 +17,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from ..device_decode import Encoded
-from ..shm_arena import Arena, Reader, Ticket
+from ..inference.device_decode import Encoded
+from .shm_arena import Arena, Reader, Ticket
 
 Images = Union[Tensor, list[Union[Tensor, Encoded]]]  # noqa: UP007 (a runtime alias, py3.10)
 

@@ -1,5 +1,9 @@
 """The adapter registry: the catalog of every registered adapter, and the resident set that serves a
-bounded, recently used few of them (docs/design.md §4 and §5)."""
+bounded, recently used few of them (docs/design.md §4 and §5).
+
+May import ``errors``, ``settings``, ``telemetry`` and ``store``; never tenancy, the inference loop
+or HTTP.
+"""
 
 from __future__ import annotations
 

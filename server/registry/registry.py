@@ -28,11 +28,11 @@ from memvit.memory_core import (
     UnknownAdapterError,
 )
 
-from ..metrics import Metrics
 from ..store import AdapterStore, Entry, Snapshot, StoreUnavailableError, key_of
 from ..store.base import legacy_name
 from ..store.entries import dependents
 from ..store.journal import new_entry
+from ..telemetry.metrics import Metrics
 from .bundles import check_put, entry_for, resident_bytes
 from .catalog import Catalog, Change
 from .loader import BundleLoader
@@ -154,15 +154,19 @@ class AdapterRegistry(CatalogReads):
         *,
         replace: bool = False,
         authorize: Callable[[AdapterBundle], None] | None = None,
+        parsed: AdapterBundle | None = None,
     ) -> tuple[Entry, RegistryInfo, bool]:
         """Validate a bundle completely, write it, journal it, make it resident. All or nothing.
 
         ``authorize`` sees the parsed bundle before anything is prepared or written, and raises to
-        refuse it (a tenant's key that does not cover its name). Returns the entry registered under
-        that name after the change (this bundle, unless another replica replaced it in the moment
-        between), the registry, and whether a registered adapter of that name was replaced.
+        refuse it (a tenant's key that does not cover its name). ``parsed`` is ``data`` already read
+        by ``read_bundle`` (an API process parsed it to authorize it: server/frontend/remote.py), so
+        a registration parses its bundle once; everything after the parse (compatibility, the
+        registry's checks) is done here either way. Returns the entry registered under that name
+        after the change (this bundle, unless another replica replaced it in the moment between),
+        the registry, and whether a registered adapter of that name was replaced.
         """
-        bundle = read_bundle(data, max_bytes=self.max_bundle_bytes)
+        bundle = parsed if parsed is not None else read_bundle(data, max_bytes=self.max_bundle_bytes)
         if authorize is not None:
             authorize(bundle)
         check_compatible(bundle, self.engine)

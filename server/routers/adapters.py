@@ -3,7 +3,7 @@
 Registering and deleting are admin routes: the guard (server/edge/) has checked the caller (a key's
 names too, when the path holds one), and capped the body, before these handlers run; a bundle's name
 is checked against the key once the registry has parsed it. Every answer names only the adapters the
-caller may read, and each change fills in the audit entry the guard opened (server/audit.py).
+caller may read, and each change fills in the audit entry the guard opened (server/tenancy/audit.py).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from fastapi import APIRouter, Depends, File, Path, Query, UploadFile
 from memvit.adapters import AdapterBundle
 from memvit.memory_core import NAME_PATTERN, UnknownAdapterError
 
-from ..deps import AuditDep, PrincipalDep, RegistryDep, SettingsDep, require_multipart
 from ..edge.access import name_refused
 from ..edge.body import read_upload
 from ..edge.principal import Principal
 from ..errors import BundleTooLargeError
-from ..openapi import errors
+from ..http.deps import AuditDep, PrincipalDep, RegistryDep, SettingsDep, require_multipart
+from ..http.openapi import errors
+from ..http.schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList
+from ..http.schemas import RegistryInfo as RegistryModel
 from ..registry import RegistryInfo
-from ..schemas import AdapterCreated, AdapterDeleted, AdapterInfo, AdapterList
-from ..schemas import RegistryInfo as RegistryModel
 from ..store import Entry
 
 router = APIRouter(prefix="/adapters", tags=["adapters"])
@@ -34,19 +34,11 @@ Name = Annotated[str, Path(pattern=NAME_PATTERN.pattern, description="adapter na
 
 
 def _info(entry: Entry, training: dict | None = None) -> AdapterInfo:
-    """From the registry's entry alone: listing reads no bundle."""
-    return AdapterInfo(
-        name=entry.name,
-        parent=entry.parent,
-        memory_tokens=entry.memory_tokens,
-        memory_norm=entry.memory_norm,
-        num_classes=entry.num_classes,
-        labels=list(entry.labels),
-        base_model=entry.base_model,
-        base_fingerprint=entry.base_fingerprint,
-        sha256=entry.sha256,
-        training=training,
-    )
+    """From the registry's entry alone: listing reads no bundle. The model reads the entry's fields by
+    name (``from_attributes``), so a field added to both is shown without a line here."""
+    info = AdapterInfo.model_validate(entry, from_attributes=True)
+    info.training = training
+    return info
 
 
 def _registry(info: RegistryInfo) -> RegistryModel:

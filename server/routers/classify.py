@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from ..deps import ClassifyInputDep, PipelineDep, PrincipalDep, RegistryDep, require_multipart
 from ..errors import UnknownTaskError
-from ..openapi import errors
-from ..schemas import ClassifyResponse
-from ..tasks import unknown_tasks_error
+from ..http.deps import ClassifyInputDep, PipelineDep, PrincipalDep, RegistryDep, require_multipart
+from ..http.openapi import errors
+from ..http.schemas import ClassifyResponse
+from ..inference.tasks import unknown_tasks_error
 
 router = APIRouter(tags=["classify"])
 

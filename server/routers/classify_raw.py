@@ -14,7 +14,7 @@ layers did, in their order, with their code:
 4. the query and the multipart body read the short way (server/edge/form.py);
 5. ``deps.classify_input`` and ``routers.classify.classify``, the FastAPI route's own functions;
 6. the response serialised by pydantic as FastAPI serialises it; errors answered by the app's own
-   handlers' rules (server/errors.py).
+   handlers' rules (server/edge/errors.py).
 
 Anything the short way does not read (not multipart, not plain, still loading) goes to the app,
 marked as admitted (``EDGE_DONE``), with the body already read handed back: FastAPI answers it as
@@ -35,16 +35,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memvit.memory_core import MemvitError
 
-from ..deps import classify_input
 from ..edge.body import BodyLimits
+from ..edge.errors import status_of
 from ..edge.form import ClassifyQuery, Upload, boundary_of, read_files, read_query
 from ..edge.guard import Edge, refuse, route_path
 from ..edge.send import error_body, error_json
-from ..errors import ServiceError, status_of
-from ..metrics import EDGE_DONE, RequestMeter
-from ..schemas import ClassifyResponse
-from ..stages import begin_stages
-from ..state import AppState
+from ..errors import ServiceError
+from ..http.deps import classify_input
+from ..http.schemas import ClassifyResponse
+from ..http.state import AppState
+from ..telemetry.metrics import EDGE_DONE, RequestMeter
+from ..telemetry.stages import begin_stages
 from .classify import classify
 
 log = logging.getLogger("memvit.server.errors")
@@ -58,7 +59,7 @@ PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for a body 
 class MemvitAPI(FastAPI):
     """FastAPI, with ``outer`` (if set) wrapped around its middleware stack: a route served before
     every layer, which hands what it does not serve to the stack. Middleware added after
-    ``create_app`` added its own (``own_middleware`` of them: a Ray replica's, server/ray_serve.py)
+    ``create_app`` added its own (``own_middleware`` of them: a Ray replica's, server/ray/serve.py)
     wraps the route as it wraps the stack."""
 
     outer: Callable[[ASGIApp, list], ASGIApp] | None = None
@@ -174,7 +175,7 @@ class RawClassify:
             )  # fmt: skip
             result = await classify(service.pipeline, inputs, principal, service.registry)
             payload = _RESPONSE.dump_json(result, by_alias=True)
-        except MemvitError as exc:  # as the app's handler for them (server/errors.py)
+        except MemvitError as exc:  # as the app's handler for them (server/edge/errors.py)
             status = status_of(exc)
             if getattr(exc, "expected", False):
                 log.warning("%d on POST %s: %s", status, PATH, exc)

@@ -7,8 +7,8 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..deps import StateDep
-from ..schemas import Health
+from ..http.deps import StateDep
+from ..http.schemas import Health
 
 router = APIRouter(tags=["health"])
 

@@ -11,9 +11,12 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Request, Response
 
-from ..deps import PrincipalDep, SettingsDep, StateDep, TicketDep, charge, resolve_tasks, service_of
 from ..edge.principal import Principal
 from ..errors import ImageTooLargeError, TooManyImagesError
+from ..http.deps import PrincipalDep, SettingsDep, StateDep, TicketDep, charge, resolve_tasks, service_of
+from ..http.openapi import protocol_errors
+from ..http.pipeline import Ask, Tenant
+from ..http.state import Service
 from ..oip import models
 from ..oip.protocol import (
     HEADER_LENGTH,
@@ -24,10 +27,7 @@ from ..oip.protocol import (
     encode_infer_response,
     parse_infer_request,
 )
-from ..openapi import protocol_errors
-from ..pipeline import Ask, Tenant
-from ..stages import current_stages
-from ..state import Service
+from ..telemetry.stages import current_stages
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 NO_BODY: dict[int | str, dict] = {200: {"description": "an empty body: the status says it", "content": {}}}

@@ -16,7 +16,7 @@ from fastapi.responses import FileResponse
 from starlette.exceptions import HTTPException
 
 from ..demo import SAMPLES_DIR
-from ..deps import SettingsDep
+from ..http.deps import SettingsDep
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}

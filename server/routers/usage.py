@@ -1,7 +1,7 @@
 """GET /usage: requests, images and adapter rows per key, task and day, as written by every replica.
 
 A key sees its own usage; the admin every key's (``?key=`` picks one). Read from the usage log beside
-the adapters (server/usage_log.py), so it covers every replica sharing the store, up to each one's
+the adapters (server/tenancy/usage_log.py), so it covers every replica sharing the store, up to each one's
 last written interval.
 """
 
@@ -14,12 +14,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from ..deps import PrincipalDep, SettingsDep, StateDep, service_of
 from ..edge.principal import Kind
 from ..errors import ForbiddenError, InvalidParameterError, NotRecordedError, ServiceError
-from ..openapi import errors
-from ..schemas import UsageEntry, UsageReport
-from ..usage import summarize
+from ..http.deps import PrincipalDep, SettingsDep, StateDep, service_of
+from ..http.openapi import errors
+from ..http.schemas import UsageEntry, UsageReport
+from ..tenancy.usage import summarize
 
 router = APIRouter(tags=["usage"])
 # A string, not a date: pydantic would take "0" for 1970-01-01.

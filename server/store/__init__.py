@@ -2,6 +2,9 @@
 
 ``ObjectStore`` (and with it obstore) is imported only when a store URL asks for it: a server on a
 local directory never loads the object-store client.
+
+Imports nothing of memvit.server (the lowest layer but the named errors and settings): everything
+above may read and write through it.
 """
 
 from __future__ import annotations

@@ -26,11 +26,6 @@ from .base import StoreUnavailableError
 INDEX_FORMAT = "memvit.index/1"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _PUT_FIELDS = ("key", "size", "sha256", "parent", "memory_tokens", "memory_norm", "labels")
-# The index's columns, in order; those in _TABLES hold an index into the table of that name.
-COLUMNS = (
-    "name", "key", "size", "sha256", "parent", "memory_tokens", "memory_norm", "labels",
-    "base_model", "base_fingerprint", "time",
-)  # fmt: skip
 _TABLES = ("memory_norm", "labels", "base_model", "base_fingerprint")
 
 
@@ -111,6 +106,12 @@ class Entry(NamedTuple):
         )
 
 
+# The index's columns, in order: every field of ``Entry`` but ``op`` (an index row is a put's entry,
+# ``op`` left out), so a row is the entry's fields and the entry is built from the row in one step.
+# Those in _TABLES hold an index into the table of that name.
+COLUMNS = Entry._fields[1:]
+
+
 def parse_entry(raw: bytes, where: str) -> Entry:
     try:
         return Entry.from_json(json.loads(raw))
@@ -179,16 +180,28 @@ class Snapshot:
             if tuple(body["columns"]) != COLUMNS:
                 raise ValueError(f"columns {body['columns']} are not {list(COLUMNS)}")
             tables = body["tables"]
-            norms = [sys.intern(str(v)) for v in tables["memory_norm"]]
-            labels = [tuple(sys.intern(str(x)) for x in v) for v in tables["labels"]]
-            bases = [sys.intern(str(v)) for v in tables["base_model"]]
-            prints = [sys.intern(str(v)) for v in tables["base_fingerprint"]]
+            # Each table's values, interned (labels as tuples), by the column that indexes into it.
+            lookups = [
+                (
+                    COLUMNS.index(column),
+                    [
+                        tuple(sys.intern(str(x)) for x in v) if column == "labels" else sys.intern(str(v))
+                        for v in tables[column]
+                    ],
+                )
+                for column in _TABLES
+            ]
+            (n, norms), (lab, labels), (b, bases), (f, prints) = lookups  # _TABLES' four columns
             make = Entry._make
             adapters = {}
-            for n, k, size, sha, parent, m, norm, lab, base, fp, t in body["adapters"]:
-                adapters[n] = make(
-                    ("put", n, k, size, sha, parent, m, norms[norm], labels[lab], bases[base], prints[fp], t)
+            for row in body["adapters"]:
+                row[n], row[lab], row[b], row[f] = (
+                    norms[row[n]],
+                    labels[row[lab]],
+                    bases[row[b]],
+                    prints[row[f]],
                 )
+                adapters[row[0]] = make(("put", *row))  # a row is the entry's fields (TypeError if not all)
             invalid = {str(k): str(v) for k, v in body.get("invalid", {}).items()}
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, UnicodeDecodeError) as exc:
             raise JournalDamagedError(f"{where} is damaged ({exc})") from None

@@ -6,7 +6,7 @@ import io
 
 from PIL import Image
 
-from benchmarks.serve import model_size_jpeg
+from benchmarks.serve_measures import model_size_jpeg
 from tests.conftest import tiny_engine
 
 

@@ -8,200 +8,31 @@ the image's user; the GPU overlay on a GPU.
 
 from __future__ import annotations
 
-import copy
-import os
 import re
-import shutil
-import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import yaml
-
-pytest.importorskip("kubernetes", reason="the kubernetes client is not installed (pip install -e '.[dev]')")
 
 from memvit.server.routers import health
 from memvit.server.settings import Settings
 
-from .k8s_schema import validate
-
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "docker" / "k8s"
-TARGETS = ("base", "overlays/cpu", "overlays/gpu")
-KINDS = {"ServiceAccount", "ConfigMap", "Secret", "Service", "Deployment", "HorizontalPodAutoscaler",
-         "PodDisruptionBudget"}  # fmt: skip
-SECRET_KEYS = {"MEMVIT_ADMIN_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
-OBJECT_STORE_SCHEMES = ("s3://", "gs://", "az://")
-
-
-# --- rendering -----------------------------------------------------------------------------------
-
-
-def _kubectl() -> str:
-    kubectl = os.environ.get("KUBECTL") or shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (Debian: apt-get install kubernetes-client); CI installs it")
-    return kubectl
-
-
-def _example_secrets() -> dict[str, str]:
-    """secrets.env.example's keys, commented-out ones included, with their values as written."""
-    text = (K8S / "base" / "secrets.env.example").read_text()
-    return dict(re.findall(r"^#? ?([A-Z][A-Z0-9_]*)=(.*)$", text, re.M))
-
-
-def _tree(tmp: Path, secrets: dict[str, str] | None) -> Path:
-    """A copy of docker/k8s with ``secrets`` as base/secrets.env (none: no such file), so that a
-    developer's own secrets.env never reaches the test, nor the test's the checkout."""
-    tree = tmp / "k8s"
-    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("secrets.env"))
-    if secrets is not None:
-        (tree / "base" / "secrets.env").write_text("".join(f"{k}={v}\n" for k, v in secrets.items()))
-    return tree
-
-
-def _kustomize(tree: Path, target: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [_kubectl(), "kustomize", str(tree / target)], capture_output=True, text=True, timeout=120
-    )
-
-
-@pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """Every target rendered, with every key of the Secret's template filled in."""
-    secrets = {key: f"test-{key.lower()}" for key in _example_secrets()}
-    tree = _tree(tmp_path_factory.mktemp("k8s"), secrets)
-    out = {}
-    for target in TARGETS:
-        result = _kustomize(tree, target)
-        assert result.returncode == 0, f"kubectl kustomize {target} failed:\n{result.stderr}"
-        out[target] = [obj for obj in yaml.safe_load_all(result.stdout) if obj is not None]
-    return out
-
-
-def _one(objects: list[dict], kind: str) -> dict:
-    matches = [obj for obj in objects if obj["kind"] == kind]
-    assert len(matches) == 1, f"expected one {kind}, got {len(matches)}"
-    return matches[0]
-
-
-def _pod(deployment: dict) -> dict:
-    return deployment["spec"]["template"]["spec"]
-
-
-def _container(objects: list[dict]) -> dict:
-    containers = _pod(_one(objects, "Deployment"))["containers"]
-    assert [c["name"] for c in containers] == ["memvit"]
-    return containers[0]
-
-
-def _port(container: dict, port: int | str) -> int:
-    """A port by number or by the container's name for it, as the kubelet and the Service resolve it."""
-    if isinstance(port, int):
-        return port
-    numbers = [p["containerPort"] for p in container["ports"] if p.get("name") == port]
-    assert numbers, f"no container port named {port!r}"
-    return numbers[0]
-
-
-def _settings(objects: list[dict]) -> dict[str, str]:
-    return _one(objects, "ConfigMap")["data"]
-
-
-def _dockerfile_final_stage() -> str:
-    return (ROOT / "Dockerfile").read_text().rsplit("\nFROM ", 1)[1]
-
-
-def _env(container: dict) -> dict[str, dict]:
-    return {e["name"]: e for e in container.get("env", [])}
-
-
-# --- the schema ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("target", TARGETS)
-def test_every_rendered_object_is_valid_against_the_api_schema(rendered, target: str) -> None:
-    objects = rendered[target]
-    assert {obj["kind"] for obj in objects} == KINDS
-    errors = [error for obj in objects for error in validate(obj)]
-    assert not errors, "\n".join(errors)
-
-
-def _source_deployment() -> dict:
-    """The base's Deployment as written (already a complete object), so these run without kubectl."""
-    return yaml.safe_load((K8S / "base" / "deployment.yaml").read_text())
-
-
-def _first(d: dict) -> dict:
-    return _pod(d)["containers"][0]
-
-
-BREAKAGES: dict[str, tuple[Callable[[dict], object], str]] = {
-    "misspelt field": (
-        lambda d: _first(d).__setitem__("readinesProbe", _first(d).pop("readinessProbe")),
-        "unknown field 'readinesProbe' in V1Container",
-    ),
-    "python name for a field": (
-        lambda d: _first(d).__setitem__("env_from", _first(d).pop("envFrom")),
-        "unknown field 'env_from'",
-    ),
-    "string for an int": (
-        lambda d: _first(d)["ports"][0].__setitem__("containerPort", "8000"),
-        "containerPort: expected int, got str",
-    ),
-    "string for a bool": (
-        lambda d: _first(d)["securityContext"].__setitem__("readOnlyRootFilesystem", "true"),
-        "readOnlyRootFilesystem: expected bool, got str",
-    ),
-    "number for a quantity": (
-        lambda d: _first(d)["resources"]["limits"].__setitem__("cpu", 4),
-        "limits['cpu']: expected str, got int",
-    ),
-    "float for an int-or-string": (
-        lambda d: _first(d)["livenessProbe"]["httpGet"].__setitem__("port", 8000.0),
-        "port: expected an int or a string, got float",
-    ),
-    "map for a list": (
-        lambda d: _first(d).__setitem__("ports", {"http": 8000}),
-        "ports: expected a list, got dict",
-    ),
-    "missing required field": (
-        lambda d: d["spec"].pop("selector"),
-        "spec: missing required field 'selector'",
-    ),
-    "missing container name": (lambda d: _first(d).pop("name"), "missing required field 'name'"),
-    "removed apiVersion": (
-        lambda d: d.__setitem__("apiVersion", "extensions/v1beta1"),
-        "apiVersion 'extensions/v1beta1' is not served",
-    ),
-    "kind in the wrong group": (
-        lambda d: d.__setitem__("kind", "HorizontalPodAutoscaler"),
-        "apiVersion 'apps/v1' has no kind 'HorizontalPodAutoscaler'",
-    ),
-}
-
-
-@pytest.mark.parametrize("breakage", BREAKAGES, ids=list(BREAKAGES))
-def test_the_validator_rejects_what_the_api_would(breakage: str) -> None:
-    deployment = _source_deployment()
-    assert validate(deployment) == [], "the control: the Deployment as written is valid"
-    broken = copy.deepcopy(deployment)
-    mutate, expected = BREAKAGES[breakage]
-    mutate(broken)
-    errors = validate(broken)
-    assert any(expected in error for error in errors), errors
-
-
-def test_the_validator_takes_both_forms_of_int_or_string_and_checks_secret_data() -> None:
-    deployment = _source_deployment()
-    _first(deployment)["livenessProbe"]["httpGet"]["port"] = 8000
-    assert validate(deployment) == []
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "data": {"A": "dGVzdA=="}}
-    assert validate(secret) == []
-    secret["data"]["A"] = "not base64!"
-    assert validate(secret) == ["Secret.data['A']: expected base64 text, got str 'not base64!'"]
-
+from .k8s_render import (
+    K8S,
+    OBJECT_STORE_SCHEMES,
+    ROOT,
+    SECRET_KEYS,
+    TARGETS,
+    _container,
+    _dockerfile_final_stage,
+    _env,
+    _example_secrets,
+    _kustomize,
+    _one,
+    _pod,
+    _port,
+    _settings,
+    _tree,
+)
 
 # --- what the manifests must agree on -----------------------------------------------------------
 

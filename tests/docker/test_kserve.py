@@ -15,12 +15,12 @@ pytest.importorskip("kubernetes", reason="the kubernetes client is not installed
 
 import kubernetes.client
 
-from memvit.server.app import create_app
 from memvit.server.edge.routes import app_routes
+from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
 
+from .k8s_render import _kubectl
 from .k8s_schema import _check_model
-from .test_k8s import _kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
 KSERVE = ROOT / "docker" / "kserve"

@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from memvit.server.app import create_app
+from memvit.server.http.app import create_app
+from memvit.server.http.timeouts import header_timeout_protocol
 from memvit.server.settings import Settings
-from memvit.server.timeouts import header_timeout_protocol
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -214,7 +214,7 @@ def test_bundle_upload_limits(tiny_weights, store, make_bundle) -> None:
 
 
 def test_every_real_format_classifies_over_http(client) -> None:
-    from tests.server.test_images import GOOD
+    from tests.server.inference.test_images import GOOD
 
     for i in range(0, len(GOOD), 8):  # a batch per request: 19 files, at most 16 images a request
         names = GOOD[i : i + 8]

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from memvit.server.app import create_app
-from memvit.server.keys import add_key
-from memvit.server.policy import Limits, Policy
+from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
+from memvit.server.tenancy.key_file import add_key
+from memvit.server.tenancy.policy import Limits, Policy
 from tests.server.conftest import TOKEN, free_port, running_server
 from tests.server.test_api import jpeg
 
@@ -184,7 +184,7 @@ def test_the_metrics_count_the_same(servers) -> None:
 
 
 class Named:
-    """A middleware added after ``create_app``, as a Ray replica adds its own (server/ray_serve.py)."""
+    """A middleware added after ``create_app``, as a Ray replica adds its own (server/ray/serve.py)."""
 
     def __init__(self, app, name: str) -> None:
         self.app, self.name = app, name.encode()

@@ -9,7 +9,7 @@ next batch's pixels. Here the queued work is what serving queues: the previous b
 gather on the decoder's stream, and the pass's reads of its output on another stream.
 
 ``test_..._under_load_as_alone`` must pass: the decoder synchronises its stream before decoding
-(server/device_decode.py). ``test_the_load_corrupts_a_decoder_without_the_barrier`` shows the test
+(server/inference/device_decode.py). ``test_the_load_corrupts_a_decoder_without_the_barrier`` shows the test
 can fail: the same load against the same decoder with the barrier off gives wrong pixels.
 """
 
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from memvit.memory_core import MemoryViT
-from memvit.server.device_decode import DeviceDecoder
-from memvit.server.images import ImageDecoder
-from tests.server.test_device_decode import LEVELS, photo
+from memvit.server.inference.device_decode import DeviceDecoder
+from memvit.server.inference.images import ImageDecoder
+from tests.server.inference.test_device_decode import LEVELS, photo
 
 pytestmark = [
     pytest.mark.cuda,

@@ -13,15 +13,15 @@ import torch
 
 from memvit.memory_core import LiveAdapters, MemoryViT
 from memvit.memory_core.runtime import exact_float32
-from memvit.server.answers import Want
-from memvit.server.device_decode import DeviceDecoder
-from memvit.server.device_runner import DeviceRunner
-from memvit.server.engine_loop import EngineLoop, Job
-from memvit.server.images import ImageDecoder
-from memvit.server.metrics import Metrics
-from memvit.server.warmup import warm_up
+from memvit.server.inference.answers import Want
+from memvit.server.inference.device_decode import DeviceDecoder
+from memvit.server.inference.device_runner import DeviceRunner
+from memvit.server.inference.engine_loop import EngineLoop, Job
+from memvit.server.inference.images import ImageDecoder
+from memvit.server.inference.warmup import warm_up
+from memvit.server.telemetry.metrics import Metrics
 from tests.conftest import random_adapter
-from tests.server.test_device_decode import jpeg, photo
+from tests.server.inference.test_device_decode import jpeg, photo
 
 pytestmark = [
     pytest.mark.cuda,
@@ -85,8 +85,10 @@ def test_answers_under_load_are_each_images_alone(served) -> None:
         answers = [(item, adapters, future.result(120)) for item, adapters, future in jobs]
     finally:
         loop.stop()
-    # Several tasks per image, and every adapter beside one, are captured on first use (server/warmup.py);
-    # tests/server/test_warmup.py checks that the shapes warm-up promises are never captured while serving.
+    # Several tasks per image, and every adapter beside one, are captured on first use
+    # (server/inference/warmup.py);
+    # tests/server/inference/test_warmup.py checks that the shapes warm-up promises are never captured while
+    # serving.
     assert graphs.captures - captured <= 8
     for item, adapters, answer in answers:
         expected = alone(engine, live, decoder, item, adapters)

@@ -15,13 +15,13 @@ import torch
 from PIL import Image
 
 from memvit.memory_core import MemoryViT
-from memvit.server.app import create_app
-from memvit.server.device_decode import DeviceDecoder
-from memvit.server.images import ImageDecoder
-from memvit.server.stages import STAGES
+from memvit.server.http.app import create_app
+from memvit.server.inference.device_decode import DeviceDecoder
+from memvit.server.inference.images import ImageDecoder
+from memvit.server.telemetry.stages import STAGES
 from tests.server.conftest import TOKEN, running_server
+from tests.server.inference.test_device_decode import broken_jpeg, jpeg, photo
 from tests.server.test_api import post_image
-from tests.server.test_device_decode import broken_jpeg, jpeg, photo
 
 
 def png(image: Image.Image) -> bytes:

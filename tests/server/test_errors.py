@@ -9,7 +9,7 @@ import logging
 import httpx
 from PIL import Image
 
-from memvit.server.app import create_app
+from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
 from tests.server.conftest import free_port, running_server
 

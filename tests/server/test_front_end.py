@@ -24,9 +24,9 @@ import httpx
 import numpy as np
 import pytest
 
-from memvit.server.keys import add_key
-from memvit.server.policy import Limits, Policy
 from memvit.server.settings import Settings
+from memvit.server.tenancy.key_file import add_key
+from memvit.server.tenancy.policy import Limits, Policy
 from tests.server.conftest import TOKEN, free_port, running_server
 from tests.server.launcher import ServerGroup
 from tests.server.test_api import jpeg, post_image, register

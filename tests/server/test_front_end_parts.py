@@ -7,13 +7,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from memvit.server.device_decode import Encoded
 from memvit.server.errors import RateLimitedError
 from memvit.server.frontend.limits import ShareLimiter
 from memvit.server.frontend.shared_metrics import merge
+from memvit.server.frontend.shm_arena import Arena, Reader
 from memvit.server.frontend.wire import pack, unpack
-from memvit.server.policy import Limits, Policy
-from memvit.server.shm_arena import Arena, Reader
+from memvit.server.inference.device_decode import Encoded
+from memvit.server.tenancy.policy import Limits, Policy
 
 
 @pytest.mark.parametrize("arena_size", [1 << 20, 64])  # in the arena; too small: inline
@@ -77,11 +77,11 @@ def test_an_api_process_builds_its_service_without_touching_the_gpu(
     """An API process of a model on CUDA that decodes JPEGs there only checks uploads: it creates no
     CUDA context (each would hold ~500 MiB of the GPU's memory for nothing)."""
     from memvit.memory_core import MemoryViT
-    from memvit.server.device_decode import JpegCheck
     from memvit.server.frontend.api_process import _build
     from memvit.server.frontend.remote import ModelLink
+    from memvit.server.inference.device_decode import JpegCheck
     from memvit.server.settings import Settings
-    from tests.server.test_device_decode import jpeg, photo
+    from tests.server.inference.test_device_decode import jpeg, photo
 
     def no_gpu(*args, **kwargs):
         raise AssertionError("an API process touched CUDA")
@@ -108,9 +108,9 @@ def test_an_answer_crosses_the_link_with_its_labels_by_key() -> None:
 
     import numpy as np
 
-    from memvit.server.answers import Answer
     from memvit.server.frontend.labels import LabelCache, LabelKeys
     from memvit.server.frontend.remote import answer_from_wire, answer_to_wire
+    from memvit.server.inference.answers import Answer
 
     base, cats, dogs_old, dogs = ("b0", "b1"), ("cat", "lion"), ("dog", "wolf"), ("dog", "wolf", "fox")
     answer = Answer(

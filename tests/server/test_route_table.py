@@ -11,12 +11,12 @@ import sys
 import pytest
 from fastapi import APIRouter
 
-from memvit.server import app as app_module
-from memvit.server.app import create_app
 from memvit.server.edge.guard import GuardMiddleware
 from memvit.server.edge.routes import Access, RouteTable, app_routes, missing_routes, route_table
 from memvit.server.edge.send import error_body, send_error
 from memvit.server.errors import RequestTimeoutError
+from memvit.server.http import app as app_module
+from memvit.server.http.app import create_app
 from memvit.server.settings import Settings
 from tests.server.conftest import TOKEN
 from tests.server.launcher import REPO
@@ -155,6 +155,6 @@ def test_send_error_is_the_handlers_shape() -> None:
 
 
 def test_the_error_shape_loads_without_torch() -> None:
-    """The Ray proxy imports it (and memvit.server.ray_proxy) in a process that must stay light."""
-    code = "import sys, memvit.server.ray_proxy, memvit.server.edge.send; sys.exit('torch' in sys.modules)"
+    """The Ray proxy imports it (and memvit.server.ray.proxy) in a process that must stay light."""
+    code = "import sys, memvit.server.ray.proxy, memvit.server.edge.send; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

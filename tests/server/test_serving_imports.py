@@ -22,7 +22,7 @@ NOT_FOR_SERVING = (
 def test_the_app_on_a_local_store_imports_nothing_it_does_not_use(tmp_path) -> None:
     code = (
         "import json, sys\n"
-        "from memvit.server.app import create_app\n"
+        "from memvit.server.http.app import create_app\n"
         "from memvit.server.settings import Settings\n"
         "from memvit.server.store import open_store\n"
         f"open_store({str(tmp_path / 'store')!r})\n"

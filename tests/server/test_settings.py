@@ -98,7 +98,7 @@ def test_the_resident_set_must_hold_one_request(monkeypatch) -> None:
 
 
 def test_the_gpu_engine_settings_reach_the_engine(monkeypatch, tiny_weights) -> None:
-    from memvit.server.app import build_engine, preflight
+    from memvit.server.http.app import build_engine, preflight
 
     monkeypatch.setenv("MEMVIT_CUDA_GRAPHS", "false")
     monkeypatch.setenv("MEMVIT_KERNELS", "torch")

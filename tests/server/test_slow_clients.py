@@ -1,9 +1,9 @@
-"""Slow clients cannot hold the server: header (server/timeouts.py) and body (server/edge/body.py)
+"""Slow clients cannot hold the server: header (server/http/timeouts.py) and body (server/edge/body.py)
 deadlines.
 
-Against a real ``memvit serve`` (1 s header, 2 s body deadline) and, for both of uvicorn's HTTP
-parsers, a trivial app; plus the guard's body wrapper alone. Raw sockets, because HTTP clients will
-not trickle.
+Against a real ``memvit serve`` (1 s header, 2 s body deadline). Raw sockets, because HTTP clients
+will not trickle. The header deadline on both of uvicorn's parsers is tests/server/http/test_timeouts.py,
+the guard's body wrapper alone tests/server/edge/test_body.py.
 """
 
 from __future__ import annotations
@@ -13,20 +13,14 @@ import json
 import logging
 import os
 import statistics
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from memvit.server.edge.guard import GuardMiddleware
-from memvit.server.settings import Settings
-from memvit.server.timeouts import header_timeout_protocol
-from tests.server.conftest import ServerProcess, free_port
+from tests.server.conftest import ServerProcess
 from tests.server.test_api import jpeg
 
 HEADER_S, BODY_S = 1.0, 2.0
@@ -183,140 +177,3 @@ def test_slow_but_in_time_request_succeeds(slow_server) -> None:
     status, answer = asyncio.run(main())
     assert status == 200, answer
     assert len(answer["results"]) == 1
-
-
-# -- both uvicorn parsers, on a trivial app --------------------------------------------------------
-
-
-async def _ok_app(scope, receive, send) -> None:
-    if scope["type"] != "http":
-        return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-    await send({"type": "http.response.body", "body": b"ok"})
-
-
-@contextmanager
-def _serve(http: str, seconds: float) -> Iterator[int]:
-    port = free_port()
-    config = uvicorn.Config(
-        _ok_app, port=port, lifespan="off", log_level="warning", http=header_timeout_protocol(seconds, http)
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-@pytest.mark.parametrize("http", ["httptools", "h11"])
-def test_header_deadline_on_both_parsers(http: str) -> None:
-    """A trickler gets a 408 and a close at the deadline, a silent connection a close; a kept-alive
-    connection idle past the deadline between requests, then slow within it, keeps answering."""
-    # The kept-alive client sends its headers over 0.2 s: a deadline 5x that leaves room for a busy
-    # machine (the first request's deadline runs from the connect).
-    seconds = 1.0
-    request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-
-    async def kept_alive(port: int) -> list[int]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        statuses = []
-        for n in range(3):
-            # Idle between requests past the deadline: that is uvicorn's keep-alive's (5 s) business.
-            await asyncio.sleep(1.2 if n else 0)
-            for i in range(0, len(request), 10):  # 0.2 s to send the headers: within the deadline
-                writer.write(request[i : i + 10])
-                await asyncio.sleep(0.1)
-            statuses.append((await _read_response(reader))[0])
-        writer.close()
-        return statuses
-
-    async def main(port: int):
-        return await asyncio.gather(
-            _trickle(port, b"GET / HTTP/1.1\r\n", b"X-Slow: 1\r\n", 3),
-            _trickle(port, b"", b"", 3),
-            kept_alive(port),
-        )
-
-    with _serve(http, seconds) as port:
-        (t_seconds, t_answer), (s_seconds, s_answer), statuses = asyncio.run(main(port))
-    assert seconds - 0.05 <= t_seconds <= seconds + SLACK and t_answer.startswith(b"HTTP/1.1 408 ")
-    assert seconds - 0.05 <= s_seconds <= seconds + SLACK and s_answer == b""
-    assert statuses == [200, 200, 200]
-
-
-def test_unknown_protocol_class_fails_at_start() -> None:
-    with pytest.raises(RuntimeError, match="not supported"):
-        header_timeout_protocol(1.0, "asyncio:Protocol")
-
-
-# -- the guard's body wrapper alone ---------------------------------------------------------------
-
-
-def _run_middleware(
-    chunks: list[tuple[float, bytes]], seconds: float, **settings: int
-) -> tuple[list[dict], list[dict]]:
-    """``chunks``: (delay, bytes) the client sends to POST /classify through the guard (``seconds``: its
-    body deadline; ``settings``: more of them). Returns what the app received and what was sent."""
-    received: list[dict] = []
-    sent: list[dict] = []
-
-    async def app(scope, receive, send) -> None:
-        while True:
-            message = await receive()
-            received.append(message)
-            if message["type"] == "http.disconnect" or not message.get("more_body"):
-                break
-        await _ok_app(scope, receive, send)
-
-    async def main() -> None:
-        queue = iter(chunks)
-
-        async def receive() -> dict:
-            delay, data = next(queue)
-            await asyncio.sleep(delay)
-            return {"type": "http.request", "body": data, "more_body": data != b""}
-
-        async def send(message: dict) -> None:
-            sent.append(message)
-
-        scope = {"type": "http", "method": "POST", "path": "/classify", "headers": [(b"host", b"127.0.0.1")]}
-        config = Settings(_env_file=None, body_timeout_seconds=seconds, **settings)
-        await GuardMiddleware(app, config)(scope, receive, send)
-
-    asyncio.run(main())
-    return received, sent
-
-
-def test_body_middleware_passes_a_body_within_the_deadline() -> None:
-    received, sent = _run_middleware([(0.05, b"a"), (0.05, b"b"), (0.05, b"")], seconds=0.5)
-    assert [m["body"] for m in received] == [b"a", b"b", b""]
-    assert sent[0]["status"] == 200
-
-
-def test_body_middleware_answers_408_at_the_deadline() -> None:
-    received, sent = _run_middleware([(0.1, b"a")] * 10, seconds=0.35)
-    assert received[-1] == {"type": "http.disconnect"} and len(received) == 4
-    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]  # app's 200 dropped
-    assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
-    assert json.loads(sent[1]["body"])["error"]["type"] == "RequestTimeoutError"
-
-
-def test_body_wrapper_answers_413_as_soon_as_the_cap_is_passed() -> None:
-    """The same wrapper counts the bytes: one image of 1 byte caps /classify at 1 + 64 KiB."""
-    chunk = bytes(40_000)
-    received, sent = _run_middleware(
-        [(0.01, chunk)] * 3, seconds=5, max_images_per_request=1, max_image_bytes=1
-    )
-    assert [m["type"] for m in received] == ["http.request", "http.disconnect"]
-    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]  # app's 200 dropped
-    assert sent[0]["status"] == 413 and (b"connection", b"close") in sent[0]["headers"]
-    error = json.loads(sent[1]["body"])["error"]
-    assert (
-        error["type"] == "RequestTooLargeError" and "at most 1 images of at most 1 bytes" in error["message"]
-    )

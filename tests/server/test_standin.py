@@ -83,7 +83,7 @@ def test_the_answers_are_a_loading_apps(tiny_weights, tmp_path) -> None:
     """The same statuses and bodies as the app gives before its service is loaded."""
     import asyncio
 
-    from memvit.server.app import create_app
+    from memvit.server.http.app import create_app
     from memvit.server.settings import Settings
 
     async def never(state) -> None:

@@ -20,10 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from memvit.server.app import preflight
 from memvit.server.cli import loopback_admin_default
-from memvit.server.keys import add_key, hash_key, revoke_key
+from memvit.server.http.app import preflight
 from memvit.server.settings import Settings
+from memvit.server.tenancy.key_file import add_key, revoke_key
+from memvit.server.tenancy.keys import hash_key
 from tests.server.conftest import TOKEN, free_port, running_server
 from tests.server.test_api import jpeg
 from tests.server.test_guard import exchange, request_head

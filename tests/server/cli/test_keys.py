@@ -8,8 +8,9 @@ import json
 from typer.testing import CliRunner
 
 from memvit.server.cli import app
-from memvit.server.keys import KEY_PREFIX, hash_key, load_or_empty
-from memvit.server.policy import Limits, Policy
+from memvit.server.tenancy.key_file import load_or_empty
+from memvit.server.tenancy.keys import KEY_PREFIX, hash_key
+from memvit.server.tenancy.policy import Limits, Policy
 
 runner = CliRunner()
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from memvit.server.errors import ResidentSetFullError, TasksRequiredError, TooManyTasksError, UnknownTaskError
+from memvit.server.inference.tasks import check_tasks
 from memvit.server.store import StoreUnavailableError
-from memvit.server.tasks import check_tasks
 from tests.conftest import images
 from tests.server.counting import bundle_reads, counting_requests
 from tests.server.filling import register_in_bulk

@@ -1,0 +1,101 @@
+"""The link's API-process side: ``LinkClient``, calls to the model process from one event loop.
+
+Frames and errors as link.py defines them; any number of calls in flight, each answered by its
+call id in whatever order the model process answers. A link that closes fails every call still
+waiting with ``LinkDownError`` (503, Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .link import NOTIFY, LinkDownError, _frame, _read, _unpack_error
+
+log = logging.getLogger("memvit.server.frontend.link")  # the link's one logger
+
+
+class LinkClient:
+    """An API process's side: ``await client.call("method", ...)`` from any task of its event loop."""
+
+    def __init__(self, path: Path, on_notice: Callable[..., None] | None = None) -> None:
+        """``on_notice(method, *args)``: a notice the model process sends on its own (``broadcast``)."""
+        self.path = Path(path)
+        self.on_notice = on_notice
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None and not self._writer.is_closing()
+
+    async def connect(self) -> None:
+        reader, self._writer = await asyncio.open_unix_connection(str(self.path))
+        self._reader_task = asyncio.create_task(self._answers(reader), name="link-answers")
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        future = self.send(method, *args, **kwargs)
+        await self._writer.drain()
+        return await future
+
+    def send(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+        """The call's frame written now (so calls and notifications leave in the order they are made);
+        the future of its answer."""
+        if not self.connected:
+            raise LinkDownError("the model process is not reachable yet; retry shortly")
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        future.add_done_callback(lambda _: self._pending.pop(call_id, None))
+        self._writer.write(_frame((call_id, method, args, kwargs)))
+        return future
+
+    def notify(self, method: str, *args: Any) -> None:
+        """A call nobody waits for (its answer is never sent): a delivery, a release."""
+        if not self.connected:
+            raise LinkDownError("the model process is not reachable; retry shortly")
+        self._writer.write(_frame((NOTIFY, method, args, {})))
+
+    async def wait_closed(self) -> None:
+        """Until the link closes (the model process went away, or ``close``)."""
+        if self._reader_task is not None:
+            await asyncio.wait([self._reader_task])  # a waiter cancelled is cancelled; the link stays
+
+    async def _answers(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                call_id, ok, result = await _read(reader)
+                if call_id == NOTIFY:  # the model process's own notice: (NOTIFY, method, args)
+                    if self.on_notice is not None:
+                        self.on_notice(ok, *result)
+                    continue
+                future = self._pending.get(call_id)
+                if future is None or future.done():
+                    continue  # the caller gave up (its client went away)
+                if ok:
+                    future.set_result(result)
+                else:
+                    future.set_exception(_unpack_error(result))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            log.warning("the link to the model process closed")
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(LinkDownError("the model process went away; retry shortly"))
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task

@@ -1,0 +1,153 @@
+"""POST /classify's request side: read, check, answer. What runs the pass is a runner's
+(server/inference/runner.py).
+
+One object owns the path from checked input (``deps.classify_input``: the image count, and the tasks
+against the registry, before anything is decoded) to the response, the same in one process and in an
+API process (only the runner differs: in-process, or across the link to the model process):
+- each upload is read with its byte cap and decoded in a bounded thread pool, never on the event loop,
+  each key's images taken in turn by the service the key received (``FairPool``), not first come;
+  with the device decoder, the pool only checks each upload (caps, bombs, header, orientation) and
+  JPEGs are decoded on the model's device with their batch (server/inference/device_decode.py);
+- the runner starts before the images are decoded (it pins the adapters and announces the images);
+- the response is built from the one ``Answer`` the runner returns (server/inference/answers.py): numbers
+  computed for the whole batch at once, cut for this request with one index; here only the response
+  objects are built, one Python list per array, not a softmax or a ``.tolist()`` per task;
+- the request's stages (receive, decode, and the runner's queue, copy and pass) are timed
+  (server/telemetry/stages.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+
+import torch
+from fastapi import UploadFile
+
+from ..edge.body import read_upload
+from ..errors import ImageTooLargeError
+from ..inference.answers import Answer, Labels
+from ..inference.device_runner import Item
+from ..inference.fair_queue import FairPool
+from ..inference.runner import ANONYMOUS, Ask, Images, Runner, Tenant
+from ..telemetry.stages import current_stages
+from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
+
+__all__ = ["ANONYMOUS", "Ask", "ClassifyPipeline", "Tenant"]
+
+Decode = Callable[[bytes, str], Item]  # one upload -> its image (C, H, W), or a JPEG left encoded
+
+
+class ClassifyPipeline:
+    """``decode``: what a decode worker does with one upload (``ImageDecoder``, or the device path's
+    ``JpegCheck``); ``stack``: whether its images are stacked (every one decoded here)."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        decode: Decode,
+        decode_pool: Executor,
+        *,
+        max_image_bytes: int,
+        stack: bool = True,
+        decode_order: FairPool | None = None,
+    ) -> None:
+        self.runner = runner
+        self.decoder = decode
+        self.decode_pool = decode_pool
+        self.stack = stack
+        self.decode_order = decode_order  # each key's images in turn on ``decode_pool``; None: first come
+        self.max_image_bytes = max_image_bytes
+
+    async def __call__(
+        self,
+        uploads: Sequence[UploadFile],
+        *,
+        tasks: list[str] | None,
+        top_k: int,
+        logits: bool,
+        tenant: Tenant = ANONYMOUS,
+    ) -> ClassifyResponse:
+        """``tasks``: checked (``deps.classify_input``); None asks for every task."""
+        names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
+        stages = current_stages()
+        if stages is not None:
+            stages.received()  # FastAPI has parsed the multipart body
+        ask = Ask(len(names), tasks, tenant, top_k=top_k, logits=logits)
+        answer = await self.run(ask, self._uploads(uploads, names, tenant))
+        return respond(answer, names, top_k=top_k, logits=logits)
+
+    async def run(self, ask: Ask, images) -> Answer:
+        """The runner's answer, its stages added to the request's."""
+        answer = await self.runner.run(ask, images)
+        stages = current_stages()
+        if stages is not None:  # the request's Server-Timing and stage metrics: the pass's stages too
+            for stage, seconds in answer.stages.items():
+                stages.add(stage, seconds)
+            stages.answered = time.perf_counter()
+        return answer
+
+    async def _uploads(self, uploads: Sequence[UploadFile], names: list[str], tenant: Tenant) -> Images:
+        """Every upload read, each with its byte cap, then decoded."""
+        blobs = []
+        limit = self.max_image_bytes
+        for upload, name in zip(uploads, names, strict=True):
+            too_large = ImageTooLargeError(f"{name}: over the {limit}-byte upload limit", field=name)
+            blobs.append(await read_upload(upload, limit, too_large))
+        return await self.decode(blobs, names, tenant)
+
+    async def decode(
+        self, blobs: Sequence[bytes], names: Sequence[str], tenant: Tenant = ANONYMOUS
+    ) -> Images:
+        """Encoded images decoded in the pool, in ``tenant``'s turn -> (n, C, H, W); with the device
+        decoder, one item per image instead: a JPEG checked and left encoded for the device, or
+        anything else decoded here."""
+        loop = asyncio.get_running_loop()
+        decode = self.decoder
+        started = time.perf_counter()
+
+        def one(data: bytes, name: str) -> asyncio.Future[Item]:
+            if self.decode_order is None:
+                return loop.run_in_executor(self.decode_pool, decode, data, name)
+            return self.decode_order.submit(tenant.id, tenant.weight, decode, data, name)
+
+        decoded = await asyncio.gather(
+            *(one(data, name) for data, name in zip(blobs, names, strict=True)),
+            return_exceptions=True,  # wait for all, so no decode is left running unobserved
+        )
+        stages = current_stages()
+        if stages is not None:
+            stages.add("decode", time.perf_counter() - started)
+        for result in decoded:
+            if isinstance(result, BaseException):
+                raise result  # the first bad image names itself
+        return torch.stack(decoded) if self.stack else decoded
+
+
+def respond(answer: Answer, names: list[str], *, top_k: int, logits: bool) -> ClassifyResponse:
+    """An ``Answer`` -> the response: each image's top ``top_k`` labels of each task it asked for.
+    One ``tolist`` per array for the whole request; then only the response objects."""
+    tasks, classes = answer.tasks, answer.classes.tolist()
+    probs, index = answer.probs.tolist(), answer.index.tolist()  # (n, T, k) nested lists
+    raw = answer.logits.tolist() if logits and answer.logits is not None else None
+    keep = [min(top_k, c) for c in classes]
+    results = []
+    for i, name in enumerate(names):
+        answers = {}
+        for t, task in enumerate(tasks):
+            labels = answer.labels[t]
+            predictions = [
+                Prediction.model_construct(label=_label(labels, j), index=j, probability=p)
+                for p, j in zip(probs[i][t][: keep[t]], index[i][t][: keep[t]], strict=True)
+            ]
+            values = raw[i][t][: classes[t]] if raw is not None else None
+            answers[task] = TaskResult.model_construct(predictions=predictions, logits=values)
+        results.append(ImageResult.model_construct(image=name, tasks=answers))
+    info = RegistryInfo.model_construct(version=answer.version, adapters=answer.registered)
+    return ClassifyResponse.model_construct(registry=info, tasks=list(tasks), results=results)
+
+
+def _label(labels: Labels, index: int) -> str:
+    return labels[index] if labels is not None and index < len(labels) else f"class_{index}"

@@ -1,0 +1,176 @@
+"""A batch's answers, computed for the whole batch at once and cut per request with one fancy index.
+
+A fused pass returns the base's logits (B, C_0) and every asked (image, task)'s logits as rows of one
+tensor (N, C), each task's classes padded to C (memory_core/output.py). Answering per request and
+per task, in Python, is what cost the CPU (a softmax, a top-k and a ``.tolist()`` per task per
+request). Here, on the pass's device, for the batch:
+
+- one table ``L`` (N + B, C') of every row the batch computed, the base's rows last;
+- the padded classes of each row masked (``-inf``), then one softmax and one top-k (k = the largest
+  any request of the batch asked for) over every row;
+- one flag per row: every logit finite;
+- copied to the host (into pinned memory on a GPU: the host waits on one event, not on each copy);
+  the logits themselves only when some request of the batch asked for them.
+
+A request is then ``rows`` (n images x T tasks) of that table, in the order it asked for its tasks:
+``probs[rows]``, ``index[rows]``, ``logits[rows]`` (numpy, on the host), an ``Answer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from memvit.memory_core import BASE_TASK, FusedOutput
+
+from ..errors import NonFiniteOutputError
+
+Labels = tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's answer: its n images' T tasks (in the order asked, each once), from one snapshot.
+
+    ``probs``/``index`` hold each (image, task)'s most probable classes, best first: the first
+    ``min(top_k, classes[t])`` of task t's k columns are real. ``logits`` (when asked) hold each
+    task's logits in its first ``classes[t]`` columns."""
+
+    tasks: tuple[str, ...]
+    classes: np.ndarray  # (T,) int64
+    probs: np.ndarray  # (n, T, k) float32 softmax probabilities
+    index: np.ndarray  # (n, T, k) int64 class indices
+    logits: np.ndarray | None  # (n, T, C) float32
+    labels: tuple[Labels, ...]  # (T,) each task's class names, from the snapshot that answered
+    version: int  # the snapshot's version: the registry's, when it was built
+    registered: int  # adapters registered at that version
+    stages: dict[str, float] = field(default_factory=dict)  # seconds: queue, decode, copy, pass
+
+    def __len__(self) -> int:
+        return self.probs.shape[0]
+
+    def task_logits(self, t: int) -> np.ndarray:
+        """Task t's (n, classes[t]) logits (asked for with ``logits``)."""
+        assert self.logits is not None
+        return self.logits[:, t, : self.classes[t]]
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one request of a batch wants back: its images [lo, hi), and ``top_k``/``logits``."""
+
+    lo: int
+    hi: int
+    top_k: int
+    logits: bool
+
+
+class BatchAnswers:
+    """Every row a pass computed, reduced on its device; ``cut`` gives one request's ``Answer``."""
+
+    def __init__(self, out: FusedOutput, base_labels: Labels, wants: Sequence[Want]) -> None:
+        """Queues the device work (on the current stream); the host arrays are valid once the stream
+        has run it (``ready``: a CUDA event recorded after the copies, or None on a CPU)."""
+        self.adapter_set = out.adapter_set
+        self.base_labels = base_labels
+        base = out.base
+        B = base.shape[0]
+        flat, every = out.answers()  # every (image, task) answer's row of ``flat``: numpy, no cutting
+        self.n_rows = 0 if flat is None else flat.shape[0]
+        classes = np.ones(self.n_rows + B, dtype=np.int64)  # padding rows (a bucketed plan's): never read
+        classes[every.row] = every.classes
+        classes[self.n_rows :] = base.shape[1]
+        self.classes = classes
+        # (image, task) -> row, for every task the batch computed (the base's column first): a
+        # request's rows are one slice and one index of it. Built with numpy, no Python per answer.
+        positions = np.unique(every.task)
+        adapters = self.adapter_set.adapters
+        self.every = (BASE_TASK, *(adapters[p].name for p in positions.tolist()))
+        self.column = {name: c for c, name in enumerate(self.every)}
+        rows = np.full((B, len(self.every)), -1, dtype=np.int64)
+        rows[:, 0] = self.n_rows + np.arange(B)
+        columns = np.searchsorted(positions, every.task) + 1
+        rows[every.image, columns] = every.row
+        self.rows = rows
+        self.column_classes = np.empty(len(self.every), dtype=np.int64)  # a task's classes, any image
+        self.column_classes[0] = base.shape[1]
+        self.column_classes[columns] = every.classes
+        self._asked: dict[tuple[str, ...] | None, tuple] = {}  # a request's tasks -> (names, columns, labels)
+        width = max(base.shape[1], 0 if flat is None else flat.shape[1])
+        k = min(max((w.top_k for w in wants), default=0), width)
+        cuda = base.device.type == "cuda"
+        table = _pad(base.float(), width)
+        if flat is not None:
+            table = torch.cat([_pad(flat.float(), width), table])
+        host: dict[str, Tensor] = {}
+        if k > 0:
+            row_classes = torch.from_numpy(classes)
+            if cuda:  # through pinned memory: a pageable copy would wait for the pass
+                row_classes = row_classes.pin_memory().to(base.device, non_blocking=True)
+            padding = torch.arange(width, device=base.device) >= row_classes[:, None]
+            masked = table.masked_fill(padding, -torch.inf)
+            top = masked.softmax(-1).topk(k, dim=-1)
+            host["probs"], host["index"] = top.values, top.indices
+        host["finite"] = torch.isfinite(table).all(-1)
+        if any(w.logits for w in wants):
+            host["logits"] = table
+        self._host = {name: t.to("cpu", non_blocking=cuda) for name, t in host.items()}
+        self.ready = None
+        if cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self.k = k
+
+    def wait(self) -> None:
+        """Until the host arrays hold the values (a GPU's copies have run)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        self._arrays = {name: t.numpy() for name, t in self._host.items()}
+        self._all_finite = bool(self._arrays["finite"].all())  # then no request needs to look
+
+    def cut(self, want: Want, tasks: Sequence[str] | None, version: int, registered: int) -> Answer:
+        """Images [lo, hi)'s answer to ``tasks`` (None: the base and every adapter computed for them),
+        after ``wait``. Raises ``NonFiniteOutputError`` naming a task that produced a non-finite
+        logit (refused at registration; float16 serving could still overflow)."""
+        names, columns, labels, classes = self._columns(tasks)
+        rows = self.rows[want.lo : want.hi][:, columns]  # (n, T): one index for the whole request
+        arrays = self._arrays
+        if not self._all_finite:
+            finite = arrays["finite"][rows]
+            if not finite.all():
+                bad = names[int(np.flatnonzero(~finite.all(axis=0))[0])]
+                raise NonFiniteOutputError(
+                    f"task {bad!r} produced non-finite logits; not answering with null"
+                )
+        k = min(want.top_k, self.k)
+        if k > 0:
+            probs, index = arrays["probs"][rows, :k], arrays["index"][rows, :k]
+        else:
+            n, T = rows.shape
+            probs, index = np.empty((n, T, 0), dtype=np.float32), np.empty((n, T, 0), dtype=np.int64)
+        logits = arrays["logits"][rows] if want.logits else None
+        return Answer(names, classes, probs, index, logits, labels, version, registered)
+
+    def _columns(self, tasks: Sequence[str] | None) -> tuple:
+        """A request's tasks (each once; None: every one computed), their columns, labels and class
+        counts, worked out once per batch for every request asking the same."""
+        key = None if tasks is None else tuple(tasks)
+        found = self._asked.get(key)
+        if found is None:
+            names = self.every if key is None else tuple(dict.fromkeys(key))
+            columns = np.array([self.column[name] for name in names], dtype=np.int64)
+            labels = tuple(
+                self.base_labels if name == BASE_TASK else self.adapter_set[name].weights.labels
+                for name in names
+            )
+            found = self._asked[key] = (names, columns, labels, self.column_classes[columns])
+        return found
+
+
+def _pad(t: Tensor, width: int) -> Tensor:
+    return t if t.shape[1] == width else F.pad(t, (0, width - t.shape[1]))

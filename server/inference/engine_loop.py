@@ -1,0 +1,293 @@
+"""The engine loop: requests gathered into batches, and each batch through the device's three stages,
+every one on a thread of its own, with no event loop anywhere on the way.
+
+    submit (any thread) -> [batcher] -> [decode] -> [pass] -> [collector] -> each request's sink
+
+- The *batcher* takes the first waiting request, then more, until ``max_batch`` images or
+  ``max_wait`` seconds. It waits only for requests that are on their way (``announce``d while their
+  images decode): a lone request runs at once instead of sitting out ``max_wait`` for nobody. Which
+  request is next is the fair queue's choice (server/inference/fair_queue.py): the key that has received the
+  least service, by weight. Each batch reads the live adapter set once, so every request in it is
+  answered by that one snapshot; a request asking for an adapter the snapshot no longer has fails
+  alone. Routing costs each request what it asks for, never what else is resident.
+- *decode*, *pass* and *collector* are the device runner's three stages (server/inference/device_runner.py),
+  each batch handed from one to the next: on a GPU, ``depth`` batches (3) are in flight at once, one
+  being decoded, one computing, one read back; on a CPU one, since a second would only hold images
+  back from a batch still forming.
+- The collector cuts each request's answer (server/inference/answers.py) and hands the batch's answers to
+  their *sinks*, one call per sink per batch: an event loop's (one wake-up for all its requests), or
+  an API process's connection (one write for all its answers, server/frontend/model_process.py).
+
+A full queue refuses new work at once (503 + Retry-After) instead of growing, but never a key below
+its share of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from memvit.memory_core import AdapterSet, LiveAdapters
+
+from ..errors import OverloadedError, RetryLaterError
+from ..telemetry.metrics import Metrics
+from .answers import Answer
+from .device_runner import DeviceRunner
+from .fair_queue import ONE_FLOW, FairQueue
+from .jobs import Batch, Job, Result, deliver, place, refuse_missing
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """``fair``: requests are taken by the service each key has received (False: by arrival).
+    ``registered(version)``: adapters registered at a snapshot's version, for the answers."""
+
+    def __init__(
+        self,
+        live: LiveAdapters,
+        runner: DeviceRunner,
+        *,
+        max_batch: int,
+        max_wait: float,
+        max_queue: int,
+        metrics: Metrics,
+        fair: bool = True,
+        depth: int | None = None,
+        registered: Callable[[int], int] = lambda version: 0,
+        warm: Callable[[AdapterSet], int] | None = None,
+        count: Callable[[list[tuple[Job, Answer]]], None] | None = None,
+    ) -> None:
+        self.live, self.runner = live, runner
+        self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
+        self.metrics, self.fair, self.registered = metrics, fair, registered
+        self.warm = warm  # captures the graphs of a snapshot's passes (server/inference/warmup.py)
+        self._warmed: int | None = None  # the slot pools' generation they were captured for
+        self.count = count  # what a batch answered, counted for the keys that asked (usage, metrics)
+        self.depth = depth if depth is not None else (3 if runner.cuda else 1)
+        self._queue: FairQueue[Job] = FairQueue()
+        self._lock = threading.Condition()
+        self._waiting = 0  # images queued or in a batch not yet answered
+        self._expected = 0  # images still decoding that will be queued soon
+        self._in_flight = 0  # batches formed and not yet answered
+        self._running = False
+        self._threads: list[threading.Thread] = []
+        self._stages = [queue.SimpleQueue() for _ in range(3)]  # to decode, to pass, to collect
+
+    # -- from any thread -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Capture the graphs the passes will replay (before any stage runs), then start the stages."""
+        self._warm_up()
+        self._running = True
+        work = [self._batcher, self._decoding, self._passing, self._collecting]
+        names = ["engine-batcher", "engine-decode", "engine-pass", "engine-collect"]
+        if self.depth == 1:  # one batch in flight: its stages in turn, on the batcher's thread
+            work, names = work[:1], names[:1]
+        self._threads = [
+            threading.Thread(target=w, name=n, daemon=True) for w, n in zip(work, names, strict=True)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Batches already formed finish and answer their requests; requests still queued are refused
+        (503, Retry-After)."""
+        with self._lock:
+            self._running = False
+            self._lock.notify_all()
+        for thread in self._threads:
+            thread.join()
+        left = []
+        with self._lock:
+            while self._queue.peek() is not None:
+                left.append(self._queue.pop())
+        self._deliver([(job, RetryLaterError("the server is stopping; retry shortly")) for job in left])
+
+    def announce(self, n: int) -> None:
+        """``n`` images are decoding and will be submitted (or ``withdraw``n): a forming batch waits."""
+        with self._lock:
+            self._expected += n
+
+    def withdraw(self, n: int) -> None:
+        with self._lock:
+            self._expected -= n
+            self._lock.notify_all()
+
+    def submit(self, job: Job, *, announced: bool = False) -> None:
+        """Queue ``job`` (its answer goes to ``job.sink``); ``announced``: its images were announced,
+        and are no longer on their way once it is queued. Raises ``OverloadedError`` at once when the
+        queue is full (unless its key is below its share of it)."""
+        n = job.size
+        flow = job.flow if self.fair else ONE_FLOW
+        with self._lock:
+            if announced:
+                self._expected -= n
+            room = self.max_queue - (self._waiting - self._queue.waiting)
+            if not self._queue.admits(flow, n, room, job.weight):
+                self._lock.notify_all()
+                self.metrics.rejected.inc()
+                raise OverloadedError(
+                    f"server busy: {self._waiting} images already queued (limit {self.max_queue}); "
+                    "retry shortly"
+                )
+            self._waiting += n
+            job.queued = time.perf_counter()
+            self._queue.put(flow, job, n, job.weight)
+            self._lock.notify_all()
+
+    # -- the batcher -----------------------------------------------------------------------------------
+    def _batcher(self) -> None:
+        while True:
+            batch = self._form()
+            if batch is None:
+                self._stages[0].put(None)  # the stages' threads (if any) stop in turn
+                return
+            if self._pools_grew():  # recapture with every other stage idle (CUDA forbids a capture
+                with self._lock:  # while other threads sync or queue work), before this batch
+                    while self._in_flight > 1:
+                        self._lock.wait()
+                self._warm_up()
+            try:
+                self._route(batch)
+            except Exception as exc:  # never leave a client hanging
+                log.exception("routing a batch failed")
+                self._finish(batch, [(job, exc) for job in batch.jobs])
+                continue
+            if self.depth == 1:
+                self._run_inline(batch)
+            else:
+                self._stages[0].put(batch)
+
+    def _pools_grew(self) -> bool:
+        return self.warm is not None and self.runner.engine.slots.generation != self._warmed
+
+    def _warm_up(self) -> None:
+        if self.warm is None:
+            return
+        generation = self.runner.engine.slots.generation
+        try:
+            self.warm(self.live.current)
+        except Exception:  # a shape not captured now is captured on first use
+            log.exception("capturing the passes' graphs failed")
+        self._warmed = generation
+
+    def _form(self) -> Batch | None:
+        queue_ = self._queue
+        with self._lock:
+            while self._running and (queue_.peek() is None or self._in_flight >= self.depth):
+                self._lock.wait()
+            if not self._running:
+                return None
+            jobs = [queue_.pop()]
+            size = jobs[0].size
+            deadline = time.monotonic() + self.max_wait
+            while size < self.max_batch:
+                head = queue_.peek()
+                if head is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or self._expected <= 0:  # nothing is on its way
+                        break
+                    self._lock.wait(remaining)
+                    continue
+                if size + head > self.max_batch:  # it starts a later batch (the next, unless another
+                    break  # key is owed more by then)
+                jobs.append(queue_.pop())
+                size += head
+            self._in_flight += 1
+            waiting = self._waiting
+        self.metrics.queue_depth.set(waiting)  # once a batch, not once a request
+        return Batch(jobs, size)
+
+    def _route(self, batch: Batch) -> None:
+        """One snapshot for the whole batch; its jobs routed against it (jobs.py), the refused answered
+        first (whatever happens to the rest)."""
+        refused = refuse_missing(batch, self.live.current)
+        if refused:
+            self._deliver(refused)
+        place(batch)
+
+    # -- the stages ------------------------------------------------------------------------------------
+    # Each step runs a batch through its stage; False: the batch is done with (answered or failed).
+    def _decode(self, batch: Batch) -> bool:
+        if not batch.jobs:
+            self._finish(batch, [])
+            return False
+        batch.started = time.perf_counter()
+        self.metrics.batch_size.observe(sum(job.size for job in batch.jobs))
+        return self._step(
+            batch, lambda: self.runner.decode([item for job in batch.jobs for item in job.items])
+        )
+
+    def _launch(self, batch: Batch) -> bool:
+        return self._step(
+            batch, lambda: self.runner.launch(batch.stage, batch.adapter_set, batch.tasks, batch.wants)
+        )
+
+    def _step(self, batch: Batch, work: Callable[[], Any]) -> bool:
+        try:
+            batch.stage = work()
+        except Exception as exc:  # never leave a client hanging
+            log.exception("fused pass failed")
+            self._finish(batch, [(job, exc) for job in batch.jobs])
+            return False
+        return True
+
+    def _collect(self, batch: Batch) -> None:
+        if not self._step(batch, lambda: self.runner.collect(batch.stage)):
+            return
+        ran = batch.stage
+        self.metrics.fused_pass_seconds.observe(time.perf_counter() - batch.started)
+        version = batch.adapter_set.version
+        registered = self.registered(version)
+        finished: list[tuple[Job, Result]] = []
+        for job, want in zip(batch.jobs, batch.wants, strict=True):
+            try:
+                answer: Result = ran.cut(want, job.tasks, version, registered)
+                answer.stages.update(queue=batch.started - job.queued, **ran.seconds)
+            except Exception as exc:  # its image failed to decode, or did not fit on the device
+                answer = exc
+            finished.append((job, answer))
+        if self.count is not None:
+            try:
+                self.count([(job, a) for job, a in finished if isinstance(a, Answer)])
+            except Exception:  # counting must never cost an answer
+                log.exception("counting a batch's answers failed")
+        self._finish(batch, finished)
+
+    def _run_inline(self, batch: Batch) -> None:
+        """One batch in flight (a CPU): its stages in turn, on the batcher's thread (no hand-offs)."""
+        if self._decode(batch) and self._launch(batch):
+            self._collect(batch)
+
+    def _decoding(self) -> None:
+        self._stage(0, self._decode)
+
+    def _passing(self) -> None:
+        self._stage(1, self._launch)
+
+    def _collecting(self) -> None:
+        while (batch := self._stages[2].get()) is not None:
+            self._collect(batch)
+
+    def _stage(self, index: int, step: Callable[[Batch], bool]) -> None:
+        inbox, outbox = self._stages[index], self._stages[index + 1]
+        while (batch := inbox.get()) is not None:
+            if step(batch):
+                outbox.put(batch)
+        outbox.put(None)
+
+    def _finish(self, batch: Batch, finished: list[tuple[Job, Result]]) -> None:
+        self._deliver(finished)
+        with self._lock:
+            self._waiting -= batch.size
+            self._in_flight -= 1
+            self._lock.notify_all()
+        self.metrics.queue_depth.set(self._waiting)
+
+    @staticmethod
+    def _deliver(finished: list[tuple[Job, Result]]) -> None:
+        deliver(finished)

@@ -1,0 +1,40 @@
+"""The /classify request side's response (server/http/pipeline.py ``respond``), without HTTP: built from one
+answer, each task's top k by its own class count, its labels, its logits when asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memvit.server.http.pipeline import respond
+from memvit.server.inference.answers import BatchAnswers, Want
+from tests.conftest import random_adapter, tiny_engine
+
+
+def test_the_response_is_built_from_one_answer() -> None:
+    engine = tiny_engine()
+    adapters = engine.prepare_set(
+        [random_adapter("a", engine, classes=3), random_adapter("b", engine, classes=9)]
+    )
+    out = engine(torch.randn(2, 3, 32, 32), adapters)
+    batch = BatchAnswers(out, engine.labels, [Want(0, 2, 5, True)])
+    batch.wait()
+    answer = batch.cut(Want(0, 2, 5, True), ["a", "base", "b"], version=4, registered=2)
+    response = respond(answer, ["x", "y"], top_k=5, logits=True)
+    assert response.tasks == ["a", "base", "b"]
+    assert (response.registry.version, response.registry.adapters) == (4, 2)
+    image = response.results[1]
+    assert image.image == "y" and list(image.tasks) == ["a", "base", "b"]
+    assert len(image.tasks["a"].predictions) == 3  # the task's 3 classes, though 5 were asked for
+    assert len(image.tasks["b"].predictions) == 5
+    assert image.tasks["a"].logits == pytest.approx(out.adapters["a"][1].tolist())
+    top = out.adapters["b"][1].softmax(-1).topk(5)
+    predicted = image.tasks["b"].predictions
+    assert [p.index for p in predicted] == top.indices.tolist()
+    assert [p.probability for p in predicted] == pytest.approx(top.values.tolist())
+    labels = adapters["b"].weights.labels
+    expected = [labels[j] if labels else f"class_{j}" for j in top.indices.tolist()]
+    assert [p.label for p in predicted] == expected
+    lean = respond(answer, ["x", "y"], top_k=1, logits=False)
+    assert lean.results[0].tasks["base"].logits is None and len(lean.results[0].tasks["b"].predictions) == 1
+    assert lean.model_dump_json()  # serialises as the response model says
