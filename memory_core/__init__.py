@@ -4,9 +4,7 @@ Sandler et al., "Fine-tuning Image Transformers using Learnable Memory" (CVPR 20
 file-format code lives here: bundles are ``adapters/``, HTTP is ``server/``.
 """
 
-from .adapter import BASE_TASK, MEMORY_NORMS, NAME_PATTERN, AdapterWeights, check_memory_norm, check_name
 from .adapter_set import AdapterSet
-from .base_model import BaseModel, create_base, read_weights_metadata, save_base
 from .errors import (
     AdapterError,
     AdapterInUseError,
@@ -20,8 +18,6 @@ from .errors import (
     UnsupportedModelError,
     WeightsError,
 )
-from .fingerprint import state_fingerprint
-from .flops import AdapterCost, adapter_flops, base_flops, flop_ratio, fused_flops, uniform_adapters
 from .live import LiveAdapters
 from .model import MemoryViT
 from .output import FusedOutput
@@ -29,9 +25,20 @@ from .output_index import Answers, OutputIndex
 from .plan import PassPlan, PlanShape, plan_pass
 from .slot_table import SlotTable
 from .slots import AdapterSlots, SlotPools
-from .spec import ViTSpec, check_supported
 from .stack import AdapterStack, PreparedAdapter
 from .task_index import TaskIndex
+from .weights.adapter import (
+    BASE_TASK,
+    MEMORY_NORMS,
+    NAME_PATTERN,
+    AdapterWeights,
+    check_memory_norm,
+    check_name,
+)
+from .weights.base_model import BaseModel, create_base, read_weights_metadata, save_base
+from .weights.fingerprint import state_fingerprint
+from .weights.flops import AdapterCost, adapter_flops, base_flops, flop_ratio, fused_flops, uniform_adapters
+from .weights.spec import ViTSpec, check_supported
 
 __all__ = [
     "BASE_TASK",

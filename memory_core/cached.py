@@ -35,8 +35,8 @@ from .attention import BaseKeys, KeysValues, LayerMemory, base_block, memory_row
 from .cached_block import cached_class_token_block
 from .errors import AdapterShapeError, InputError
 from .output import FusedOutput
-from .spec import ViTSpec
 from .stored_attention import NormedInputs, StoredKeysValues
+from .weights.spec import ViTSpec
 
 STORES = ("inputs", "keys-values")
 

@@ -23,11 +23,11 @@ from contextlib import contextmanager
 
 import torch
 
-from .adapter import AdapterWeights
 from .adapter_set import AdapterSet
 from .model import MemoryViT
 from .slot_table import table_of
 from .stack import check_prepared_for
+from .weights.adapter import AdapterWeights
 
 log = logging.getLogger(__name__)
 

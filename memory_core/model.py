@@ -25,10 +25,8 @@ from torch import Tensor, nn
 from . import invariant, invariant_planned, triton_kernels
 from .adapter_set import AdapterSet
 from .attention import merged_block, split_block
-from .base_model import BaseModel, create_base
 from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
-from .fingerprint import state_fingerprint
 from .graphs import GraphedPasses, bucket_images, bucket_rows
 from .invariant import InvariantBlocks
 from .memory_projection import StackedProjection
@@ -37,10 +35,12 @@ from .plan import PassPlan, PlanTensors, plan_pass
 from .planned import planned_forward
 from .preparation import AdapterPreparation
 from .slots import AdapterSlots
-from .spec import ViTSpec
 from .stack import AdapterStack
 from .staging import HostBuffers
 from .task_index import TaskIndex
+from .weights.base_model import BaseModel, create_base
+from .weights.fingerprint import state_fingerprint
+from .weights.spec import ViTSpec
 
 _BASE_ONLY = AdapterSet()  # what a pass without a set runs: no adapters
 

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .adapter import BASE_TASK
 from .adapter_set import AdapterSet
 from .output_index import Answers, OutputIndex
+from .weights.adapter import BASE_TASK
 
 if TYPE_CHECKING:
     from .plan import PassPlan

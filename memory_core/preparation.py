@@ -15,11 +15,11 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor
 
 from . import invariant
-from .adapter import AdapterWeights
 from .adapter_set import AdapterSet
 from .memory_projection import StackedProjection
-from .spec import ViTSpec
 from .stack import PreparedAdapter
+from .weights.adapter import AdapterWeights
+from .weights.spec import ViTSpec
 
 
 class AdapterPreparation:

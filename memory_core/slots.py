@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .spec import ViTSpec
 from .stack import PreparedAdapter, check_prepared_for
+from .weights.spec import ViTSpec
 
 NULL_SLOT = 0
 WRITE_CHUNK = 4096  # slots written per stacked copy (100,000 heads of ViT-B would stack 15 GB at once)

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .errors import AdapterShapeError, InvalidAdapterError
+from ..errors import AdapterShapeError, InvalidAdapterError
 from .spec import ViTSpec
 
 MemoryNorm = Literal["norm1", "none"]

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from timm.models.vision_transformer import VisionTransformer
 
-from .errors import UnsupportedModelError, WeightsError
+from ..errors import UnsupportedModelError, WeightsError
 from .spec import check_supported
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)
