@@ -31,7 +31,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from .adapter_set import AdapterSet
-from .attention import BaseKeys, KeysValues, LayerMemory, base_block, memory_rows, project_qkv
+from .block.attention import BaseKeys, KeysValues, LayerMemory, base_block, memory_rows, project_qkv
 from .cached_block import cached_class_token_block
 from .errors import AdapterShapeError, InputError
 from .output import FusedOutput

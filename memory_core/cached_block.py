@@ -26,7 +26,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
-from .attention import BaseKeys, LayerMemory, class_token_block, softmax_dtype
+from .block.attention import BaseKeys, LayerMemory, class_token_block, softmax_dtype
 from .folded_attention import FoldedAttention, folded
 from .memory_projection import plain_layer_norm
 from .stored_attention import NormedInputs

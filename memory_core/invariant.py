@@ -33,8 +33,8 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 
-from .attention import LayerMemory, _finish, base_attention
-from .attention import project_memory as _project_memory
+from .block.attention import LayerMemory, _finish, base_attention
+from .block.attention import project_memory as _project_memory
 from .planned import SlotAttention
 from .stack import AdapterStack
 

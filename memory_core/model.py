@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from . import invariant, invariant_planned, triton_kernels
 from .adapter_set import AdapterSet
-from .attention import merged_block, split_block
+from .block.attention import merged_block, split_block
 from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
 from .graphs import GraphedPasses, bucket_images, bucket_rows

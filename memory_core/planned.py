@@ -13,7 +13,7 @@ only their attention differs, computed by one of two implementations of the same
 - ``kernels="triton"``: one Triton kernel per block (memory_core/triton_kernels.py), writing the rows'
   output beside the base rows' output, so the block adds one launch to timm's;
 - ``kernels="torch"``: the slot rows' memory gathered from the pools, then the attention of
-  memory_core/attention.py (the CPU path, and the reference the kernel is tested against).
+  memory_core/block/attention.py (the CPU path, and the reference the kernel is tested against).
 Heads: a shared plan applies each row's head to all images as one batched product; a routed plan
 applies each output's head found by its slot (one gathered product, or the Triton gathered heads).
 """
@@ -28,7 +28,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor
 
 from . import triton_kernels
-from .attention import LayerMemory, _finish, base_attention, merged_block, project_qkv, split_block
+from .block.attention import LayerMemory, _finish, base_attention, merged_block, project_qkv, split_block
 from .plan import PlanShape, PlanTensors
 from .slots import SlotPools
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import LayerMemory
+from .block.attention import LayerMemory
 from .errors import AdapterShapeError
 from .weights.adapter import AdapterWeights
 

@@ -19,7 +19,7 @@ import torch
 from timm.layers import Attention
 from torch import Tensor
 
-from .attention import softmax_dtype
+from .block.attention import softmax_dtype
 
 
 class _TimesStored(torch.autograd.Function):

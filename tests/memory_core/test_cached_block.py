@@ -10,7 +10,7 @@ import torch
 
 import memvit.memory_core.cached_block as cached_block
 from memvit.memory_core import AdapterSet, AdapterWeights, MemoryViT
-from memvit.memory_core.attention import LayerMemory
+from memvit.memory_core.block.attention import LayerMemory
 from memvit.memory_core.cached import CachedBatch, capture
 from memvit.memory_core.folded_attention import folded
 from memvit.memory_core.stored_attention import NormedInputs, StoredKeysValues

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memvit.memory_core import MemoryViT, attention
+from memvit.memory_core import MemoryViT
+from memvit.memory_core.block import attention
 from memvit.memory_core.memory_projection import StackedProjection
 from tests.factories import tiny_base, tiny_engine
 

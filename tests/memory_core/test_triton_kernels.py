@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memvit.memory_core import triton_kernels
-from memvit.memory_core.attention import KeysValues, LayerMemory, adapter_attention
+from memvit.memory_core.block.attention import KeysValues, LayerMemory, adapter_attention
 from memvit.memory_core.planned import gathered_heads, shared_heads
 from memvit.memory_core.reference import DenseMemoryViT
 from memvit.memory_core.slots import SlotPools
