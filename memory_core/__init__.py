@@ -4,7 +4,6 @@ Sandler et al., "Fine-tuning Image Transformers using Learnable Memory" (CVPR 20
 file-format code lives here: bundles are ``adapters/``, HTTP is ``server/``.
 """
 
-from .adapter_set import AdapterSet
 from .errors import (
     AdapterError,
     AdapterInUseError,
@@ -23,10 +22,11 @@ from .model import MemoryViT
 from .output import FusedOutput
 from .output_index import Answers, OutputIndex
 from .plan import PassPlan, PlanShape, plan_pass
+from .sets.adapter_set import AdapterSet
+from .sets.stack import AdapterStack, PreparedAdapter
+from .sets.task_index import TaskIndex
 from .slot_table import SlotTable
 from .slots import AdapterSlots, SlotPools
-from .stack import AdapterStack, PreparedAdapter
-from .task_index import TaskIndex
 from .weights.adapter import (
     BASE_TASK,
     MEMORY_NORMS,

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from .block.attention import LayerMemory, _finish, base_attention
 from .block.attention import project_memory as _project_memory
 from .planned import SlotAttention
-from .stack import AdapterStack
+from .sets.stack import AdapterStack
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from contextlib import contextmanager
 
 import torch
 
-from .adapter_set import AdapterSet
 from .model import MemoryViT
+from .sets.adapter_set import AdapterSet
+from .sets.stack import check_prepared_for
 from .slot_table import table_of
-from .stack import check_prepared_for
 from .weights.adapter import AdapterWeights
 
 log = logging.getLogger(__name__)

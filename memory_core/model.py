@@ -23,7 +23,6 @@ from timm.data import resolve_data_config
 from torch import Tensor, nn
 
 from . import invariant, invariant_planned, triton_kernels
-from .adapter_set import AdapterSet
 from .block.attention import merged_block, split_block
 from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
@@ -34,10 +33,11 @@ from .output import FusedOutput
 from .plan import PassPlan, PlanTensors, plan_pass
 from .planned import planned_forward
 from .preparation import AdapterPreparation
+from .sets.adapter_set import AdapterSet
+from .sets.stack import AdapterStack
+from .sets.task_index import TaskIndex
 from .slots import AdapterSlots
-from .stack import AdapterStack
 from .staging import HostBuffers
-from .task_index import TaskIndex
 from .weights.base_model import BaseModel, create_base
 from .weights.fingerprint import state_fingerprint
 from .weights.spec import ViTSpec
@@ -146,7 +146,7 @@ class MemoryViT(AdapterPreparation, nn.Module):
         ``tasks[b]`` names the adapters image b asks for, and only those rows (plus, in extension
         mode, their ancestors') are built: an image pays for the base pass plus what it asks for,
         whatever else the set holds; a ``TaskIndex`` says the same as set positions (what a server
-        builds per request, memory_core/task_index.py). ``path``: "auto"/"merged" (class-token rows
+        builds per request, memory_core/sets/task_index.py). ``path``: "auto"/"merged" (class-token rows
         share the base's linear layers) or "split" (kept apart, as training computes them;
         docs/design.md §2.3).
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .adapter_set import AdapterSet
 from .output_index import Answers, OutputIndex
+from .sets.adapter_set import AdapterSet
 from .weights.adapter import BASE_TASK
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ Either way each asked task's logits are one contiguous run of output rows, which
 ``OutputIndex`` locates (memory_core/output_index.py): the output is cut when read, not per pass.
 
 The plan is numpy over the set's slot table (memory_core/slot_table.py) and the batch's ``TaskIndex``
-(memory_core/task_index.py): a few vectorised operations (repeat, unique, searchsorted, fancy
+(memory_core/sets/task_index.py): a few vectorised operations (repeat, unique, searchsorted, fancy
 indexing), no Python loop over images or tasks and no aten operation, written into a host buffer
 that one non-blocking copy sends to the device (memory_core/staging.py). The all-tasks plan is the
 slot table itself, kept per set and shape: O(1) per pass.
@@ -36,13 +36,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .adapter_set import AdapterSet
 from .errors import InputError
 from .output_index import OutputIndex
+from .sets.adapter_set import AdapterSet
+from .sets.task_index import TaskIndex
 from .slot_table import table_of
 from .slots import NULL_SLOT, AdapterSlots, SlotPools, widths
 from .staging import HostBuffer, HostBuffers
-from .task_index import TaskIndex
 
 
 @dataclass(frozen=True)

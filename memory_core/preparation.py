@@ -15,9 +15,9 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor
 
 from . import invariant
-from .adapter_set import AdapterSet
 from .memory_projection import StackedProjection
-from .stack import PreparedAdapter
+from .sets.adapter_set import AdapterSet
+from .sets.stack import PreparedAdapter
 from .weights.adapter import AdapterWeights
 from .weights.spec import ViTSpec
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .adapter_set import AdapterSet
+from .sets.adapter_set import AdapterSet
 
 if TYPE_CHECKING:
     from .slots import AdapterSlots

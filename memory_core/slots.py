@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .stack import PreparedAdapter, check_prepared_for
+from .sets.stack import PreparedAdapter, check_prepared_for
 from .weights.spec import ViTSpec
 
 NULL_SLOT = 0

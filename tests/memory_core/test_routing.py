@@ -144,7 +144,7 @@ def test_no_pass_stacks_and_slots_are_written_once() -> None:
     """Add/remove build a new set without stacking; no inference pass stacks either. Installing gives
     each new adapter its device slot; a pass over a set never installed gives slots to the adapters
     its batch needs only, once."""
-    from memvit.memory_core import stack as adapter_set_module
+    from memvit.memory_core.sets import stack as adapter_set_module
 
     engine = tiny_engine()
     live = LiveAdapters(engine)

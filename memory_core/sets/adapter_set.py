@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from .errors import (
+from ..errors import (
     AdapterInUseError,
     DuplicateAdapterError,
     MissingParentError,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import InputError, UnknownAdapterError
 from .adapter_set import AdapterSet
-from .errors import InputError, UnknownAdapterError
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .block.attention import LayerMemory
-from .errors import AdapterShapeError
-from .weights.adapter import AdapterWeights
+from ..block.attention import LayerMemory
+from ..errors import AdapterShapeError
+from ..weights.adapter import AdapterWeights
 
 
 @dataclass(frozen=True, eq=False)
