@@ -19,8 +19,8 @@ from .errors import (
 )
 from .live import LiveAdapters
 from .model import MemoryViT
-from .output import FusedOutput
-from .output_index import Answers, OutputIndex
+from .output.fused import FusedOutput
+from .output.index import Answers, OutputIndex
 from .plan import PassPlan, PlanShape, plan_pass
 from .sets.adapter_set import AdapterSet
 from .sets.stack import AdapterStack, PreparedAdapter

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from .block.attention import BaseKeys, KeysValues, LayerMemory, base_block, memory_rows, project_qkv
 from .cached_block import cached_class_token_block
 from .errors import AdapterShapeError, InputError
-from .output import FusedOutput
+from .output.fused import FusedOutput
 from .sets.adapter_set import AdapterSet
 from .stored_attention import NormedInputs, StoredKeysValues
 from .weights.spec import ViTSpec

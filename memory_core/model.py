@@ -29,7 +29,7 @@ from .errors import AdapterShapeError, InputError
 from .graphs import GraphedPasses, bucket_images, bucket_rows
 from .invariant import InvariantBlocks
 from .memory_projection import StackedProjection
-from .output import FusedOutput
+from .output.fused import FusedOutput
 from .plan import PassPlan, PlanTensors, plan_pass
 from .planned import planned_forward
 from .preparation import AdapterPreparation

@@ -16,7 +16,7 @@ Two layouts:
   per asked task and image, ordered by task then image, each naming its class-token row and its slot.
 
 Either way each asked task's logits are one contiguous run of output rows, which the plan's
-``OutputIndex`` locates (memory_core/output_index.py): the output is cut when read, not per pass.
+``OutputIndex`` locates (memory_core/output/index.py): the output is cut when read, not per pass.
 
 The plan is numpy over the set's slot table (memory_core/slot_table.py) and the batch's ``TaskIndex``
 (memory_core/sets/task_index.py): a few vectorised operations (repeat, unique, searchsorted, fancy
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .errors import InputError
-from .output_index import OutputIndex
+from .output.index import OutputIndex
 from .sets.adapter_set import AdapterSet
 from .sets.task_index import TaskIndex
 from .slot_table import table_of

@@ -1,4 +1,4 @@
-"""FusedOutput (memory_core/output.py): one shape for routed and unrouted passes, sliced per request,
+"""FusedOutput (memory_core/output/fused.py): one shape for routed and unrouted passes, sliced per request,
 read lazily from one flat logits tensor and a numpy index."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ every image asks for every adapter; routed (``MemoryViT.forward(..., tasks=...)`
 rows of the images that asked for it, and a task nobody asked for is absent.
 
 A planned pass returns one flat (N, C) logits tensor and a numpy ``OutputIndex`` of where each task's
-run of rows is (memory_core/output_index.py): nothing is cut per task when the pass returns, moving the
+run of rows is (memory_core/output/index.py): nothing is cut per task when the pass returns, moving the
 output to the host is two copies whatever the number of tasks, and ``adapters``/``images`` are lazy
 mappings that cut a task when it is read. A server answers a request from ``answers(lo, hi)``: one
 fancy index into the flat logits, no Python per task. Outputs built from per-task tensors (training,
@@ -16,19 +16,27 @@ cached activations) hold them as they are (``of_tasks``) and read the same way.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .output_index import Answers, OutputIndex
-from .sets.adapter_set import AdapterSet
-from .weights.adapter import BASE_TASK
+from ..sets.adapter_set import AdapterSet
+from ..weights.adapter import BASE_TASK
+from .index import Answers, OutputIndex
 
-if TYPE_CHECKING:
-    from .plan import PassPlan
+
+class PlannedOutputs(Protocol):
+    """What of a ``routing.plan.PassPlan`` an output reads: where each asked task's rows lie, and the
+    batch given (a protocol, so that outputs sit below the plans that build them)."""
+
+    @property
+    def index(self) -> OutputIndex: ...
+
+    @property
+    def batch(self) -> int: ...
 
 
 class FusedOutput:
@@ -60,7 +68,7 @@ class FusedOutput:
     # -- building ------------------------------------------------------------------------------
     @classmethod
     def of_plan(
-        cls, base: Tensor, flat: Tensor | None, plan: PassPlan | None, adapter_set: AdapterSet
+        cls, base: Tensor, flat: Tensor | None, plan: PlannedOutputs | None, adapter_set: AdapterSet
     ) -> FusedOutput:
         """A planned pass's output: ``base`` (B', C_0) with any bucketing padding, and its adapter
         logits ``flat`` (N, C), each asked task one run of rows (``plan.index``)."""
