@@ -21,12 +21,12 @@ from .live import LiveAdapters
 from .model import MemoryViT
 from .output.fused import FusedOutput
 from .output.index import Answers, OutputIndex
-from .plan import PassPlan, PlanShape, plan_pass
+from .routing.plan import PassPlan, PlanShape, plan_pass
+from .routing.slot_table import SlotTable
+from .routing.slots import AdapterSlots, SlotPools
 from .sets.adapter_set import AdapterSet
 from .sets.stack import AdapterStack, PreparedAdapter
 from .sets.task_index import TaskIndex
-from .slot_table import SlotTable
-from .slots import AdapterSlots, SlotPools
 from .weights.adapter import (
     BASE_TASK,
     MEMORY_NORMS,

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from .block.attention import LayerMemory, _finish, base_attention
 from .block.attention import project_memory as _project_memory
-from .planned import SlotAttention
+from .routing.planned import SlotAttention
 from .sets.stack import AdapterStack
 
 

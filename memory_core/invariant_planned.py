@@ -11,11 +11,11 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor
 
-from . import triton_kernels
 from .invariant import InvariantBlocks, PlannedRows, _pad, features, head, in_blocks
-from .plan import PlanShape, PlanTensors
-from .planned import SlotAttention, layer_memory, lineage_of, rows_of
-from .slots import SlotPools
+from .routing import triton_kernels
+from .routing.plan import PlanShape, PlanTensors
+from .routing.planned import SlotAttention, layer_memory, lineage_of, rows_of
+from .routing.slots import SlotPools
 
 # The Triton kernel's rows per program: one, so that each row's sums are its own, in a fixed order,
 # wherever the row sits among the pass's (a tile's matrix product need not round rows alike).

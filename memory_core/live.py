@@ -3,7 +3,7 @@
 ``LiveAdapters`` owns three things and nothing else: the current immutable ``AdapterSet`` (readers
 never lock: a pass reads ``current`` once and keeps that object), the one write lock that orders
 every change, and ``install``, the swap, which also writes each new adapter into the engine's device
-slots (memory_core/slots.py). The server's adapter registry and the command line hold one;
+slots (memory_core/routing/slots.py). The server's adapter registry and the command line hold one;
 the engine (``MemoryViT``) knows nothing of it: it prepares adapters and runs whichever snapshot it
 is handed.
 
@@ -24,9 +24,9 @@ from contextlib import contextmanager
 import torch
 
 from .model import MemoryViT
+from .routing.slot_table import table_of
 from .sets.adapter_set import AdapterSet
 from .sets.stack import check_prepared_for
-from .slot_table import table_of
 from .weights.adapter import AdapterWeights
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,10 @@ class LiveAdapters:
             fresh = [a for a in adapter_set.adapters if id(a) not in known]
             check_prepared_for(fresh, *target)
             # Each new adapter gets its device slot now, on the installing thread, so that passes
-            # never pay for the copy (memory_core/slots.py); a slot is freed with its adapter.
+            # never pay for the copy (memory_core/routing/slots.py); a slot is freed with its adapter.
             slots = self.engine.slots
             slots.assign([tuple(adapter_set[n] for n in adapter_set.lineage(a.name)) for a in fresh])
-            # And the set's slot table (memory_core/slot_table.py), so that no pass builds it.
+            # And the set's slot table (memory_core/routing/slot_table.py), so that no pass builds it.
             table_of(adapter_set, slots)
             self._current = adapter_set  # one reference assignment
             self._checked_for = target

@@ -22,22 +22,23 @@ import torch
 from timm.data import resolve_data_config
 from torch import Tensor, nn
 
-from . import invariant, invariant_planned, triton_kernels
+from . import invariant, invariant_planned
 from .block.attention import merged_block, split_block
 from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
-from .graphs import GraphedPasses, bucket_images, bucket_rows
 from .invariant import InvariantBlocks
 from .memory_projection import StackedProjection
 from .output.fused import FusedOutput
-from .plan import PassPlan, PlanTensors, plan_pass
-from .planned import planned_forward
 from .preparation import AdapterPreparation
+from .routing import triton_kernels
+from .routing.graphs import GraphedPasses, bucket_images, bucket_rows
+from .routing.plan import PassPlan, PlanTensors, plan_pass
+from .routing.planned import planned_forward
+from .routing.slots import AdapterSlots
+from .routing.staging import HostBuffers
 from .sets.adapter_set import AdapterSet
 from .sets.stack import AdapterStack
 from .sets.task_index import TaskIndex
-from .slots import AdapterSlots
-from .staging import HostBuffers
 from .weights.base_model import BaseModel, create_base
 from .weights.fingerprint import state_fingerprint
 from .weights.spec import ViTSpec

@@ -121,7 +121,7 @@ def adapter_attention(
     One softmax per class token over [base keys ; lineage class-token keys ; memory keys].
     ``memory`` is shared by every image (keys (K, H, P, d), lineage (K, A): every adapter's row in
     every image) or routed (keys (B, K, H, P, d), lineage (B, K, A): row k of image b is whichever
-    adapter the plan put there, memory_core/plan.py). Returns (B, H, K, d).
+    adapter the plan put there, memory_core/routing/plan.py). Returns (B, H, K, d).
     """
     A = memory.lineage.shape[-1]
     q = q_c * attn.scale

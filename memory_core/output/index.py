@@ -1,6 +1,6 @@
 """Where each asked (image, task) answer lies among a pass's adapter output rows: numpy, on the host.
 
-A planned pass returns its adapter logits as one flat (N, C) tensor (memory_core/plan.py). Each
+A planned pass returns its adapter logits as one flat (N, C) tensor (memory_core/routing/plan.py). Each
 asked task's answers are one contiguous run of its rows, ordered by image; this index says where the
 runs are, as a few arrays the plan wrote anyway, so that nothing is cut per task when the pass
 returns: a task's logits are cut when someone reads them (``FusedOutput.adapters[name]``), and a

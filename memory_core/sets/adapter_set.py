@@ -45,10 +45,10 @@ class AdapterSet:
                 )
         # Stacked for the all-tasks pass on first use, not here: adding or removing one adapter among
         # thousands builds a new set in about a millisecond, and routed passes never need it (they
-        # read the device slots the engine keeps, memory_core/slots.py).
+        # read the device slots the engine keeps, memory_core/routing/slots.py).
         self._stack: AdapterStack | None = None
         self._requires_grad: bool | None = None
-        self._table = None  # its SlotTable on one engine's slots (memory_core/slot_table.py, table_of)
+        self._table = None  # its SlotTable on one engine's slots (routing/slot_table.py, table_of)
         self._names = tuple(a.name for a in self.adapters)
         self.version = next(_versions) if version is None else version
 

@@ -5,7 +5,7 @@ keys and values. ``stack_adapters`` lays any tuple of them out as one ``AdapterS
 (K, D), per-layer memory padded to the longest (with a -inf bias on padding) and, in extension mode,
 each adapter's ancestors. A stack keeps the autograd graph back to the adapters' parameters, so
 training (and training from cached activations) runs it; an inference pass reads the engine's
-device slots instead (memory_core/slots.py), and never stacks.
+device slots instead (memory_core/routing/slots.py), and never stacks.
 """
 
 from __future__ import annotations

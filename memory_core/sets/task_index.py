@@ -2,7 +2,7 @@
 
 A request names tasks; the process that runs the pass turns the names into positions in the snapshot
 the batch runs on, once per request (``uniform``: O(tasks asked), whatever the set holds), and a batch
-joins its requests' indices (``join``). The plan then reads positions only (memory_core/plan.py).
+joins its requests' indices (``join``). The plan then reads positions only (memory_core/routing/plan.py).
 Positions are only meaningful in their snapshot: a batch that runs on a newer one ``remap``s them,
 which refuses, naming them, the adapters gone since, and never reuses a stale position.
 """

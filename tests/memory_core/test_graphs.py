@@ -1,4 +1,4 @@
-"""CUDA graphs of planned passes (memory_core/graphs.py).
+"""CUDA graphs of planned passes (memory_core/routing/graphs.py).
 
 The bucketed plans a graph is captured for (padded batch, rows, lineage, outputs) are checked on CPU:
 they answer exactly what the exact plan answers. Capture and replay need a GPU (``-m cuda``).
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from memvit.memory_core import FusedOutput, LiveAdapters, plan_pass
-from memvit.memory_core.graphs import bucket_images, bucket_rows
+from memvit.memory_core.routing.graphs import bucket_images, bucket_rows
 from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

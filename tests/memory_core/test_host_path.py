@@ -1,4 +1,4 @@
-"""A graphed pass's host path (memory_core/graphs.py, plan.py, staging.py), on this CPU with the replay
+"""A graphed pass's host path (memory_core/routing/: graphs, plan, staging), on this CPU with the replay
 stubbed (benchmarks/host_counts.py): a fixed handful of aten ops whatever the tasks, no host sync,
 no event created once warm, and host buffers reused, never waited for."""
 
@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.host_counts import HostCounts, StandInEvent, counting
 from benchmarks.host_path import routed_asks, stand_in_engine
-from memvit.memory_core.staging import HostBuffers
+from memvit.memory_core.routing.staging import HostBuffers
 from tests.conftest import TOL, max_diff, random_adapter
 
 

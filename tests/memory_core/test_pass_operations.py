@@ -1,5 +1,5 @@
 """What an inference pass dispatches: no operation that makes a device wait for the host, and the
-same operations whatever adapters are resident or asked for (memory_core/planned.py).
+same operations whatever adapters are resident or asked for (memory_core/routing/planned.py).
 
 Counted with a ``TorchDispatchMode`` over the device part of a pass (the plan's copy to the device
 and ``run_plan``); the Triton path's kernels are counted as launches beside its aten operations.
@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from memvit.memory_core import LiveAdapters, MemoryViT, plan_pass, triton_kernels
+from memvit.memory_core import LiveAdapters, MemoryViT, plan_pass
+from memvit.memory_core.routing import triton_kernels
 from tests.conftest import images, random_adapter, tiny_engine
 
 # Operations that copy a value to the host (a CUDA sync) or whose output size depends on values.
@@ -165,7 +166,7 @@ def test_a_pass_traces_as_one_graph(routed: bool) -> None:
     tensors = plan.tensors(engine.device)
 
     def device_pass(x: torch.Tensor, tensors):
-        from memvit.memory_core.planned import planned_forward
+        from memvit.memory_core.routing.planned import planned_forward
 
         return planned_forward(engine.base, engine.embed(x), tensors, plan.shape, plan.pools)
 

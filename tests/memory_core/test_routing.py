@@ -1,5 +1,5 @@
 """Per-image task routing: a routed pass answers exactly what each image asked, with the logits the
-all-tasks pass and the dense reference give (memory_core/plan.py)."""
+all-tasks pass and the dense reference give (memory_core/routing/plan.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Adapter slots (memory_core/slots.py): written once, freed with their adapter, reused, grown in place
-of nothing; and an adapter's logits do not move when slots around it come and go."""
+"""Adapter slots (memory_core/routing/slots.py): written once, freed with their adapter, reused, grown
+in place of nothing; and an adapter's logits do not move when slots around it come and go."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from memvit.memory_core import LiveAdapters, MemoryViT, plan_pass
 from memvit.memory_core.reference import DenseMemoryViT
-from memvit.memory_core.slots import NULL_SLOT, AdapterSlots
+from memvit.memory_core.routing.slots import NULL_SLOT, AdapterSlots
 from tests.conftest import TOL, images, max_diff, random_adapter, tiny_base, tiny_engine
 
 
@@ -138,7 +138,7 @@ def test_a_planned_pass_keeps_the_pools_it_was_planned_with(engine) -> None:
 def test_the_all_tasks_heads_gather_a_bounded_chunk_at_a_time(engine, monkeypatch) -> None:
     """The shared layout's heads run in chunks of rows whose gathered weights stay under
     ``SHARED_HEAD_BYTES``: the same logits, and no (R, C, D) copy of every head per pass."""
-    from memvit.memory_core import planned
+    from memvit.memory_core.routing import planned
 
     live = LiveAdapters(engine)
     weights = [random_adapter(f"a{i}", engine, classes=3 + i) for i in range(7)]

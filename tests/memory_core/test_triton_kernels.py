@@ -1,4 +1,4 @@
-"""The Triton kernels (memory_core/triton_kernels.py) against the dense reference and the torch path.
+"""The Triton kernels (memory_core/routing/triton_kernels.py) against the dense reference and the torch path.
 
 Without a GPU they run under Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET``), so
 CI holds the very kernels a GPU runs to the same bounds as the torch path. The interpreter is slow:
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memvit.memory_core import triton_kernels
 from memvit.memory_core.block.attention import KeysValues, LayerMemory, adapter_attention
-from memvit.memory_core.planned import gathered_heads, shared_heads
 from memvit.memory_core.reference import DenseMemoryViT
-from memvit.memory_core.slots import SlotPools
+from memvit.memory_core.routing import triton_kernels
+from memvit.memory_core.routing.planned import gathered_heads, shared_heads
+from memvit.memory_core.routing.slots import SlotPools
 from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
 
 pytestmark = pytest.mark.skipif(not triton_kernels.available(), reason="Triton is not installed")

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.host_counts import StandInEvent, StandInGraphs
 from memvit.memory_core import LiveAdapters
-from memvit.memory_core.staging import HostBuffers
+from memvit.memory_core.routing.staging import HostBuffers
 from memvit.server.device_decode import DeviceDecoder
 from memvit.server.device_runner import DeviceRunner
 from memvit.server.engine_loop import EngineLoop, Job

@@ -1,6 +1,6 @@
 """An adapter set's slot table: what a plan needs of each adapter, as numpy arrays, built once.
 
-A pass is planned from the set's positions alone (memory_core/plan.py): which slot each adapter
+A pass is planned from the set's positions alone (memory_core/routing/plan.py): which slot each adapter
 holds, how many classes its head has, how much memory its rows read (its own plus its ancestors')
 and its lineage. Reading those from the prepared adapters per pass is a Python loop over images x
 tasks; the table holds them as arrays, written when the set is installed (``LiveAdapters.install``)
@@ -8,7 +8,7 @@ or first run, never per pass, so a plan is a few vectorised numpy operations (vL
 mapping the same way: host arrays, copied once per step).
 
 A table is valid for its set's lifetime on one ``AdapterSlots``: the set holds its adapters, a slot is
-freed only when its adapter is, and slots never move when the pools grow (memory_core/slots.py).
+freed only when its adapter is, and slots never move when the pools grow (memory_core/routing/slots.py).
 An installed set has every adapter in a slot; a set run without being installed gets a slot for an
 adapter the first time a plan needs it (``ensure``), so a pass over a few of its adapters writes those.
 """
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .sets.adapter_set import AdapterSet
+from ..sets.adapter_set import AdapterSet
 
 if TYPE_CHECKING:
     from .slots import AdapterSlots
@@ -47,7 +47,7 @@ class SlotTable:
     lineage: np.ndarray  # (K, A) int64 set positions, itself first, -1 padding; A = 1 without extensions
     every: np.ndarray = field(init=False)  # (K,) int64: 0..K-1, the all-tasks pass's tasks
     slots: weakref.ref = field(default=lambda: None, repr=False)  # the AdapterSlots it is valid on
-    # The all-tasks plan's arrays per shape (memory_core/plan.py): the same for every such pass.
+    # The all-tasks plan's arrays per shape (memory_core/routing/plan.py): the same for every such pass.
     plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -6,11 +6,11 @@ Everything here is device work on tensors: the base tokens, the plan's integer t
 pools. Nothing depends on a tensor's values on the host (no ``.item()``, ``nonzero`` or boolean
 indexing), and the operations are the same whatever adapters are resident or asked for: only the
 plan's shape (B, R, A, layout) selects them. So one trace or one captured CUDA graph serves every
-batch of that shape (memory_core/graphs.py), and a pass costs its base pass plus its rows' work.
+batch of that shape (memory_core/routing/graphs.py), and a pass costs its base pass plus its rows' work.
 
 Per block the class-token rows ride in the base's own linear layers ([X ; C], docs/design.md §2.1);
 only their attention differs, computed by one of two implementations of the same operation:
-- ``kernels="triton"``: one Triton kernel per block (memory_core/triton_kernels.py), writing the rows'
+- ``kernels="triton"``: one Triton kernel per block (memory_core/routing/triton_kernels.py), writing the rows'
   output beside the base rows' output, so the block adds one launch to timm's;
 - ``kernels="torch"``: the slot rows' memory gathered from the pools, then the attention of
   memory_core/block/attention.py (the CPU path, and the reference the kernel is tested against).
@@ -27,8 +27,8 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor
 
+from ..block.attention import LayerMemory, _finish, base_attention, merged_block, project_qkv, split_block
 from . import triton_kernels
-from .block.attention import LayerMemory, _finish, base_attention, merged_block, project_qkv, split_block
 from .plan import PlanShape, PlanTensors
 from .slots import SlotPools
 

@@ -16,7 +16,7 @@ tile of images where it lies in the pool (SGMV), instead of gathering every head
 
 Both run on CUDA tensors as compiled kernels and on CPU tensors through Triton's interpreter, which
 is how CI holds them to the dense reference without a GPU (slow: tests use tiny shapes). The torch
-implementation of the same two operations is memory_core/planned.py's; docs/design.md §2.10.
+implementation of the same two operations is memory_core/routing/planned.py's; docs/design.md §2.10.
 """
 
 from __future__ import annotations

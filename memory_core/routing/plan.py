@@ -2,7 +2,7 @@
 
 Per image, the rows are the adapters it asks for plus, in extension mode, their ancestors (an
 extension's class token attends to theirs), in the set's order; every image gets R rows, and an
-image needing fewer is padded with the null slot (memory_core/slots.py), whose rows compute finite
+image needing fewer is padded with the null slot (memory_core/routing/slots.py), whose rows compute finite
 numbers nobody reads. The plan is a few small integer tensors, packed into one host buffer and
 copied to the device once per batch (``PassPlan.tensors``); every gather of the pass happens on the
 device from them, so the pass makes no host round trip and its operations do not depend on which
@@ -18,10 +18,10 @@ Two layouts:
 Either way each asked task's logits are one contiguous run of output rows, which the plan's
 ``OutputIndex`` locates (memory_core/output/index.py): the output is cut when read, not per pass.
 
-The plan is numpy over the set's slot table (memory_core/slot_table.py) and the batch's ``TaskIndex``
+The plan is numpy over the set's slot table (memory_core/routing/slot_table.py) and the batch's ``TaskIndex``
 (memory_core/sets/task_index.py): a few vectorised operations (repeat, unique, searchsorted, fancy
 indexing), no Python loop over images or tasks and no aten operation, written into a host buffer
-that one non-blocking copy sends to the device (memory_core/staging.py). The all-tasks plan is the
+that one non-blocking copy sends to the device (memory_core/routing/staging.py). The all-tasks plan is the
 slot table itself, kept per set and shape: O(1) per pass.
 """
 
@@ -36,10 +36,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import InputError
-from .output.index import OutputIndex
-from .sets.adapter_set import AdapterSet
-from .sets.task_index import TaskIndex
+from ..errors import InputError
+from ..output.index import OutputIndex
+from ..sets.adapter_set import AdapterSet
+from ..sets.task_index import TaskIndex
 from .slot_table import table_of
 from .slots import NULL_SLOT, AdapterSlots, SlotPools, widths
 from .staging import HostBuffer, HostBuffers
@@ -102,7 +102,7 @@ class PassPlan:
     adapter_set: AdapterSet
     buffer: HostBuffer | None = None  # the host buffer ``host`` lives in, to send from
     # The set's kept all-tasks plan that ``host`` is (read-only, no buffer): a graph whose static plan
-    # already holds it is not sent it again (memory_core/graphs.py).
+    # already holds it is not sent it again (memory_core/routing/graphs.py).
     kept: np.ndarray | None = None
 
     @property

@@ -3,8 +3,8 @@
 A pass of a small model at a moderate batch is bound by the host: timm's DeiT-Tiny at batch 64
 launches ~150 kernels whose launch time exceeds their run time on an H100. A CUDA graph replays
 every kernel of a pass with one launch. What a graph reads is fixed at capture, so each graph owns
-static inputs, the images and the packed plan (memory_core/plan.py), copied in before each replay,
-and reads the slot pools (memory_core/slots.py) in place: a change of resident adapters writes a
+static inputs, the images and the packed plan (memory_core/routing/plan.py), copied in before each replay,
+and reads the slot pools (memory_core/routing/slots.py) in place: a change of resident adapters writes a
 slot and recaptures nothing. What varies between batches is bucketed so that few graphs serve all:
 
 - the batch rounds up to 1, 2, 4, 8, then a multiple of 8 up to 64, of 32 up to 256, then of 64
@@ -17,7 +17,7 @@ slot and recaptures nothing. What varies between batches is bucketed so that few
 
 Per pass the host does four things and no more, whatever the tasks: copy the images into the
 graph's static input, send the plan's host buffer into its static plan (one non-blocking copy, the
-buffer reused once its event says the copy has run: memory_core/staging.py), replay, and clone the
+buffer reused once its event says the copy has run: memory_core/routing/staging.py), replay, and clone the
 two outputs (the next replay overwrites them). No host sync, no event created, no allocation.
 
 ``MemoryViT`` uses this on CUDA unless ``engine.cuda_graphs`` is False. Graphs of one engine share a
@@ -67,7 +67,7 @@ class _Graph:
     base: Tensor  # static outputs
     adapters: Tensor | None
     inputs: dict[int, Tensor] = field(default_factory=dict)  # a view of ``images`` per batch given
-    holds: object = None  # the kept all-tasks plan (memory_core/plan.py) ``plan`` holds, if any
+    holds: object = None  # the kept all-tasks plan (memory_core/routing/plan.py) ``plan`` holds, if any
 
     def input(self, n: int) -> Tensor:
         """The first ``n`` images of the static input (the view made once per size)."""

@@ -19,9 +19,9 @@ A slot is written in place when an adapter first needs one (``assign``: ``LiveAd
 for the server's resident set, or the first pass that uses it) and freed when the adapter itself is
 freed: a ``weakref.finalize`` hands the slot back once no adapter set, and so no pass, can still
 name it. A pass therefore never stacks adapters; it reads the pools through the slot numbers its
-plan carries (memory_core/plan.py). Slots never move: when the pools must grow (more slots, longer
+plan carries (memory_core/routing/plan.py). Slots never move: when the pools must grow (more slots, longer
 memory, more classes) they are copied into larger tensors, ``generation`` counts up, and whatever
-was captured against the old tensors (CUDA graphs, memory_core/graphs.py) is captured again.
+was captured against the old tensors (CUDA graphs, memory_core/routing/graphs.py) is captured again.
 
 Writes run on the caller's thread and, on CUDA, on the device's current stream, which is the stream
 passes run on: a slot freed after a pass was launched is rewritten only after that pass's kernels.
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .sets.stack import PreparedAdapter, check_prepared_for
-from .weights.spec import ViTSpec
+from ..sets.stack import PreparedAdapter, check_prepared_for
+from ..weights.spec import ViTSpec
 
 NULL_SLOT = 0
 WRITE_CHUNK = 4096  # slots written per stacked copy (100,000 heads of ViT-B would stack 15 GB at once)
