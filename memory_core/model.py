@@ -22,11 +22,12 @@ import torch
 from timm.data import resolve_data_config
 from torch import Tensor, nn
 
-from . import invariant, invariant_planned
 from .block.attention import merged_block, split_block
 from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
-from .invariant import InvariantBlocks
+from .invariant import mode as invariant
+from .invariant import planned as invariant_planned
+from .invariant.mode import InvariantBlocks
 from .memory_projection import StackedProjection
 from .output.fused import FusedOutput
 from .preparation import AdapterPreparation
@@ -58,7 +59,7 @@ class MemoryViT(AdapterPreparation, nn.Module):
         batch_invariant: bool = False,
     ) -> None:
         super().__init__()
-        # Opt-in: every image's logits bit-identical whatever shares its pass (invariant.py), at a cost.
+        # Opt-in: every image's logits bit-identical whatever shares its pass (invariant/), at a cost.
         self.batch_invariant = batch_invariant
         self.invariant_blocks: InvariantBlocks | None = None  # None: the device's defaults
         # The class-token attention and heads of an inference pass: "torch", "triton" or "auto"
@@ -311,7 +312,7 @@ class MemoryViT(AdapterPreparation, nn.Module):
             base_logits, dict(zip(adapter_set.names, heads, strict=True)), adapter_set
         )
 
-    def _blocks(self) -> InvariantBlocks:  # the batch-invariant mode's call sizes (invariant.py)
+    def _blocks(self) -> InvariantBlocks:  # the batch-invariant mode's call sizes (invariant/blocks.py)
         return self.invariant_blocks or InvariantBlocks.for_device(self.device, self.dtype)
 
     def _check_stack(self, stack: AdapterStack) -> None:

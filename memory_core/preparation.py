@@ -14,7 +14,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor
 
-from . import invariant
+from .invariant import mode as invariant
 from .memory_projection import StackedProjection
 from .sets.adapter_set import AdapterSet
 from .sets.stack import PreparedAdapter
@@ -120,7 +120,7 @@ class AdapterPreparation:
             stacked = self._stacked_projection.project(self.base.blocks, memory, memory_norm)
             if stacked is not None:  # training: every layer at once (memory_projection.py)
                 return stacked
-        blocks = self._blocks() if self.batch_invariant else None  # invariant.py; None: one product
+        blocks = self._blocks() if self.batch_invariant else None  # invariant/; None: one product
         layers = zip(self.base.blocks, memory, strict=True)
         pairs = [invariant.project_memory(block, rows, memory_norm, blocks) for block, rows in layers]
         return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]), None

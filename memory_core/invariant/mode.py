@@ -33,10 +33,10 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor, nn
 
-from .block.attention import LayerMemory, _finish, base_attention
-from .block.attention import project_memory as _project_memory
-from .routing.planned import SlotAttention
-from .sets.stack import AdapterStack
+from ..block.attention import LayerMemory, _finish, base_attention
+from ..block.attention import project_memory as _project_memory
+from ..routing.planned import SlotAttention
+from ..sets.stack import AdapterStack
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The batch-invariant mode of a planned pass (memory_core/invariant.py's rules, over slot pools).
+"""The batch-invariant mode of a planned pass (memory_core/invariant/mode.py's rules, over slot pools).
 
 The class-token rows' memory is gathered from the pools and run through ``invariant.features``; on
 the Triton kernels (CUDA) the rows' attention is the kernel itself, one program per image, head and
@@ -11,11 +11,11 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor
 
-from .invariant import InvariantBlocks, PlannedRows, _pad, features, head, in_blocks
-from .routing import triton_kernels
-from .routing.plan import PlanShape, PlanTensors
-from .routing.planned import SlotAttention, layer_memory, lineage_of, rows_of
-from .routing.slots import SlotPools
+from ..routing import triton_kernels
+from ..routing.plan import PlanShape, PlanTensors
+from ..routing.planned import SlotAttention, layer_memory, lineage_of, rows_of
+from ..routing.slots import SlotPools
+from .mode import InvariantBlocks, PlannedRows, _pad, features, head, in_blocks
 
 # The Triton kernel's rows per program: one, so that each row's sums are its own, in a fixed order,
 # wherever the row sits among the pass's (a tile's matrix product need not round rows alike).
