@@ -43,7 +43,7 @@ from memvit.adapters.training.cache_key import CacheSpec
 from memvit.adapters.training.data import ImageDataset
 from memvit.adapters.training.residency import resident_pages
 from memvit.memory_core import AdapterWeights, MemoryViT
-from memvit.memory_core.cached import capture
+from memvit.memory_core.stored.cached import capture
 
 TRAIN_TAR = CIFAR10 / "cifar10_jpg_train_50k.tar.gz"
 TEST_TAR = CIFAR10 / "cifar10_jpg_test_10k.tar.gz"

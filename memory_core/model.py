@@ -23,12 +23,10 @@ from timm.data import resolve_data_config
 from torch import Tensor, nn
 
 from .block.attention import merged_block, split_block
-from .cached import CachedBatch, forward_cached
 from .errors import AdapterShapeError, InputError
 from .invariant import mode as invariant
 from .invariant import planned as invariant_planned
 from .invariant.mode import InvariantBlocks
-from .memory_projection import StackedProjection
 from .output.fused import FusedOutput
 from .preparation import AdapterPreparation
 from .routing import triton_kernels
@@ -40,6 +38,8 @@ from .routing.staging import HostBuffers
 from .sets.adapter_set import AdapterSet
 from .sets.stack import AdapterStack
 from .sets.task_index import TaskIndex
+from .stored.cached import CachedBatch, forward_cached
+from .stored.memory_projection import StackedProjection
 from .weights.base_model import BaseModel, create_base
 from .weights.fingerprint import state_fingerprint
 from .weights.spec import ViTSpec

@@ -15,9 +15,9 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor
 
 from .invariant import mode as invariant
-from .memory_projection import StackedProjection
 from .sets.adapter_set import AdapterSet
 from .sets.stack import PreparedAdapter
+from .stored.memory_projection import StackedProjection
 from .weights.adapter import AdapterWeights
 from .weights.spec import ViTSpec
 

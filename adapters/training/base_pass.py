@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 from memvit.memory_core import MemoryViT
-from memvit.memory_core.cached import CachedBatch, capture
+from memvit.memory_core.stored.cached import CachedBatch, capture
 
 from .device import PRECISIONS, autocast
 
 log = logging.getLogger(__name__)
 
-STORE = "inputs"  # what the written-out class-token block reads (memory_core/cached_block.py)
+STORE = "inputs"  # what the written-out class-token block reads (memory_core/stored/cached_block.py)
 # Only the capturing thread is held to capture's rules: while a graph is captured, the DataLoader's
 # pin-memory thread allocates pinned buffers and the cache's reader thread gathers batches, and in
 # the default "global" mode either would invalidate the capture (and poison that thread). What a

@@ -33,7 +33,7 @@ class LayerMemory:
     ``lineage`` lists, per adapter, the class tokens it attends to (itself first, then its ancestors),
     padded with ``lineage_bias`` = -inf; in concatenation mode A is 1 and each row is just itself.
     ``inputs``, when training keeps them, are the rows the memory keys and values are projected from
-    (its normed memory, padded alike): what the written-out block of memory_core/cached_block.py reads.
+    (its normed memory, padded alike): what the written-out block of memory_core/stored/cached_block.py reads.
     """
 
     keys: Tensor  # (K, H, P, d)
@@ -47,7 +47,7 @@ class LayerMemory:
 class BaseKeys(Protocol):
     """One layer's base tokens as the adapter class tokens read them. The fused pass holds their keys
     and values (``KeysValues``); training from cached activations may hold only the normed layer
-    inputs they are projected from (memory_core/cached.py)."""
+    inputs they are projected from (memory_core/stored/cached.py)."""
 
     def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
         """Scaled class-token queries (B, H, K, d) and their scores on the other keys they read
@@ -199,7 +199,7 @@ def base_block(block: Block, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]
 
     Returns the block's output and what the class tokens read of this layer: the normed input
     h = norm1(x) (B, T, D) and the keys and values (B, H, T, d) projected from it. The split path and
-    the activation cache (memory_core/cached.py) both run the base through here, so a cache holds
+    the activation cache (memory_core/stored/cached.py) both run the base through here, so a cache holds
     exactly what the split path would have computed.
     """
     h = block.norm1(x)

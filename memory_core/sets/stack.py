@@ -39,7 +39,7 @@ class PreparedAdapter:
     head_weight: Tensor  # (C, D)
     head_bias: Tensor  # (C,)
     # (L, m, D): the rows the keys and values are projected from, kept by training's stacked
-    # projection (memory_core/memory_projection.py) for the cached block; None when serving (an
+    # projection (memory_core/stored/memory_projection.py) for the cached block; None when serving (an
     # adapter without memory has its empty rows either way).
     memory_inputs: Tensor | None = None
 

@@ -1,4 +1,4 @@
-"""The written-out class-token block of training from a cache (memory_core/cached_block.py): the same
+"""The written-out class-token block of training from a cache (memory_core/stored/cached_block.py): the same
 logits and gradients as the generic, recorded path, and taken exactly where it applies."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-import memvit.memory_core.cached_block as cached_block
+import memvit.memory_core.stored.cached_block as cached_block
 from memvit.memory_core import AdapterSet, AdapterWeights, MemoryViT
 from memvit.memory_core.block.attention import LayerMemory
-from memvit.memory_core.cached import CachedBatch, capture
-from memvit.memory_core.folded_attention import folded
-from memvit.memory_core.stored_attention import NormedInputs, StoredKeysValues
+from memvit.memory_core.stored.cached import CachedBatch, capture
+from memvit.memory_core.stored.folded_attention import folded
+from memvit.memory_core.stored.stored_attention import NormedInputs, StoredKeysValues
 from tests.conftest import images
 from tests.factories import VARIANTS, random_adapter, tiny_engine
 

@@ -1,4 +1,4 @@
-"""A frozen attention folded into two linear layers (memory_core/folded_attention.py): one query's
+"""A frozen attention folded into two linear layers (memory_core/stored/folded_attention.py): one query's
 attention over rows as timm's projections compute it, and the folds kept only while the weights are."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import Attention
 
-from memvit.memory_core.folded_attention import folded
+from memvit.memory_core.stored.folded_attention import folded
 
 D, H = 12, 3
 

@@ -1,4 +1,4 @@
-"""Training's memory projection, every layer in one product (memory_core/memory_projection.py): the
+"""Training's memory projection, every layer in one product (memory_core/stored/memory_projection.py): the
 keys, values and gradients of the layer-by-layer projection, and taken exactly where it applies."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from memvit.memory_core import MemoryViT
 from memvit.memory_core.block import attention
-from memvit.memory_core.memory_projection import StackedProjection
+from memvit.memory_core.stored.memory_projection import StackedProjection
 from tests.factories import tiny_base, tiny_engine
 
 
@@ -46,7 +46,7 @@ def test_every_layer_at_once_equals_layer_by_layer_in_float64(variant: str, norm
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    # and the rows they are projected from: what the cached block reads (memory_core/cached_block.py)
+    # and the rows they are projected from: what the cached block reads (memory_core/stored/cached_block.py)
     rows = stacked.project(engine.base.blocks, memory, norm)[2]
     blocks = engine.base.blocks
     want_rows = (

@@ -17,8 +17,8 @@ What is kept per image (the ``store``):
 - ``"keys-values"``: the keys and values themselves, (L, 2, H, T, d): twice the bytes, and the very
   tensors the split path reads (float32 storage gives its numbers bit for bit).
 
-How the class tokens read a stored layer is in memory_core/stored_attention.py; the common block runs
-as one autograd node with its backward pass written out (memory_core/cached_block.py).
+How the class tokens read a stored layer is in memory_core/stored/stored_attention.py; the common block runs
+as one autograd node with its backward pass written out (memory_core/stored/cached_block.py).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
-from .block.attention import BaseKeys, KeysValues, LayerMemory, base_block, memory_rows, project_qkv
+from ..block.attention import BaseKeys, KeysValues, LayerMemory, base_block, memory_rows, project_qkv
+from ..errors import AdapterShapeError, InputError
+from ..output.fused import FusedOutput
+from ..sets.adapter_set import AdapterSet
+from ..weights.spec import ViTSpec
 from .cached_block import cached_class_token_block
-from .errors import AdapterShapeError, InputError
-from .output.fused import FusedOutput
-from .sets.adapter_set import AdapterSet
 from .stored_attention import NormedInputs, StoredKeysValues
-from .weights.spec import ViTSpec
 
 STORES = ("inputs", "keys-values")
 

@@ -1,12 +1,12 @@
-"""How adapter class tokens read one layer of cached base activations (memory_core/cached.py).
+"""How adapter class tokens read one layer of cached base activations (memory_core/stored/cached.py).
 
 - ``StoredKeysValues``: the "keys-values" store, the base keys and values themselves.
 - ``NormedInputs``: the "inputs" store, the normed layer inputs h the keys and values are affine in
   (k = h W_k^T + b_k, v = h W_v^T + b_v), so a class token never needs the T keys themselves:
   q.k = (q W_k).h + q.b_k and p.v = (p h) W_v^T + (sum p) b_v. Its forward and backward passes are
   written out (``attend_inputs``, ``attend_inputs_backward``) as one autograd node for the generic
-  path; the written-out block of memory_core/cached_block.py goes further and folds the whole
-  attention (memory_core/folded_attention.py).
+  path; the written-out block of memory_core/stored/cached_block.py goes further and folds the whole
+  attention (memory_core/stored/folded_attention.py).
 
 Both widen the stored layer (float16 or bfloat16 storage) to the queries' dtype where it is read.
 """
@@ -19,7 +19,7 @@ import torch
 from timm.layers import Attention
 from torch import Tensor
 
-from .block.attention import softmax_dtype
+from ..block.attention import softmax_dtype
 
 
 class _TimesStored(torch.autograd.Function):

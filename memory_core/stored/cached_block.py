@@ -7,7 +7,7 @@ autograd nodes per block and running them back costs as much as the maths they d
 ``cached_class_token_block`` runs the common block as ONE autograd node, its backward pass written
 out below with aten's LayerNorm and GELU backward kernels, and computes it in fewer, larger
 operations than the generic path: the frozen attention folded into two linear layers
-(memory_core/folded_attention.py), the token itself and its memory read as more rows beside the
+(memory_core/stored/folded_attention.py), the token itself and its memory read as more rows beside the
 stored base rows, not through their own keys and values (a cached DeiT-Tiny epoch 14% faster;
 docs/design.md §2.9).
 
@@ -26,7 +26,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
-from .block.attention import BaseKeys, LayerMemory, class_token_block, softmax_dtype
+from ..block.attention import BaseKeys, LayerMemory, class_token_block, softmax_dtype
 from .folded_attention import FoldedAttention, folded
 from .memory_projection import plain_layer_norm
 from .stored_attention import NormedInputs
@@ -86,7 +86,7 @@ def _per_token(x: Tensor, rows: Tensor) -> Tensor:
 
 class _ClassTokenBlock(torch.autograd.Function):
     """c (B, K, D), each adapter's memory as normed inputs (K, P, D), the stored normed inputs
-    h (B, T, D) -> c, the attention folded (memory_core/folded_attention.py).
+    h (B, T, D) -> c, the attention folded (memory_core/stored/folded_attention.py).
 
     Every key and value a class token reads is affine in a normed input, so its attention runs over
     rows: the T base rows h, its own row h_c = norm1(c) and its memory rows (``E``, (B, K, 1 + P, D)):
