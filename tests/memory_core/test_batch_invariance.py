@@ -14,7 +14,7 @@ import torch
 
 from memvit.memory_core import AdapterSet, FusedOutput, LiveAdapters, MemoryViT
 from memvit.memory_core.invariant.mode import InvariantBlocks
-from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.oracle.reference import DenseMemoryViT
 from tests.conftest import TOL, VARIANTS, max_diff, random_adapter, tiny_base
 
 SIZES = (2, 3, 5, 8, 13)

@@ -9,7 +9,7 @@ import timm
 import torch
 
 from memvit.memory_core import AdapterSet, InputError, LiveAdapters, MemoryViT, create_base
-from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.oracle.reference import DenseMemoryViT
 from tests.conftest import TOL, VARIANTS, images, max_diff, random_adapter, tiny_engine
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from memvit.memory_core.reference import attention_mask
+from memvit.memory_core.oracle.reference import attention_mask
 from tests.conftest import random_adapter
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memvit.memory_core import InputError, LiveAdapters, UnknownAdapterError
-from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.oracle.reference import DenseMemoryViT
 from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
 
 

@@ -8,7 +8,7 @@ import gc
 import torch
 
 from memvit.memory_core import LiveAdapters, MemoryViT, plan_pass
-from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.oracle.reference import DenseMemoryViT
 from memvit.memory_core.routing.slots import NULL_SLOT, AdapterSlots
 from tests.conftest import TOL, images, max_diff, random_adapter, tiny_base, tiny_engine
 

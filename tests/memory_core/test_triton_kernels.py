@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memvit.memory_core.block.attention import KeysValues, LayerMemory, adapter_attention
-from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.oracle.reference import DenseMemoryViT
 from memvit.memory_core.routing import triton_kernels
 from memvit.memory_core.routing.planned import gathered_heads, shared_heads
 from memvit.memory_core.routing.slots import SlotPools

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor
 
-from .weights.adapter import AdapterWeights
+from ..weights.adapter import AdapterWeights
 
 BASE, CLS, MEM = 0, 1, 2
 
