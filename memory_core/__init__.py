@@ -4,6 +4,8 @@ Sandler et al., "Fine-tuning Image Transformers using Learnable Memory" (CVPR 20
 file-format code lives here: bundles are ``adapters/``, HTTP is ``server/``.
 """
 
+from .engine.live import LiveAdapters
+from .engine.model import MemoryViT
 from .errors import (
     AdapterError,
     AdapterInUseError,
@@ -17,8 +19,6 @@ from .errors import (
     UnsupportedModelError,
     WeightsError,
 )
-from .live import LiveAdapters
-from .model import MemoryViT
 from .output.fused import FusedOutput
 from .output.index import Answers, OutputIndex
 from .routing.plan import PassPlan, PlanShape, plan_pass

@@ -109,7 +109,7 @@ def test_pip_install_puts_everything_under_memvit(hub_venv: Path) -> None:
     for expected in (
         "memvit/server/cli/__init__.py",
         "memvit/adapters/bundle.py",
-        "memvit/memory_core/model.py",
+        "memvit/memory_core/engine/model.py",
         "memvit/server/static/index.html",
         "memvit/server/demo/base.safetensors",
         "memvit/server/demo/MANIFEST.json",

@@ -1,4 +1,4 @@
-"""The live adapter set (memory_core/live.py): atomic, validated changes under one lock, snapshots that
+"""The live adapter set (memory_core/engine/live.py): atomic, validated changes under one lock, snapshots that
 a change never touches, and adapters that must have been prepared for the engine's device and dtype."""
 
 from __future__ import annotations

@@ -14,18 +14,18 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor
 
-from .invariant import mode as invariant
-from .sets.adapter_set import AdapterSet
-from .sets.stack import PreparedAdapter
-from .stored.memory_projection import StackedProjection
-from .weights.adapter import AdapterWeights
-from .weights.spec import ViTSpec
+from ..invariant import mode as invariant
+from ..sets.adapter_set import AdapterSet
+from ..sets.stack import PreparedAdapter
+from ..stored.memory_projection import StackedProjection
+from ..weights.adapter import AdapterWeights
+from ..weights.spec import ViTSpec
 
 
 class AdapterPreparation:
     """``prepare``, ``prepare_many``, ``prepare_set`` and the memory projection of ``MemoryViT``."""
 
-    # What it reads of the engine (memory_core/model.py).
+    # What it reads of the engine (memory_core/engine/model.py).
     base: VisionTransformer
     spec: ViTSpec
     device: torch.device

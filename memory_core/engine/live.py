@@ -23,11 +23,11 @@ from contextlib import contextmanager
 
 import torch
 
+from ..routing.slot_table import table_of
+from ..sets.adapter_set import AdapterSet
+from ..sets.stack import check_prepared_for
+from ..weights.adapter import AdapterWeights
 from .model import MemoryViT
-from .routing.slot_table import table_of
-from .sets.adapter_set import AdapterSet
-from .sets.stack import check_prepared_for
-from .weights.adapter import AdapterWeights
 
 log = logging.getLogger(__name__)
 

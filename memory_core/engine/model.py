@@ -22,27 +22,27 @@ import torch
 from timm.data import resolve_data_config
 from torch import Tensor, nn
 
-from .block.attention import merged_block, split_block
-from .errors import AdapterShapeError, InputError
-from .invariant import mode as invariant
-from .invariant import planned as invariant_planned
-from .invariant.mode import InvariantBlocks
-from .output.fused import FusedOutput
+from ..block.attention import merged_block, split_block
+from ..errors import AdapterShapeError, InputError
+from ..invariant import mode as invariant
+from ..invariant import planned as invariant_planned
+from ..invariant.mode import InvariantBlocks
+from ..output.fused import FusedOutput
+from ..routing import triton_kernels
+from ..routing.graphs import GraphedPasses, bucket_images, bucket_rows
+from ..routing.plan import PassPlan, PlanTensors, plan_pass
+from ..routing.planned import planned_forward
+from ..routing.slots import AdapterSlots
+from ..routing.staging import HostBuffers
+from ..sets.adapter_set import AdapterSet
+from ..sets.stack import AdapterStack
+from ..sets.task_index import TaskIndex
+from ..stored.cached import CachedBatch, forward_cached
+from ..stored.memory_projection import StackedProjection
+from ..weights.base_model import BaseModel, create_base
+from ..weights.fingerprint import state_fingerprint
+from ..weights.spec import ViTSpec
 from .preparation import AdapterPreparation
-from .routing import triton_kernels
-from .routing.graphs import GraphedPasses, bucket_images, bucket_rows
-from .routing.plan import PassPlan, PlanTensors, plan_pass
-from .routing.planned import planned_forward
-from .routing.slots import AdapterSlots
-from .routing.staging import HostBuffers
-from .sets.adapter_set import AdapterSet
-from .sets.stack import AdapterStack
-from .sets.task_index import TaskIndex
-from .stored.cached import CachedBatch, forward_cached
-from .stored.memory_projection import StackedProjection
-from .weights.base_model import BaseModel, create_base
-from .weights.fingerprint import state_fingerprint
-from .weights.spec import ViTSpec
 
 _BASE_ONLY = AdapterSet()  # what a pass without a set runs: no adapters
 
