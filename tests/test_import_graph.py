@@ -23,7 +23,16 @@ FORBIDDEN = {
 # may import its own layer and those listed before it, never one listed after. A name not listed
 # is unconstrained (the package's own __init__, say). Each package's __init__ says the same in words.
 SERVER_LAYERS: tuple[tuple[str, ...], ...] = ()
-MEMORY_CORE_LAYERS: tuple[tuple[str, ...], ...] = ()
+MEMORY_CORE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "runtime"),
+    ("weights", "block"),
+    ("sets",),
+    ("output",),
+    ("routing",),
+    ("invariant", "stored"),
+    ("engine",),
+    ("oracle",),
+)
 ADAPTERS_LAYERS: tuple[tuple[str, ...], ...] = ()
 SUBLAYERS = {
     "memvit.server": SERVER_LAYERS,
