@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from benchmarks.batch_invariance import bench, op_probe
-from memvit.memory_core.invariant.mode import InvariantBlocks
+from memvit.memory_core.invariant.blocks import InvariantBlocks
 from tests.factories import random_adapter
 
 from .plan import ARCHS, DTYPES, Plan, engine, images, timed_rounds

@@ -26,7 +26,7 @@ from ..block.attention import merged_block, split_block
 from ..errors import AdapterShapeError, InputError
 from ..invariant import mode as invariant
 from ..invariant import planned as invariant_planned
-from ..invariant.mode import InvariantBlocks
+from ..invariant.blocks import InvariantBlocks
 from ..output.fused import FusedOutput
 from ..routing import triton_kernels
 from ..routing.graphs import GraphedPasses, bucket_images, bucket_rows

@@ -15,7 +15,8 @@ from ..routing import triton_kernels
 from ..routing.plan import PlanShape, PlanTensors
 from ..routing.planned import SlotAttention, layer_memory, lineage_of, rows_of
 from ..routing.slots import SlotPools
-from .mode import InvariantBlocks, PlannedRows, _pad, features, head, in_blocks
+from .blocks import InvariantBlocks, in_blocks, pad_up
+from .mode import PlannedRows, features, head
 
 # The Triton kernel's rows per program: one, so that each row's sums are its own, in a fixed order,
 # wherever the row sits among the pass's (a tile's matrix product need not round rows alike).
@@ -62,8 +63,8 @@ def planned(
     def heads(rows: Tensor, slots: Tensor) -> Tensor:  # one (1, D) x (D, classes) product per chunk
         n = rows.shape[0]
         x = flat.index_select(0, rows)[:, None].expand(n, chunks, D).reshape(n * chunks, 1, D)
-        w = _pad(pools.head_weight.index_select(0, slots), 1, blocks.classes)  # (n, C', D)
-        b = _pad(pools.head_bias.index_select(0, slots), 1, blocks.classes)
+        w = pad_up(pools.head_weight.index_select(0, slots), 1, blocks.classes)  # (n, C', D)
+        b = pad_up(pools.head_bias.index_select(0, slots), 1, blocks.classes)
         w, b = w.reshape(n * chunks, blocks.classes, D), b.reshape(n * chunks, 1, blocks.classes)
         return torch.baddbmm(b, x, w.transpose(1, 2)).reshape(n, -1)
 

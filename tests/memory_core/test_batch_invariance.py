@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from memvit.memory_core import AdapterSet, FusedOutput, LiveAdapters, MemoryViT
-from memvit.memory_core.invariant.mode import InvariantBlocks
+from memvit.memory_core.invariant.blocks import InvariantBlocks
 from memvit.memory_core.oracle.reference import DenseMemoryViT
 from tests.conftest import TOL, VARIANTS, max_diff, random_adapter, tiny_base
 
