@@ -21,7 +21,8 @@ from .errors import (
 )
 from .output.fused import FusedOutput
 from .output.index import Answers, OutputIndex
-from .routing.plan import PassPlan, PlanShape, plan_pass
+from .routing.plan import PassPlan, PlanShape
+from .routing.planner import plan_pass
 from .routing.slot_table import SlotTable
 from .routing.slots import AdapterSlots, SlotPools
 from .sets.adapter_set import AdapterSet

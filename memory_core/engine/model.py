@@ -30,8 +30,9 @@ from ..invariant.blocks import InvariantBlocks
 from ..output.fused import FusedOutput
 from ..routing import triton_kernels
 from ..routing.graphs import GraphedPasses, bucket_images, bucket_rows
-from ..routing.plan import PassPlan, PlanTensors, plan_pass
+from ..routing.plan import PassPlan, PlanTensors
 from ..routing.planned import planned_forward
+from ..routing.planner import plan_pass
 from ..routing.slots import AdapterSlots
 from ..routing.staging import HostBuffers
 from ..sets.adapter_set import AdapterSet
