@@ -2,14 +2,15 @@
 
     forward(x, adapter_set, tasks) = run_plan(x, plan_pass(adapter_set, slots, tasks))
 
-An inference pass is planned on the host (``plan.py``: each image's class-token rows, as slots of
-the engine's ``AdapterSlots``, ``slots.py``) and run on the device from the plan and the slot pools
-alone (``planned.py``): the base tokens through every block exactly as timm computes them, the
-class-token rows alongside, the base head and each row's head. A pass that trains adapters runs
-their stack instead (``forward_features``/``forward_head``, the split path, docs/design.md §2.3).
+An inference pass is planned on the host (routing/planner.py: each image's class-token rows, as
+slots of the engine's ``AdapterSlots``, routing/slots.py) and run on the device from the plan and
+the slot pools alone (``run_plan``, engine/slot_passes.py, over routing/planned.py): the base tokens
+through every block exactly as timm computes them, the class-token rows alongside, the base head
+and each row's head. A pass that trains adapters runs their stack instead
+(``forward_features``/``forward_head``, the split path, docs/design.md §2.3).
 The engine holds no adapters of its own: it ``prepare``s them and runs whichever immutable
 ``AdapterSet`` it is handed, giving each adapter a slot the first time one needs it. Which set is
-live, and how it changes, is ``live.py``'s (``LiveAdapters``).
+live, and how it changes, is engine/live.py's (``LiveAdapters``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,9 @@ from torch import Tensor, nn
 from ..block.attention import merged_block, split_block
 from ..errors import AdapterShapeError, InputError
 from ..invariant import mode as invariant
-from ..invariant import planned as invariant_planned
 from ..invariant.blocks import InvariantBlocks
 from ..output.fused import FusedOutput
-from ..routing import triton_kernels
 from ..routing.graphs import GraphedPasses, bucket_images, bucket_rows
-from ..routing.plan import PassPlan, PlanTensors
-from ..routing.planned import planned_forward
 from ..routing.planner import plan_pass
 from ..routing.slots import AdapterSlots
 from ..routing.staging import HostBuffers
@@ -44,11 +41,12 @@ from ..weights.base_model import BaseModel, create_base
 from ..weights.fingerprint import state_fingerprint
 from ..weights.spec import ViTSpec
 from .preparation import AdapterPreparation
+from .slot_passes import SlotPasses
 
 _BASE_ONLY = AdapterSet()  # what a pass without a set runs: no adapters
 
 
-class MemoryViT(AdapterPreparation, nn.Module):
+class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
     """A frozen timm ViT that serves its own task and every adapter of the set it is given, in one pass."""
 
     def __init__(
@@ -64,9 +62,9 @@ class MemoryViT(AdapterPreparation, nn.Module):
         self.batch_invariant = batch_invariant
         self.invariant_blocks: InvariantBlocks | None = None  # None: the device's defaults
         # The class-token attention and heads of an inference pass: "torch", "triton" or "auto"
-        # (Triton on CUDA). Both compute the same numbers (planned.py); tests run Triton on CPU too.
+        # (Triton on CUDA). Both compute the same numbers (routing/planned.py); tests run Triton on CPU too.
         self.kernels = "auto"
-        # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (graphs.py).
+        # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (routing/graphs.py).
         self.cuda_graphs = True
         self._slots: AdapterSlots | None = None  # built for the device and dtype on first use
         self._graphed_passes: GraphedPasses | None = None
@@ -187,76 +185,6 @@ class MemoryViT(AdapterPreparation, nn.Module):
         if plan is None:
             return FusedOutput(base_logits, adapter_set, batch=x.shape[0])
         return FusedOutput.of_plan(base_logits, adapter_logits, plan, adapter_set)
-
-    def run_plan(
-        self, x: Tensor, plan: PassPlan | None, *, path: str = "merged"
-    ) -> tuple[Tensor, Tensor | None]:
-        """The device part of a pass: images and a plan -> base logits (B', C_0) and the adapter logits
-        of the plan's output rows (planned.py), or None without a plan (the base alone). On CUDA, a
-        replay of the pass's graph (graphs.py) unless ``cuda_graphs`` is off; B' is then the graph's
-        padded batch (its first B rows are the images'), else B."""
-
-        def device_pass(images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None):
-            return self._device_pass(images, tensors, plan, path)
-
-        if self.graphed:
-            key = (self.resolved_kernels, path, self.batch_invariant)
-            return self._graphs().run(x, plan, key, device_pass)
-        tensors = None if plan is None else plan.tensors(self.device, self._host_buffers)
-        return device_pass(x, tensors, plan)
-
-    def _device_pass(
-        self, x: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, path: str
-    ) -> tuple[Tensor, Tensor | None]:
-        base = self.base
-        blocks = self._blocks() if self.batch_invariant and path == "merged" else None
-        if plan is None:
-            if blocks is not None:
-                x_tokens, _ = invariant.features(base, x.to(self.dtype), None, blocks)
-                return invariant.head(base, x_tokens, blocks), None
-            return base.forward_head(base.norm(base.blocks(self.embed(x)))), None
-        kernels = self.resolved_kernels
-        if blocks is not None:
-            x = x.to(self.dtype)
-            return invariant_planned.planned(
-                base, x, tensors, plan.shape, plan.pools, blocks, kernels=kernels
-            )
-        return planned_forward(
-            base, self.embed(x), tensors, plan.shape, plan.pools, kernels=kernels, path=path
-        )
-
-    @property
-    def graphed(self) -> bool:
-        """Whether inference passes run as CUDA graphs: on CUDA, while ``cuda_graphs`` is on (or on
-        any device once ``use_graphs`` gave a stand-in)."""
-        return self.cuda_graphs and (self.device.type == "cuda" or self._graphs_given)
-
-    def use_graphs(self, passes: GraphedPasses) -> None:
-        """Run inference passes through ``passes``: a stand-in that replays nothing lets a benchmark
-        measure a graphed pass's host path on a CPU (benchmarks/host_path.py)."""
-        self._graphed_passes, self._graphs_given = passes, True
-
-    def _graphs(self) -> GraphedPasses:
-        if self._graphed_passes is None:
-            self._graphed_passes = GraphedPasses(buffers=self._host_buffers)
-        return self._graphed_passes
-
-    @property
-    def slots(self) -> AdapterSlots:
-        """The device slots of the adapters this engine runs (slots.py), for its current device and
-        dtype: after a move, new (empty) slots, filled again as passes need them."""
-        slots = self._slots
-        if slots is None or slots.device != self.device or slots.dtype != self.dtype:
-            slots = self._slots = AdapterSlots(self.spec, self.device, self.dtype)
-        return slots
-
-    @property
-    def resolved_kernels(self) -> str:
-        """The class-token attention and heads' implementation (planned.py): ``kernels`` unless "auto",
-        which is Triton on CUDA (when installed) and torch elsewhere."""
-        if self.kernels != "auto":
-            return self.kernels
-        return "triton" if self.device.type == "cuda" and triton_kernels.available() else "torch"
 
     def forward_features(
         self, x: Tensor, stack: AdapterStack | None, *, path: str = "auto"
