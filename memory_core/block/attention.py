@@ -64,16 +64,25 @@ def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class KeysValues:
-    """The base tokens' keys and values, each (B, H, T, d)."""
+    """The base tokens' keys and values, each (B, H, T, d). Stored ones (memory_core/stored/) override
+    only the two products, to widen float16/bfloat16 storage where it is read."""
 
     keys: Tensor
     values: Tensor
 
     def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
         T = self.keys.shape[-2]
-        scores = torch.cat([q @ self.keys.transpose(-2, -1), other], dim=-1)  # (B, H, K, T + S)
+        scores = torch.cat([self.scores(q), other], dim=-1)  # (B, H, K, T + S)
         probs = attn.attn_drop(scores.softmax(dim=-1, dtype=softmax_dtype(q.dtype)).to(q.dtype))
-        return probs[..., :T] @ self.values, probs[..., T:]
+        return self.weighted(probs[..., :T]), probs[..., T:]
+
+    def scores(self, q: Tensor) -> Tensor:
+        """Scaled queries (B, H, K, d) -> their scores on the base keys (B, H, K, T)."""
+        return q @ self.keys.transpose(-2, -1)
+
+    def weighted(self, p: Tensor) -> Tensor:
+        """Weights on the base keys (B, H, K, T) -> the weighted sum of the base values (B, H, K, d)."""
+        return p @ self.values
 
 
 def project_qkv(attn: Attention, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,7 +116,21 @@ def base_attention(attn: Attention, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return attn.attn_drop(scores.softmax(dim=-1)) @ v
 
 
-def adapter_attention(
+def lineage_keys_values(k_c: Tensor, v_c: Tensor, memory: LayerMemory) -> tuple[Tensor, Tensor]:
+    """The class-token keys and values k_c, v_c (B, H, K, d) -> each row's lineage's, (B, H, K, A, d):
+    itself first, then its ancestors (extension mode); padding entries point at a real row, and the
+    caller masks them with ``memory.lineage_bias``. Shared lineage (K, A) or routed (B, K, A)."""
+    if memory.lineage.shape[-1] == 1:  # concatenation mode: each row's lineage is itself, no gather
+        return k_c.unsqueeze(3), v_c.unsqueeze(3)
+    if memory.lineage.ndim == 2:  # shared by every image
+        return k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]
+    images = torch.arange(k_c.shape[0], device=k_c.device)[:, None, None]
+    k_l = k_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)  # (B, H, K, A, d)
+    v_l = v_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)
+    return k_l, v_l
+
+
+def class_token_attention(
     attn: Attention,
     q_c: Tensor,
     k_c: Tensor,
@@ -126,15 +149,12 @@ def adapter_attention(
     A = memory.lineage.shape[-1]
     q = q_c * attn.scale
     shared = memory.lineage.ndim == 2  # else routed: rows differ per image
-    if A == 1:  # concatenation mode: each row's lineage is itself alone (entry 0), no gather needed
-        k_l, v_l, lineage_bias = k_c.unsqueeze(3), v_c.unsqueeze(3), 0.0  # (B, H, K, 1, d)
+    k_l, v_l = lineage_keys_values(k_c, v_c, memory)  # (B, H, K, A, d)
+    if A == 1:  # concatenation mode: each row's lineage is itself alone, never padding
+        lineage_bias = 0.0
     elif shared:
-        k_l, v_l = k_c[:, :, memory.lineage], v_c[:, :, memory.lineage]  # (B, H, K, A, d): own lineage
         lineage_bias = memory.lineage_bias  # (K, A)
     else:
-        images = torch.arange(q.shape[0], device=q.device)[:, None, None]
-        k_l = k_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)  # (B, H, K, A, d)
-        v_l = v_c.transpose(1, 2)[images, memory.lineage].permute(0, 3, 1, 2, 4)
         lineage_bias = memory.lineage_bias[:, None]  # (B, 1, K, A)
     if shared:
         m_scores = torch.einsum("bhkd,khpd->bhkp", q, memory.keys) + memory.bias  # bias (K, P)
@@ -185,7 +205,7 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
     q, k, v = project_qkv(block.attn, h)  # (B, H, T+K, d) each
     k_x, v_x = k[:, :, :T], v[:, :, :T]
     o_x = base_attention(block.attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
-    o_c = adapter_attention(
+    o_c = class_token_attention(
         block.attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory
     )  # (B, H, K, d)
     del q, k, v, k_x, v_x  # drop this layer's keys and values before the MLP allocates its hidden layer
@@ -212,7 +232,7 @@ def class_token_block(block: Block, c: Tensor, base: BaseKeys, memory: LayerMemo
     """Adapter class tokens c (B, K, D) through one block, reading the base tokens as ``base``."""
     h_c = block.norm1(c)
     q_c, k_c, v_c = project_qkv(block.attn, h_c)  # (B, H, K, d) each
-    o_c = adapter_attention(block.attn, q_c, k_c, v_c, base, memory)
+    o_c = class_token_attention(block.attn, q_c, k_c, v_c, base, memory)
     return _finish(block, c, h_c, _merge_heads(o_c))
 
 

@@ -8,11 +8,11 @@ import torch
 from timm.layers import Attention
 from torch import Tensor
 
-from ..block.attention import LayerMemory
+from ..block.attention import LayerMemory, lineage_keys_values
 from .blocks import InvariantBlocks, fixed_bmm, in_blocks, pad_up
 
 
-def adapter_attention(
+def invariant_class_token_attention(
     attn: Attention,
     q_c: Tensor,
     k_c: Tensor,
@@ -22,7 +22,7 @@ def adapter_attention(
     memory: LayerMemory,
     blocks: InvariantBlocks,
 ) -> Tensor:
-    """``attention.adapter_attention`` computed so that a row's result depends on that row alone.
+    """``block.attention.class_token_attention`` computed so that a row's result depends on that row alone.
 
     q_c, k_c, v_c: (B, H, K, d); k_x, v_x: (B, H, T, d). Returns (B, H, K, d).
     """
@@ -86,16 +86,13 @@ def _own_keys(k_c: Tensor, v_c: Tensor, memory: LayerMemory, B: int) -> list[tup
     """Per class-token row, its lineage's and its memory's keys and values (B*K, H, n, d) and the
     bias on them (B*K, 1, n): -inf on padding."""
     _, H, K, d = k_c.shape
+    k_l, v_l = (t.transpose(1, 2) for t in lineage_keys_values(k_c, v_c, memory))  # (B, K, H, A, d)
     if memory.lineage.ndim == 2:  # shared by every image
-        k_l, v_l = k_c[:, :, memory.lineage].transpose(1, 2), v_c[:, :, memory.lineage].transpose(1, 2)
         l_bias = memory.lineage_bias.expand(B, -1, -1)  # (B, K, A)
         k_m = memory.keys.expand(B, -1, -1, -1, -1)  # (K, H, P, d) -> (B, K, H, P, d)
         v_m = memory.values.expand(B, -1, -1, -1, -1)
         m_bias = memory.bias.expand(B, -1, -1)
     else:  # routed: row k of image b is adapter idx[b, k]
-        images = torch.arange(B, device=k_c.device)[:, None, None]
-        k_l = k_c.transpose(1, 2)[images, memory.lineage].transpose(2, 3)  # (B, K, H, A, d)
-        v_l = v_c.transpose(1, 2)[images, memory.lineage].transpose(2, 3)
         l_bias, k_m, v_m, m_bias = memory.lineage_bias, memory.keys, memory.values, memory.bias
     k_l, v_l, k_m, v_m = (t.reshape(B * K, H, -1, d) for t in (k_l, v_l, k_m, v_m))
     return [(k_l, v_l, l_bias.reshape(B * K, 1, -1)), (k_m, v_m, m_bias.reshape(B * K, 1, -1))]

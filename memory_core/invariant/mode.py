@@ -39,7 +39,7 @@ from ..block.attention import LayerMemory, _finish, base_attention
 from ..block.attention import project_memory as _project_memory
 from ..routing.planned import SlotAttention
 from ..sets.stack import AdapterStack
-from .attention import adapter_attention
+from .attention import invariant_class_token_attention
 from .blocks import InvariantBlocks, in_blocks
 
 
@@ -119,7 +119,9 @@ def invariant_block(
         memory.into(rows, attn, q, k, v, T)
         o = torch.cat([o, rows[:, T:].transpose(1, 2)], dim=2)
     elif N > T:
-        o_c = adapter_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k_x, v_x, memory, blocks)
+        o_c = invariant_class_token_attention(
+            attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k_x, v_x, memory, blocks
+        )
         o = torch.cat([o, o_c], dim=2)
     o = o.transpose(1, 2).reshape(B * N, D)
 

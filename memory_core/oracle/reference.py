@@ -114,7 +114,7 @@ class DenseMemoryViT:
         B = x.shape[0]
         x = base.norm_pre(torch.cat([x, self.cls.expand(B, -1, -1)], dim=1))  # (B, T+K, D)
         for block, memory in zip(base.blocks, self.memory, strict=True):
-            x = self._block(block, x, memory)
+            x = self._dense_mask_block(block, x, memory)
         x = base.norm(x)
         base_logits = base.forward_head(x[:, : self.num_base])
         adapter_logits = {
@@ -123,7 +123,7 @@ class DenseMemoryViT:
         }
         return base_logits, adapter_logits
 
-    def _block(self, block, x: Tensor, memory: Tensor) -> Tensor:
+    def _dense_mask_block(self, block, x: Tensor, memory: Tensor) -> Tensor:
         attn = block.attn
         B, N, D = x.shape
         seq = torch.cat([x, memory.expand(B, -1, -1)], dim=1)  # (B, S, D), S = N + sum m

@@ -129,7 +129,7 @@ class SlotAttention:
             lineage = plan.lineage.expand(B, -1, -1) if shape.shared else plan.lineage
         pools = self.pools
         keys, values = pools.keys[self.layer], pools.values[self.layer]
-        triton_kernels.adapter_attention(
+        triton_kernels.class_token_attention_kernel(
             o, q, k, v, num_base, keys, values, pools.memory_length, row_slots, lineage, attn.scale,
             block_rows=self.block_rows,
         )  # fmt: skip

@@ -1,6 +1,6 @@
 """Triton kernels for the slot pass: the adapter attention of one block, and the gathered heads.
 
-``adapter_attention`` is the class-token rows' attention of one block in one kernel: each row of
+``class_token_attention_kernel`` is the class-token rows' attention of one block in one kernel: each row of
 image b reads that image's T base keys and values, its lineage's class-token keys (itself, plus its
 ancestors' in extension mode) and its slot's memory keys and values from the pool, with one online
 softmax over all of them (flash attention's running max and sum, in float32). One program handles a
@@ -46,7 +46,7 @@ def _next_power_of_2(n: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _adapter_attention_kernel(
+    def _class_token_attention_jit(
         q_ptr, k_ptr, v_ptr, o_ptr,  # q, k, v: (B, H, N, d); o: (B, N, H, d)
         mk_ptr, mv_ptr, mlen_ptr,  # memory pools (S, H, P, d) and lengths (S,)
         slot_ptr, lin_ptr,  # row slots (B, R), lineage (B, R, A)
@@ -195,7 +195,7 @@ def _launcher(kernel, device: torch.device):
     return kernel
 
 
-def adapter_attention(
+def class_token_attention_kernel(
     o: Tensor,
     q: Tensor,
     k: Tensor,
@@ -232,7 +232,7 @@ def adapter_attention(
     BLOCK_P = 8 if BLOCK_D <= 64 else 4  # (BLOCK_R, BLOCK_P, BLOCK_D) memory tiles stay in registers
     BLOCK_T = 64 if BLOCK_R >= 16 else 32  # one row without tensor cores: (BLOCK_T, BLOCK_D) products
     grid = (triton.cdiv(R, BLOCK_R), H, B)
-    _launcher(_adapter_attention_kernel, q.device)[grid](
+    _launcher(_class_token_attention_jit, q.device)[grid](
         q, k, v, o, memory_keys, memory_values, memory_length, row_slots, lin,
         T, R, d, scale,
         *q.stride(), *k.stride(), *v.stride(), o.stride(0), o.stride(1), o.stride(2), o.stride(3),

@@ -35,7 +35,7 @@ from ..errors import AdapterShapeError, InputError
 from ..output.fused import FusedOutput
 from ..sets.adapter_set import AdapterSet
 from ..weights.spec import ViTSpec
-from .cached_block import cached_class_token_block
+from .cached_block import stored_class_token_block
 from .stored_attention import NormedInputs, StoredKeysValues
 
 STORES = ("inputs", "keys-values")
@@ -131,7 +131,7 @@ def forward_cached(engine: Engine, batch: CachedBatch, adapter_set: AdapterSet) 
     if batch.store == "inputs":  # the written-out block reads the memory's rows beside the base's
         memories = _with_memory_rows(base.blocks, adapter_set, stack.layers)
     for i, (block, memory) in enumerate(zip(base.blocks, memories, strict=True)):
-        c = cached_class_token_block(
+        c = stored_class_token_block(
             block, c, _base_keys(block, batch.store, layers[:, i], engine.dtype), memory
         )
     heads = stack.apply_heads(base.norm(c))

@@ -4,7 +4,7 @@ From a cache a training step is only the adapters' class-token rows, B*K of them
 At that size PyTorch's cost per operation, not the arithmetic, sets the pace: recording about 60
 autograd nodes per block and running them back costs as much as the maths they do (DeiT-Tiny, batch
 32, one adapter: a recorded forward pass takes a third longer than the same pass unrecorded). So
-``cached_class_token_block`` runs the common block as ONE autograd node, its backward pass written
+``stored_class_token_block`` runs the common block as ONE autograd node, its backward pass written
 out below with aten's LayerNorm and GELU backward kernels, and computes it in fewer, larger
 operations than the generic path: the frozen attention folded into two linear layers
 (memory_core/stored/folded_attention.py), the token itself and its memory read as more rows beside the
@@ -60,7 +60,7 @@ def written_out(block: nn.Module, base: BaseKeys, memory: LayerMemory) -> bool:
     )
 
 
-def cached_class_token_block(block: nn.Module, c: Tensor, base: BaseKeys, memory: LayerMemory) -> Tensor:
+def stored_class_token_block(block: nn.Module, c: Tensor, base: BaseKeys, memory: LayerMemory) -> Tensor:
     """Adapter class tokens c (B, K, D) through one block, reading a cached layer as ``base``."""
     if not written_out(block, base, memory):
         return class_token_block(block, c, base, memory)

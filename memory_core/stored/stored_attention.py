@@ -19,7 +19,7 @@ import torch
 from timm.layers import Attention
 from torch import Tensor
 
-from ..block.attention import softmax_dtype
+from ..block.attention import KeysValues, softmax_dtype
 
 
 class _TimesStored(torch.autograd.Function):
@@ -46,17 +46,15 @@ class _TimesStored(torch.autograd.Function):
 
 
 @dataclass(frozen=True)
-class StoredKeysValues:
-    """One layer's cached base keys and values, each (B, H, T, d) in the storage dtype."""
+class StoredKeysValues(KeysValues):
+    """One layer's cached base keys and values, each (B, H, T, d) in the storage dtype: the attention
+    of ``KeysValues``, its two products reading the stored layer widened where it is used."""
 
-    keys: Tensor
-    values: Tensor
+    def scores(self, q: Tensor) -> Tensor:
+        return _TimesStored.apply(q, self.keys, True)
 
-    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
-        T = self.keys.shape[-2]
-        scores = torch.cat([_TimesStored.apply(q, self.keys, True), other], dim=-1)
-        probs = scores.softmax(dim=-1, dtype=softmax_dtype(q.dtype)).to(q.dtype)
-        return _TimesStored.apply(probs[..., :T], self.values, False), probs[..., T:]
+    def weighted(self, p: Tensor) -> Tensor:
+        return _TimesStored.apply(p, self.values, False)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ def count(engine: MemoryViT, x: torch.Tensor, live: LiveAdapters | None, tasks=N
     plan = None if live is None else plan_pass(live.current, engine.slots, tasks, x.shape[0])
     launches = triton_kernels.launches
     with pytest.MonkeyPatch.context() as patch:
-        for name in ("adapter_attention", "gathered_heads", "shared_heads"):
+        for name in ("class_token_attention_kernel", "gathered_heads", "shared_heads"):
             patch.setattr(triton_kernels, name, _unrecorded(getattr(triton_kernels, name)))
         with torch.inference_mode(), Recorder() as recorder:
             engine.run_plan(x, plan)

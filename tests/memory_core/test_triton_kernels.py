@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memvit.memory_core.block.attention import KeysValues, LayerMemory, adapter_attention
+from memvit.memory_core.block.attention import KeysValues, LayerMemory, class_token_attention
 from memvit.memory_core.oracle.reference import DenseMemoryViT
 from memvit.memory_core.routing import triton_kernels
 from memvit.memory_core.routing.planned import gathered_heads, shared_heads
@@ -68,17 +68,17 @@ def test_adapter_attention_kernel_equals_the_torch_attention(R: int) -> None:
     q, k, v, keys, values, length, slots = _attention_inputs(B, H, T, R, d, S, P)
     scale = d**-0.5
     o = torch.zeros(B, T + R, H, d)
-    triton_kernels.adapter_attention(o, q, k, v, T, keys, values, length, slots, None, scale)
+    triton_kernels.class_token_attention_kernel(o, q, k, v, T, keys, values, length, slots, None, scale)
     bias = torch.where(torch.arange(P)[None, :] < length[:, None].long(), 0.0, float("-inf"))
 
-    class Attn:  # what adapter_attention reads of timm's Attention
+    class Attn:  # what class_token_attention reads of timm's Attention
         attn_drop = torch.nn.Identity()
 
     Attn.scale = scale
     own = torch.arange(R).view(1, R, 1).expand(B, R, 1)
     memory = LayerMemory(keys[slots], values[slots], bias[slots], own, torch.zeros(B, R, 1))
     kv = KeysValues(k[:, :, :T], v[:, :, :T])
-    expected = adapter_attention(Attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], kv, memory)  # (B, H, R, d)
+    expected = class_token_attention(Attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], kv, memory)  # (B, H, R, d)
     assert max_diff(o[:, T:], expected.transpose(1, 2)) <= 1e-5
     assert torch.equal(o[:, :T], torch.zeros(B, T, H, d))  # the base rows are left alone
 
@@ -88,8 +88,12 @@ def test_shared_rows_read_through_a_stride_zero_view() -> None:
     q, k, v, keys, values, length, _ = _attention_inputs(B, H, T, R, d, S, P, seed=1)
     row = torch.tensor([3, 1, 0, 4])
     shared, full = torch.zeros(B, T + R, H, d), torch.zeros(B, T + R, H, d)
-    triton_kernels.adapter_attention(shared, q, k, v, T, keys, values, length, row.expand(B, R), None, 0.25)
-    triton_kernels.adapter_attention(full, q, k, v, T, keys, values, length, row.repeat(B, 1), None, 0.25)
+    triton_kernels.class_token_attention_kernel(
+        shared, q, k, v, T, keys, values, length, row.expand(B, R), None, 0.25
+    )
+    triton_kernels.class_token_attention_kernel(
+        full, q, k, v, T, keys, values, length, row.repeat(B, 1), None, 0.25
+    )
     assert torch.equal(shared, full)
 
 
