@@ -33,7 +33,7 @@ MEMORY_CORE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("oracle",),
 )
-ADAPTERS_LAYERS: tuple[tuple[str, ...], ...] = ()
+ADAPTERS_LAYERS: tuple[tuple[str, ...], ...] = (("files", "preprocess"), ("bundle",), ("training",))
 SUBLAYERS = {
     "memvit.server": SERVER_LAYERS,
     "memvit.memory_core": MEMORY_CORE_LAYERS,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from memvit.memory_core import AdapterSet, AdapterShapeError, LiveAdapters, MemoryViT
 
-from .bundle import AdapterBundle
 from .errors import BaseMismatchError
+from .format import AdapterBundle
 from .reader import read_bundle
 
 

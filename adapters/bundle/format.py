@@ -19,7 +19,7 @@ from safetensors.torch import save
 
 from memvit.memory_core import AdapterWeights, MemoryViT
 
-from .files import write_atomic
+from ..files import write_atomic
 
 FORMAT = "memvit.adapter/1"
 TENSOR_LAYOUT: dict[str, str] = {

@@ -23,8 +23,8 @@ from safetensors.torch import load
 from memvit.memory_core import AdapterWeights
 from memvit.memory_core.errors import InvalidAdapterError
 
-from .bundle import FORMAT, OPTIONAL_METADATA, REQUIRED_METADATA, TENSOR_FIELDS, TENSOR_LAYOUT, AdapterBundle
 from .errors import BundleFormatError, BundleMetadataError, BundleTensorError
+from .format import FORMAT, OPTIONAL_METADATA, REQUIRED_METADATA, TENSOR_FIELDS, TENSOR_LAYOUT, AdapterBundle
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024  # a bundle header lists 4 tensors; anything huge is not one
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
