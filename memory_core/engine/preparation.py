@@ -118,7 +118,7 @@ class AdapterPreparation:
             return empty, empty, memory.new_zeros(L, 0, D)
         if torch.is_grad_enabled() and memory.requires_grad and not self.batch_invariant:
             stacked = self._stacked_projection.project(self.base.blocks, memory, memory_norm)
-            if stacked is not None:  # training: every layer at once (memory_projection.py)
+            if stacked is not None:  # training: every layer at once (stored/memory_projection.py)
                 return stacked
         blocks = self._blocks() if self.batch_invariant else None  # invariant/; None: one product
         layers = zip(self.base.blocks, memory, strict=True)

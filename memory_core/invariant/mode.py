@@ -99,7 +99,7 @@ def _rows(fn: Callable[[Tensor], Tensor], z: Tensor, blocks: InvariantBlocks) ->
 def invariant_block(
     block: Block, z: Tensor, T: int, memory: LayerMemory | SlotAttention | None, blocks: InvariantBlocks
 ) -> Tensor:
-    """``merged_block`` (attention.py) with every call's shape fixed. z: [X ; C] (B, T+K, D)."""
+    """``merged_block`` (block/attention.py) with every call's shape fixed. z: [X ; C] (B, T+K, D)."""
     attn = block.attn
     B, N, D = z.shape
     gated = getattr(attn, "gate", None) is not None  # the one use of norm1's output after qkv

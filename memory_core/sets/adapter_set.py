@@ -1,4 +1,4 @@
-"""An adapter set: an immutable snapshot of adapters, swapped whole by the live set (live.py).
+"""An adapter set: an immutable snapshot of adapters, swapped whole by the live set (engine/live.py).
 
 A fused pass reads the engine's current ``AdapterSet`` once and uses only that object, so adding or
 removing an adapter (which builds a new set and swaps one reference) can never change a pass that
