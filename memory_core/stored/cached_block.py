@@ -14,7 +14,7 @@ docs/design.md §2.9).
 It covers timm's pre-norm block (LayerNorm, GELU MLP, no layer scale, no q/k norm, no dropout in
 effect), shared memory with each adapter its own lineage and its memory's rows at hand (what
 training builds) and the "inputs" store; anything else takes the generic, recorded path
-(``attention.class_token_block``). tests/memory_core/test_cached_block.py holds the two to float64
+(``attention.class_token_block``). tests/memory_core/stored/test_cached_block.py holds the two to float64
 rounding and checks which path each base takes.
 """
 
