@@ -7,7 +7,7 @@
 Random weights (the cost does not depend on them). For each base and batch size, in interleaved
 rounds: the base alone, 8 adapters for every image (m=1, 100 classes) and a routed batch (64 loaded,
 one random task per image), each in the default and in the invariant mode (``MemoryViT(...,
-batch_invariant=True)``, memory_core/invariant.py). Each ratio is the median of per-round ratios
+batch_invariant=True)``, memory_core/invariant/mode.py). Each ratio is the median of per-round ratios
 invariant / default of img/s. Every row also checks the mode's promise on that batch: image 0's
 logits alone equal its logits in the batch, bitwise (``invariant``), and says whether the default mode
 happened to give equal ones (``default``).

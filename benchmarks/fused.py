@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import argument_parser, environment, interleaved, median_ratio, pin_malloc, timed
 from memvit.memory_core import MemoryViT, flop_ratio, uniform_adapters
-from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.oracle.reference import DenseMemoryViT
 from tests.factories import random_adapter
 
 

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memvit.memory_core.graphs import DevicePass, GraphedPasses
-from memvit.memory_core.plan import PassPlan, PlanTensors
+from memvit.memory_core.routing.graphs import DevicePass, GraphedPasses
+from memvit.memory_core.routing.plan import PassPlan, PlanTensors
 
 SYNCING = {
     "aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.nonzero_static", "aten.unique",
@@ -125,7 +125,7 @@ class HostCounts(TorchDispatchMode):
 def counting(counts: HostCounts, graphs: StandInGraphs) -> Iterator[HostCounts]:
     """Count one pass of an engine using ``graphs``: the stand-in device's tensors are the graphs'
     static ones (and those ``counts`` was given), the pinned buffers those acquired meanwhile."""
-    from memvit.memory_core.staging import HostBuffers
+    from memvit.memory_core.routing.staging import HostBuffers
 
     created, synced = StandInEvent.created, StandInEvent.synchronized
     real_tolist = Tensor.tolist

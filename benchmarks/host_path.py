@@ -1,7 +1,7 @@
 """The host's part of a graphed pass, measured on a CPU: aten ops, host syncs, events, microseconds.
 
 On a GPU a planned pass is one CUDA-graph replay; what the host does around it (planning, copies,
-reading the output) decides whether the GPU waits for it (memory_core/graphs.py, plan.py). This
+reading the output) decides whether the GPU waits for it (memory_core/routing/graphs.py, plan.py). This
 runs the very path a GPU pass takes, on this CPU, with the parts this CPU lacks stood in: the graph's
 replay is a no-op (its outputs are the captured pass's), "pinned" host buffers are plain memory and
 events are counting stand-ins that say a copy has run at once. Per pass it reports:
@@ -34,8 +34,8 @@ import torch
 from benchmarks.common import argument_parser, environment
 from benchmarks.host_counts import HostCounts, StandInEvent, StandInGraphs, counting
 from memvit.memory_core import LiveAdapters, MemoryViT, TaskIndex, plan_pass
-from memvit.memory_core.graphs import bucket_images, bucket_rows
-from memvit.memory_core.staging import HostBuffers
+from memvit.memory_core.routing.graphs import bucket_images, bucket_rows
+from memvit.memory_core.routing.staging import HostBuffers
 from tests.factories import random_adapter, tiny_engine
 
 # A base whose pass is cheap to capture: the host path is the same for any size.

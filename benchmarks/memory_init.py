@@ -26,7 +26,7 @@ from memvit.adapters.preprocess import eval_transform
 from memvit.adapters.training.data import ImageDataset, scan_folder
 from memvit.adapters.training.memory_init import token_memory
 from memvit.memory_core import AdapterSet, AdapterWeights, MemoryViT
-from memvit.memory_core.attention import project_qkv, split_block
+from memvit.memory_core.block.attention import project_qkv, split_block
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ On the real DeiT-Tiny (frozen), one dataset per invocation (its caches fit this 
 a time). The regimes, grids, stopping rule and choice are in benchmarks/table2.py, the test pass, the
 curves and the tables in benchmarks/paper_table_flat_report.py:
 1. Every regime (head only, class token + head, memory 1, 5, 10) at every point of its grid
-   (``table2.GRID``: ``paper_table.GRIDS``, memory 10 as memory 5), for every seed, trains in ONE
+   (``table2.GRID``: ``paper_table_report.GRIDS``, memory 10 as memory 5), for every seed, trains in ONE
    fused run over the activation cache (``TrainingRun``). Head only and class token + head start
    from the base's class token and a zero head, so their seeds are the same run: they train once
    and stand for every seed.
@@ -18,7 +18,7 @@ curves and the tables in benchmarks/paper_table_flat_report.py:
    schedule spans the cap). Each variant keeps its best epoch.
 3. Per regime and seed, the grid point with the best validation top-1 (at its best epoch) is scored
    on the test split (uncached; one fused pass for every chosen adapter); paired differences with
-   standard errors over images and over seeds (``paper_table.paired``).
+   standard errors over images and over seeds (``paper_table_report.paired``).
 With ``--augmentation N`` the same regimes (first grid point) also train on the first N images per
 class three ways: from a cache with no augmentation, from a cache of original + mirror views (mirror
 with p=0.5), and from the images with random-resized crops + flips (no cache; ``--no-uncached``

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.paper_table import paired
+from benchmarks.paper_table_report import paired
 from benchmarks.table2 import GRID, PAIRS, REGIMES, first_stop, grid_points
 from memvit.adapters.preprocess import eval_transform
 from memvit.adapters.training import scan_folder

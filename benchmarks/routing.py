@@ -4,7 +4,7 @@ For each base (ViT-B/32, DeiT-Tiny; random init: the cost does not depend on the
 loaded adapters (m memory tokens, 100 classes): a batch of 16 images where each image asks for 1
 random task, 8 random tasks, or all of them (the unrouted pass), timed in interleaved rounds against
 the plain base pass (no adapters), and compared with the analytic FLOP ratio R(n) of n adapters
-(memory_core/flops.py). The "all" mode is skipped where it would take minutes (K = 1,000 on CPU).
+(memory_core/weights/flops.py). The "all" mode is skipped where it would take minutes (K = 1,000 on CPU).
 
     python -m benchmarks.routing
     python -m benchmarks.routing --archs deit_tiny_patch16_224 --counts 1 64 --rounds 5

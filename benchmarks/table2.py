@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.paper_table import GRIDS
+from benchmarks.paper_table_report import GRIDS
 from memvit.memory_core import AdapterWeights
 
 REGIMES: dict[str, dict] = {

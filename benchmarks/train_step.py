@@ -29,7 +29,7 @@ from memvit.adapters.training import TrainableAdapter, TrainConfig
 from memvit.adapters.training.step import TrainStep
 from memvit.adapters.training.variant import Variant
 from memvit.memory_core import AdapterWeights, MemoryViT
-from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.oracle.reference import DenseMemoryViT
 
 
 def main(argv: list[str] | None = None) -> None:

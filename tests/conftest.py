@@ -11,7 +11,7 @@ import pytest
 import torch
 
 # Without a GPU, the Triton kernels run under Triton's interpreter, so their results are held to the
-# dense reference here too (memory_core/triton_kernels.py). Triton reads this when it is first
+# dense reference here too (memory_core/routing/triton_kernels.py). Triton reads this when it is first
 # imported, which importing torch does not do, and memvit (below) does.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -33,8 +33,17 @@ SERVER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("frontend", "ray"),
     ("cli", "ray_serve", "ray_router", "ray_proxy"),
 )
-MEMORY_CORE_LAYERS: tuple[tuple[str, ...], ...] = ()
-ADAPTERS_LAYERS: tuple[tuple[str, ...], ...] = ()
+MEMORY_CORE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "runtime"),
+    ("weights", "block"),
+    ("sets",),
+    ("output",),
+    ("routing",),
+    ("invariant", "stored"),
+    ("engine",),
+    ("oracle",),
+)
+ADAPTERS_LAYERS: tuple[tuple[str, ...], ...] = (("files", "preprocess"), ("bundle",), ("training",))
 SUBLAYERS = {
     "memvit.server": SERVER_LAYERS,
     "memvit.memory_core": MEMORY_CORE_LAYERS,

@@ -108,8 +108,8 @@ def test_pip_install_puts_everything_under_memvit(hub_venv: Path) -> None:
     assert "memvit/__init__.py" not in files  # a namespace package: nothing of ours at memvit/ itself
     for expected in (
         "memvit/server/cli/__init__.py",
-        "memvit/adapters/bundle.py",
-        "memvit/memory_core/model.py",
+        "memvit/adapters/bundle/format.py",
+        "memvit/memory_core/engine/model.py",
         "memvit/server/static/index.html",
         "memvit/server/demo/base.safetensors",
         "memvit/server/demo/MANIFEST.json",

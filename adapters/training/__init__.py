@@ -1,5 +1,8 @@
 """Making adapters: fine-tune on an image folder (``run.TrainingRun``; ``trainer`` in one call), measure
-accuracy (``metrics``)."""
+accuracy (``metrics``).
+
+May import: ``memvit.memory_core``, ``adapters.files``, ``adapters.preprocess``, ``adapters.bundle``.
+"""
 
 from .config import TrainConfig, TrainingError
 from .data import DataError, Samples, scan_folder, split

@@ -1,6 +1,6 @@
 """The frozen base's pass alone: images -> what the adapters' class tokens read of it.
 
-``memory_core.cached.capture`` is the pass that fills an activation cache: every layer's normed
+``memory_core.stored.cached.capture`` is the pass that fills an activation cache: every layer's normed
 input and the base logits, as one ``CachedBatch``; the class-token path then runs from it as from a
 cache (``forward_cached``). ``BasePass`` runs it in a precision (device.py: bfloat16 under autocast,
 its layers kept in bfloat16 as a bfloat16 cache keeps them) and, on CUDA, as a CUDA graph captured
@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 from memvit.memory_core import MemoryViT
-from memvit.memory_core.cached import CachedBatch, capture
+from memvit.memory_core.stored.cached import CachedBatch, capture
 
 from .device import PRECISIONS, autocast
 
 log = logging.getLogger(__name__)
 
-STORE = "inputs"  # what the written-out class-token block reads (memory_core/cached_block.py)
+STORE = "inputs"  # what the written-out class-token block reads (memory_core/stored/cached_block.py)
 # Only the capturing thread is held to capture's rules: while a graph is captured, the DataLoader's
 # pin-memory thread allocates pinned buffers and the cache's reader thread gathers batches, and in
 # the default "global" mode either would invalidate the capture (and poison that thread). What a

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from memvit.memory_core import MemoryViT
-from memvit.memory_core.cached import CachedBatch
+from memvit.memory_core.stored.cached import CachedBatch
 
 from ..preprocess import train_transform
 from .cache_placement import PlacedCache

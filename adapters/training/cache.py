@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from memvit.memory_core import MemoryViT
-from memvit.memory_core.cached import CachedBatch, capture, stored_shape
+from memvit.memory_core.stored.cached import CachedBatch, capture, stored_shape
 
 from ..files import fsync_dir
 from ..preprocess import decode_target, eval_transform

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from memvit.memory_core import MemoryViT
-from memvit.memory_core.cached import STORES
+from memvit.memory_core.stored.cached import STORES
 
 from .data import DataError, Samples
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from memvit.memory_core.cached import CachedBatch
+from memvit.memory_core.stored.cached import CachedBatch
 
 from .cache import ActivationCache
 from .data import Samples, StreamSampler

@@ -24,7 +24,7 @@ import re
 import torch
 from torch import Tensor
 
-from memvit.memory_core.cached import CachedBatch
+from memvit.memory_core.stored.cached import CachedBatch
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from memvit.memory_core import MemoryViT
-from memvit.memory_core.adapter import MEMORY_INIT_STD
+from memvit.memory_core.weights.adapter import MEMORY_INIT_STD
 
 MEMORY_INITS = ("normal", "tokens")
 

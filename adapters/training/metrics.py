@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from memvit.memory_core import BASE_TASK, AdapterSet, AdapterWeights, LiveAdapters, MemoryViT, PreparedAdapter
-from memvit.memory_core.cached import CachedBatch
+from memvit.memory_core.stored.cached import CachedBatch
 
 from ..preprocess import Transform, decode_target, eval_transform
 from .base_pass import BasePass

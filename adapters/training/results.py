@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..bundle import AdapterBundle
+from ..bundle.format import AdapterBundle
 from .config import TrainConfig
 from .metrics import Accuracy
 

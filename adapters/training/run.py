@@ -28,7 +28,7 @@ from pathlib import Path
 
 from memvit.memory_core import MemoryViT
 
-from ..bundle import AdapterBundle, bundle_for, save_bundle
+from ..bundle.format import AdapterBundle, bundle_for, save_bundle
 from ..preprocess import eval_transform
 from . import setup
 from .batches import Feed, batches

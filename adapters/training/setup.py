@@ -11,9 +11,9 @@ import torch
 
 from memvit.memory_core import MemoryViT, PreparedAdapter
 
-from ..attach import check_compatible
+from ..bundle.attach import check_compatible
+from ..bundle.reader import read_bundle
 from ..preprocess import eval_transform
-from ..reader import read_bundle
 from .cache import ActivationCache
 from .cache_placement import PlacedCache, place
 from .config import TrainConfig, TrainingError

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memvit.memory_core import AdapterSet, MemoryViT, PreparedAdapter
-from memvit.memory_core.cached import CachedBatch
+from memvit.memory_core.stored.cached import CachedBatch
 
 from .device import autocast
 from .step_graph import StepGraph

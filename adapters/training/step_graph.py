@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memvit.memory_core import AdapterSet, MemoryViT
-from memvit.memory_core.cached import CachedBatch
+from memvit.memory_core.stored.cached import CachedBatch
 
 from .base_pass import CAPTURE_MODE
 from .device import autocast

@@ -24,7 +24,7 @@ from typing import Any
 
 from memvit.memory_core import AdapterError, MemoryViT, check_name
 
-from ..bundle import bundle_for, save_bundle
+from ..bundle.format import bundle_for, save_bundle
 from .config import VARIANT_FIELDS, TrainConfig, TrainingError
 from .distributed import Ranks, train_across
 from .report import write_report

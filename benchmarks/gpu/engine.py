@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from memvit.memory_core import MemoryViT, flop_ratio, uniform_adapters
-from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.oracle.reference import DenseMemoryViT
 
 from . import tries
 from .plan import Plan, adapters, engine, images, rate, ratio, timed_rounds

@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.common import DEIT_TINY, REPO
 from memvit.memory_core import LiveAdapters, MemoryViT
-from memvit.memory_core.reference import DenseMemoryViT
+from memvit.memory_core.oracle.reference import DenseMemoryViT
 from tests.factories import random_adapter
 
 from .plan import DTYPES, Plan, engine, images

@@ -1,4 +1,4 @@
-"""Step ``invariance``: the batch-invariant mode on the device (memory_core/invariant.py).
+"""Step ``invariance``: the batch-invariant mode on the device (memory_core/invariant/mode.py).
 
 Which ops change with the batch here (benchmarks/batch_invariance.py's probe, on this device), then
 per base, dtype and batch: img/s of the invariant mode against the default (base alone, 8 adapters,
@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from benchmarks.batch_invariance import bench, op_probe
-from memvit.memory_core.invariant import InvariantBlocks
+from memvit.memory_core.invariant.blocks import InvariantBlocks
 from tests.factories import random_adapter
 
 from .plan import ARCHS, DTYPES, Plan, engine, images, timed_rounds

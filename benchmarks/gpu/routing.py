@@ -1,7 +1,7 @@
 """Steps ``routing`` and ``memory``: what many loaded adapters cost.
 
 Loaded here means resident as a server holds them: prepared and installed (``LiveAdapters``), so each
-has its device slot (memory_core/slots.py) before the first pass. ``routing``: with 1,000 loaded, each
+has its device slot (memory_core/routing/slots.py) before the first pass. ``routing``: with 1,000 loaded, each
 image asking for 1 random task (goal <= 1.10 R(1)) or 8 (against R(8)), against the base alone.
 ``memory``: peak memory of the base pass, a routed one (1 task per image) and the unrouted one with
 1,000 and 10,000 loaded, eager (what a pass itself needs), what the loaded set holds (prepared

@@ -45,7 +45,7 @@ LAUNCH_PREFIXES = (
 )
 GRAPH_LAUNCHES = frozenset({"cudaGraphLaunch", "cuGraphLaunch", "cudaGraphLaunch_v10000"})
 # aten ops that copy a value to the host or size their output by values: on a GPU, each makes the
-# host wait for the device (the planned pass has none: tests/memory_core/test_pass_operations.py).
+# host wait for the device (the planned pass has none: tests/memory_core/routing/test_pass_operations.py).
 SYNCING_OPS = frozenset(
     f"aten::{name}"
     for name in (

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from memvit.memory_core import AdapterSet, MemoryViT, TaskIndex
-from memvit.memory_core.staging import PinnedStaging
+from memvit.memory_core.routing.staging import PinnedStaging
 
 from ..errors import DeviceMemoryError, ServiceError
 from .answers import Answer, BatchAnswers, Want

@@ -29,8 +29,8 @@ from collections.abc import Collection, Sequence
 import torch
 
 from memvit.memory_core import AdapterSet, MemoryViT
-from memvit.memory_core.graphs import bucket_images
-from memvit.memory_core.slots import widths
+from memvit.memory_core.routing.graphs import bucket_images
+from memvit.memory_core.routing.slots import widths
 
 log = logging.getLogger(__name__)
 WIDTH_GROUPS = 4  # distinct (memory, classes) widths warmed; more are captured on first use

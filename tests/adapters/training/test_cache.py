@@ -23,7 +23,7 @@ from memvit.adapters.training.cache import ActivationCache
 from memvit.adapters.training.cache_key import CacheError, CacheSpec
 from memvit.adapters.training.cache_stream import CachedStream, view_choices
 from memvit.memory_core import AdapterSet, MemoryViT
-from memvit.memory_core.cached import STORES, CachedBatch, capture
+from memvit.memory_core.stored.cached import STORES, CachedBatch, capture
 from tests.conftest import TOL, VARIANTS, images, make_folder, max_diff, random_adapter, tiny_engine
 
 
@@ -249,8 +249,8 @@ def test_a_cached_run_resumes_exactly(tmp_path, image_folder, tiny_weights) -> N
 def test_the_folded_attention_is_the_attention_over_keys_and_values_in_float64() -> None:
     # The "inputs" store never forms the base keys: its scores, softmax and weighted sum, and their
     # hand-written backward pass, against autograd through the keys and values projected from h.
-    from memvit.memory_core.attention import KeysValues, project_qkv
-    from memvit.memory_core.cached import NormedInputs
+    from memvit.memory_core.block.attention import KeysValues, project_qkv
+    from memvit.memory_core.stored.cached import NormedInputs
 
     engine = tiny_engine().double()
     attn = engine.base.blocks[0].attn

@@ -16,7 +16,7 @@ from memvit.adapters.training.device import to_device
 from memvit.adapters.training.metrics import evaluate_tasks
 from memvit.adapters.training.update import JointUpdate
 from memvit.memory_core import LiveAdapters, MemoryViT
-from memvit.memory_core.cached import CachedBatch, capture
+from memvit.memory_core.stored.cached import CachedBatch, capture
 from tests.conftest import images, max_diff, tiny_engine
 
 pytestmark = [

@@ -16,7 +16,7 @@ from memvit.adapters.training.batches import Feed
 from memvit.adapters.training.device import autocast, default_workers, resolve_device, to_device
 from memvit.adapters.training.progress import Progress
 from memvit.memory_core import MemoryViT
-from memvit.memory_core.cached import CachedBatch, capture
+from memvit.memory_core.stored.cached import CachedBatch, capture
 from tests.conftest import images, max_diff, tiny_engine
 
 CPU = torch.device("cpu")

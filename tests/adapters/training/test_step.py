@@ -12,8 +12,8 @@ from memvit.adapters.training.step import TrainStep
 from memvit.adapters.training.step_graph import replaced, tensors_of
 from memvit.adapters.training.variant import Variant
 from memvit.memory_core import AdapterSet
-from memvit.memory_core.cached import CachedBatch, capture
-from memvit.memory_core.memory_projection import StackedProjection
+from memvit.memory_core.stored.cached import CachedBatch, capture
+from memvit.memory_core.stored.memory_projection import StackedProjection
 from tests.conftest import images, tiny_engine
 
 CLASSES = ("a", "b", "c")
@@ -76,7 +76,7 @@ def test_other_bases_are_cut_and_train_alike(variant: str) -> None:
 
 def test_a_path_that_reads_parameters_outside_the_stack_is_not_cut(monkeypatch) -> None:
     # From a cache without the stacked projection's rows, the written-out block reads each adapter's memory
-    # parameters themselves (memory_core/cached.py, _with_memory_rows): a cut would lose their
+    # parameters themselves (memory_core/stored/cached.py, _with_memory_rows): a cut would lose their
     # gradient, so the first step finds that and runs uncut, as it always did.
     monkeypatch.setattr(StackedProjection, "project", lambda self, blocks, memory, norm: None)
     cut, step = _run("plain", cut=True, steps=3, cached=True)

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.host_counts import StandInEvent, StandInGraphs
 from memvit.memory_core import LiveAdapters
-from memvit.memory_core.staging import HostBuffers
+from memvit.memory_core.routing.staging import HostBuffers
 from memvit.server.inference.device_decode import DeviceDecoder
 from memvit.server.inference.device_runner import DeviceRunner
 from memvit.server.inference.engine_loop import EngineLoop, Job

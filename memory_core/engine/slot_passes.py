@@ -1,0 +1,116 @@
+"""The inference pass of ``MemoryViT``: a plan and images -> logits, run on the device from the
+plan and the slot pools (routing/planned.py), in the batch-invariant mode when it is on
+(invariant/planned.py), and replayed as a CUDA graph per bucketed shape on CUDA (routing/graphs.py).
+
+``MemoryViT`` inherits this, as it does ``AdapterPreparation``; ``MemoryViT.forward`` plans the pass
+and calls ``run_plan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import Tensor
+
+from ..invariant import mode as invariant
+from ..invariant import planned as invariant_planned
+from ..invariant.blocks import InvariantBlocks
+from ..routing import triton_kernels
+from ..routing.graphs import GraphedPasses
+from ..routing.plan import PassPlan, PlanTensors
+from ..routing.planned import planned_forward
+from ..routing.slots import AdapterSlots
+from ..routing.staging import HostBuffers
+from ..weights.spec import ViTSpec
+
+
+class SlotPasses:
+    """``run_plan`` and what it runs on: the engine's slots, its kernels and its CUDA graphs."""
+
+    # What it reads of the engine (memory_core/engine/model.py).
+    base: VisionTransformer
+    spec: ViTSpec
+    device: torch.device
+    dtype: torch.dtype
+    batch_invariant: bool
+    kernels: str
+    cuda_graphs: bool
+    _slots: AdapterSlots | None
+    _graphed_passes: GraphedPasses | None
+    _graphs_given: bool
+    _host_buffers: HostBuffers
+
+    embed: Callable[[Tensor], Tensor]
+    _blocks: Callable[[], InvariantBlocks]
+
+    def run_plan(
+        self, x: Tensor, plan: PassPlan | None, *, path: str = "merged"
+    ) -> tuple[Tensor, Tensor | None]:
+        """The device part of a pass: images and a plan -> base logits (B', C_0) and the adapter logits
+        of the plan's output rows (routing/planned.py), or None without a plan (the base alone). On CUDA, a
+        replay of the pass's graph (routing/graphs.py) unless ``cuda_graphs`` is off; B' is then the graph's
+        padded batch (its first B rows are the images'), else B."""
+
+        def device_pass(images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None):
+            return self._device_pass(images, tensors, plan, path)
+
+        if self.graphed:
+            key = (self.resolved_kernels, path, self.batch_invariant)
+            return self._graphs().run(x, plan, key, device_pass)
+        tensors = None if plan is None else plan.tensors(self.device, self._host_buffers)
+        return device_pass(x, tensors, plan)
+
+    def _device_pass(
+        self, x: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, path: str
+    ) -> tuple[Tensor, Tensor | None]:
+        base = self.base
+        blocks = self._blocks() if self.batch_invariant and path == "merged" else None
+        if plan is None:
+            if blocks is not None:
+                x_tokens, _ = invariant.features(base, x.to(self.dtype), None, blocks)
+                return invariant.head(base, x_tokens, blocks), None
+            return base.forward_head(base.norm(base.blocks(self.embed(x)))), None
+        kernels = self.resolved_kernels
+        if blocks is not None:
+            x = x.to(self.dtype)
+            return invariant_planned.planned(
+                base, x, tensors, plan.shape, plan.pools, blocks, kernels=kernels
+            )
+        return planned_forward(
+            base, self.embed(x), tensors, plan.shape, plan.pools, kernels=kernels, path=path
+        )
+
+    @property
+    def graphed(self) -> bool:
+        """Whether inference passes run as CUDA graphs: on CUDA, while ``cuda_graphs`` is on (or on
+        any device once ``use_graphs`` gave a stand-in)."""
+        return self.cuda_graphs and (self.device.type == "cuda" or self._graphs_given)
+
+    def use_graphs(self, passes: GraphedPasses) -> None:
+        """Run inference passes through ``passes``: a stand-in that replays nothing lets a benchmark
+        measure a graphed pass's host path on a CPU (benchmarks/host_path.py)."""
+        self._graphed_passes, self._graphs_given = passes, True
+
+    def _graphs(self) -> GraphedPasses:
+        if self._graphed_passes is None:
+            self._graphed_passes = GraphedPasses(buffers=self._host_buffers)
+        return self._graphed_passes
+
+    @property
+    def slots(self) -> AdapterSlots:
+        """The device slots of the adapters this engine runs (routing/slots.py), for its current device and
+        dtype: after a move, new (empty) slots, filled again as passes need them."""
+        slots = self._slots
+        if slots is None or slots.device != self.device or slots.dtype != self.dtype:
+            slots = self._slots = AdapterSlots(self.spec, self.device, self.dtype)
+        return slots
+
+    @property
+    def resolved_kernels(self) -> str:
+        """The class-token attention and heads' implementation (routing/planned.py): ``kernels``
+        unless "auto", which is Triton on CUDA (when installed) and torch elsewhere."""
+        if self.kernels != "auto":
+            return self.kernels
+        return "triton" if self.device.type == "cuda" and triton_kernels.available() else "torch"

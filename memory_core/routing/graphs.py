@@ -1,0 +1,175 @@
+"""Planned passes as CUDA graphs: captured once per bucketed shape, replayed per batch.
+
+A pass of a small model at a moderate batch is bound by the host: timm's DeiT-Tiny at batch 64
+launches ~150 kernels whose launch time exceeds their run time on an H100. A CUDA graph replays
+every kernel of a pass with one launch. What a graph reads is fixed at capture, so each graph owns
+static inputs, the images and the packed plan (memory_core/routing/plan.py), copied in before each replay,
+and reads the slot pools (memory_core/routing/slots.py) in place: a change of resident adapters writes a
+slot and recaptures nothing. What varies between batches is bucketed so that few graphs serve all:
+
+- the batch rounds up to 1, 2, 4, 8, then a multiple of 8 up to 64, of 32 up to 256, then of 64
+  (padding images compute rows nobody reads; their results never touch the real ones: a row of
+  every operation here depends on its own image alone);
+- rows per image, lineage width and a routed plan's outputs round up to powers of two, and the
+  outputs to at least the batch;
+- the pools' generation: when they grow (more slots, longer memory, more classes), the graphs of
+  older generations are dropped and captured again on first use.
+
+Per pass the host does four things and no more, whatever the tasks: copy the images into the
+graph's static input, send the plan's host buffer into its static plan (one non-blocking copy, the
+buffer reused once its event says the copy has run: memory_core/routing/staging.py), replay, and clone the
+two outputs (the next replay overwrites them). No host sync, no event created, no allocation.
+
+``MemoryViT`` uses this on CUDA unless ``engine.cuda_graphs`` is False. Graphs of one engine share a
+memory pool and replay one at a time (a lock), each output copied out before the next replay.
+``_record`` is the one CUDA-only step: benchmarks/host_path.py replaces it with a stand-in (the
+replay a no-op) to measure the host path on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .plan import PassPlan, PlanTensors
+from .staging import HostBuffers
+
+log = logging.getLogger(__name__)
+
+# (images, the plan on the device, the plan) -> base logits, adapter logits: the work a graph holds.
+DevicePass = Callable[[Tensor, PlanTensors | None, PassPlan | None], tuple[Tensor, Tensor | None]]
+
+
+def bucket_images(n: int) -> int:
+    """The batch a graph is captured for: 1, 2, 4, 8, 16, 24, ..., 64, 96, ..., 256, 320, ..."""
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    step = 8 if n <= 64 else 32 if n <= 256 else 64
+    return -(-n // step) * step
+
+
+def bucket_rows(n: int) -> int:
+    """Rows per image (and lineage width, outputs): the next power of two."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], None]
+    images: Tensor  # static input (B, C, H, W)
+    plan: Tensor | None  # static input: the packed plan (int64)
+    base: Tensor  # static outputs
+    adapters: Tensor | None
+    inputs: dict[int, Tensor] = field(default_factory=dict)  # a view of ``images`` per batch given
+    holds: object = None  # the kept all-tasks plan (memory_core/routing/plan.py) ``plan`` holds, if any
+
+    def input(self, n: int) -> Tensor:
+        """The first ``n`` images of the static input (the view made once per size)."""
+        if n == self.images.shape[0]:
+            return self.images
+        view = self.inputs.get(n)
+        if view is None:
+            view = self.inputs[n] = self.images[:n]
+        return view
+
+
+class GraphedPasses:
+    """CUDA graphs of one engine's device pass, keyed by everything that fixes their shapes."""
+
+    def __init__(self, *, max_graphs: int = 64, buffers: HostBuffers | None = None) -> None:
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._generation = 0
+        self._pool = None  # the graphs' shared memory pool, made with the first
+        self.buffers = buffers if buffers is not None else HostBuffers()  # the plans' host buffers
+        self._lock = threading.Lock()
+        self.captures = 0  # graphs captured (a test and the benchmarks read it)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(
+        self, x: Tensor, plan: PassPlan | None, key: tuple, device_pass: DevicePass
+    ) -> tuple[Tensor, Tensor | None]:
+        """Replay (capturing first if needed) ``device_pass`` of images ``x`` (B, C, H, W) on the device
+        and a plan bucketed for graphs (``plan_pass(..., images=bucket_images, rows=bucket_rows,
+        pad_outputs=True)``, its host buffer from ``self.buffers``); ``key`` names whatever else selects
+        the device work (kernels, path). Returns copies of the outputs: base logits for the padded
+        batch (its first B rows are the images'), and the adapter logits."""
+        shape = None if plan is None else plan.shape
+        batch = bucket_images(x.shape[0]) if plan is None else shape.images
+        generation = None if plan is None else plan.generation  # a base-only pass reads no pool
+        full_key = (key, tuple(x.shape[1:]), x.dtype, batch, shape, generation)
+        buffer = None if plan is None else plan.buffer
+        try:
+            with self._lock:
+                if generation is not None and generation > self._generation:  # the pools grew
+                    self._drop(lambda k: k[-1] is not None and k[-1] < generation)
+                    self._generation = generation
+                graph = self._graphs.get(full_key)
+                if graph is None:
+                    graph = self._capture(full_key, x, plan, batch, device_pass)
+                else:
+                    self._graphs.move_to_end(full_key)
+                graph.input(x.shape[0]).copy_(x)
+                if plan is not None and (plan.kept is None or graph.holds is not plan.kept):
+                    if buffer is None:  # a kept plan, or planned without this engine's buffers
+                        buffer = self.buffers.acquire(plan.host.size)
+                        buffer.array[:] = plan.host
+                    self.buffers.send(buffer, graph.plan)
+                    buffer, graph.holds = None, plan.kept
+                graph.replay()
+                base = graph.base.clone()
+                adapters = None if graph.adapters is None else graph.adapters.clone()
+        finally:
+            if buffer is not None:  # not sent: failed before the copy
+                self.buffers.release(buffer)
+        return base, adapters
+
+    def _capture(
+        self, key: tuple, x: Tensor, plan: PassPlan | None, batch: int, device_pass: DevicePass
+    ) -> _Graph:
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+        images = torch.zeros(batch, *x.shape[1:], device=x.device, dtype=x.dtype)
+        packed = None if plan is None else torch.from_numpy(plan.host.copy()).to(x.device)
+        tensors = None if plan is None else PlanTensors.unpack(packed, plan.shape)
+        replay, base, adapters = self._record(images, tensors, plan, device_pass)
+        self.captures += 1
+        log.info("captured a CUDA graph for %s (%d held)", key[3:5], len(self._graphs) + 1)
+        captured = _Graph(replay, images, packed, base, adapters)
+        captured.holds = None if plan is None else plan.kept  # captured with the plan copied in
+        self._graphs[key] = captured
+        return captured
+
+    def _record(
+        self, images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, device_pass: DevicePass
+    ) -> tuple[Callable[[], None], Tensor, Tensor | None]:
+        """Capture ``device_pass`` over the static inputs: its replay and its static outputs."""
+        device = images.device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm up off the capture: Triton compiles, cuBLAS plans
+            for _ in range(2):
+                device_pass(images, tensors, plan)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            base, adapters = device_pass(images, tensors, plan)
+        return graph.replay, base, adapters
+
+    def _drop(self, stale: Callable[[tuple], bool]) -> None:
+        for key in [k for k in self._graphs if stale(k)]:
+            del self._graphs[key]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._graphs.clear()

@@ -1,0 +1,201 @@
+"""The inference pass over adapter slots: a planned batch's logits, with a fixed set of operations.
+
+    base_logits, adapter_logits = planned_forward(base, tokens, plan, shape, pools)
+
+Everything here is device work on tensors: the base tokens, the plan's integer tensors and the slot
+pools. Nothing depends on a tensor's values on the host (no ``.item()``, ``nonzero`` or boolean
+indexing), and the operations are the same whatever adapters are resident or asked for: only the
+plan's shape (B, R, A, layout) selects them. So one trace or one captured CUDA graph serves every
+batch of that shape (memory_core/routing/graphs.py), and a pass costs its base pass plus its rows' work.
+
+Per block the class-token rows ride in the base's own linear layers ([X ; C], docs/design.md §2.1);
+only their attention differs, computed by one of two implementations of the same operation:
+- ``kernels="triton"``: one Triton kernel per block (memory_core/routing/triton_kernels.py), writing the rows'
+  output beside the base rows' output, so the block adds one launch to timm's;
+- ``kernels="torch"``: the slot rows' memory gathered from the pools, then the attention of
+  memory_core/block/attention.py (the CPU path, and the reference the kernel is tested against).
+Heads: a shared plan applies each row's head to all images as one batched product; a routed plan
+applies each output's head found by its slot (one gathered product, or the Triton gathered heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from timm.layers import Attention
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import Tensor
+
+from ..block.attention import LayerMemory, _finish, base_attention, merged_block, project_qkv, split_block
+from . import triton_kernels
+from .plan import PlanShape, PlanTensors
+from .slots import SlotPools
+
+
+def planned_forward(
+    base: VisionTransformer,
+    x: Tensor,
+    plan: PlanTensors,
+    shape: PlanShape,
+    pools: SlotPools,
+    *,
+    kernels: str = "torch",
+    path: str = "merged",
+) -> tuple[Tensor, Tensor]:
+    """Embedded base tokens (B, T, D) -> base logits (B, C_0) and adapter logits: (N, C) for a routed
+    plan, (R * B, C) row-major over (row, image) for a shared one; C is the pools' padded class count.
+
+    ``path``: "merged" (inference: base and class-token rows share each linear layer) or "split"
+    (torch kernels only: the rows apart, as training computes them)."""
+    T = x.shape[1]
+    c = base.norm_pre(rows_of(pools.cls, plan, shape))  # (B, R, D)
+    lineage = lineage_of(plan, shape, x.dtype)
+    bias = rows_of(pools.memory_bias, plan, shape, expand=False)  # (R, P) shared, (B, R, P) routed
+    if path == "split":
+        if kernels != "torch":
+            raise ValueError("the split path runs on the torch kernels")
+        for i, block in enumerate(base.blocks):
+            x, c = split_block(block, x, c, layer_memory(pools, i, plan, shape, bias, lineage))
+    elif path == "merged":
+        z = torch.cat([x, c], dim=1)  # (B, T+R, D)
+        for i, block in enumerate(base.blocks):
+            if kernels == "triton":
+                z = triton_block(block, z, T, SlotAttention(pools, i, plan, shape))
+            else:
+                z = merged_block(block, z, T, layer_memory(pools, i, plan, shape, bias, lineage))
+        x, c = z[:, :T], z[:, T:]
+    else:
+        raise ValueError(f"path must be 'merged' or 'split', got {path!r}")
+    x, c = base.norm(x), base.norm(c)
+    return base.forward_head(x), heads(c, pools, plan, shape, kernels=kernels)
+
+
+def rows_of(pool: Tensor, plan: PlanTensors, shape: PlanShape, *, expand: bool = True) -> Tensor:
+    """Each class-token row's entry of a per-slot ``pool`` (S, ...): (B, R, ...), or (R, ...) for a
+    shared plan when not ``expand``ed."""
+    picked = pool.index_select(0, plan.row_slots.reshape(-1))
+    picked = picked.view(*plan.row_slots.shape, *pool.shape[1:])
+    if shape.shared and expand:
+        return picked.expand(shape.images, *picked.shape)
+    return picked
+
+
+def lineage_of(plan: PlanTensors, shape: PlanShape, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Each row's lineage as row positions (itself first) and its bias (0, -inf on padding): (R, A)
+    when shared, else (B, R, A). In concatenation mode (A = 1) every row is its own lineage."""
+    R = shape.rows
+    if shape.lineage == 1:
+        own = torch.arange(R, device=plan.row_slots.device).view(R, 1)
+        lineage = own if shape.shared else own.expand(shape.images, R, 1)
+        return lineage, torch.zeros(lineage.shape, device=own.device, dtype=dtype)
+    lineage = plan.lineage
+    bias = torch.zeros(lineage.shape, device=lineage.device, dtype=dtype).masked_fill_(
+        lineage < 0, float("-inf")
+    )
+    return lineage.clamp(min=0), bias
+
+
+def layer_memory(
+    pools: SlotPools, layer: int, plan: PlanTensors, shape: PlanShape, bias: Tensor, lineage: tuple
+) -> LayerMemory:
+    """One layer's memory for the torch attention: each row's slot's keys and values, gathered."""
+    return LayerMemory(
+        keys=rows_of(pools.keys[layer], plan, shape, expand=False),  # (R, H, P, d) or (B, R, H, P, d)
+        values=rows_of(pools.values[layer], plan, shape, expand=False),
+        bias=bias,
+        lineage=lineage[0],
+        lineage_bias=lineage[1],
+    )
+
+
+@dataclass(frozen=True)
+class SlotAttention:
+    """One layer's class-token attention by the Triton kernel, reading the slot pools in place."""
+
+    pools: SlotPools
+    layer: int
+    plan: PlanTensors
+    shape: PlanShape
+    block_rows: int | None = None  # rows per kernel program; None: by R (fixed in the invariant mode)
+
+    def into(self, o: Tensor, attn: Attention, q: Tensor, k: Tensor, v: Tensor, num_base: int) -> None:
+        """Write the rows' attention into ``o[:, T:]`` (B, T+R, H, d); q, k, v (B, H, T+R, d)."""
+        B = q.shape[0]
+        plan, shape = self.plan, self.shape
+        row_slots = plan.row_slots.expand(B, -1) if shape.shared else plan.row_slots  # stride 0 if shared
+        lineage = None
+        if shape.lineage > 1:
+            lineage = plan.lineage.expand(B, -1, -1) if shape.shared else plan.lineage
+        pools = self.pools
+        keys, values = pools.keys[self.layer], pools.values[self.layer]
+        triton_kernels.class_token_attention_kernel(
+            o, q, k, v, num_base, keys, values, pools.memory_length, row_slots, lineage, attn.scale,
+            block_rows=self.block_rows,
+        )  # fmt: skip
+
+
+def triton_block(block: Block, z: Tensor, num_base: int, attention: SlotAttention) -> Tensor:
+    """``merged_block`` with the class-token rows' attention as one Triton kernel."""
+    T = num_base
+    attn = block.attn
+    h = block.norm1(z)
+    q, k, v = project_qkv(attn, h)  # (B, H, T+R, d) each, views of one projection
+    B, H, N, d = q.shape
+    # Every row's queries over the base keys, in the base's own attention kernel: the base rows get
+    # exactly what it gives them alone (a query row's result does not depend on the other rows), and
+    # the output comes in the block's (B, N, H, d) layout (flash and cuDNN write it so), where the
+    # kernel then overwrites the class-token rows. Writing the base rows into a buffer instead was a
+    # strided copy of every base row per block (0.34 ms of ViT-B/16's 6 ms at batch 64 on an H200).
+    o = base_attention(attn, q, k[:, :, :T], v[:, :, :T]).transpose(1, 2)  # (B, N, H, d)
+    if not o.is_contiguous():  # a backend that writes (B, H, N, d): one copy, as timm's reshape
+        o = o.contiguous()
+    attention.into(o, attn, q, k, v, T)
+    return _finish(block, z, h, o.view(B, N, H * d))
+
+
+def heads(c: Tensor, pools: SlotPools, plan: PlanTensors, shape: PlanShape, *, kernels: str) -> Tensor:
+    """Final class tokens (B, R, D) -> adapter logits, (R * B, C) shared or (N, C) routed."""
+    B, R, D = c.shape
+    if shape.shared:  # every image asks for every row's task: batched products over the rows
+        if kernels == "triton":  # every head read in place, one launch
+            logits = triton_kernels.shared_heads(c, plan.row_slots, pools.head_weight, pools.head_bias)
+            return logits.view(R * B, -1)
+        return shared_heads(c, pools, plan.row_slots).reshape(R * B, -1)
+    flat = c.reshape(B * R, D)
+    if kernels == "triton":
+        return triton_kernels.gathered_heads(
+            flat, plan.out_rows, plan.out_slots, pools.head_weight, pools.head_bias
+        )
+    return gathered_heads(flat, plan.out_rows, plan.out_slots, pools.head_weight, pools.head_bias)
+
+
+# The most bytes of head weights one shared product gathers: 1,000 adapters of 1,000 classes on a
+# ViT-B would otherwise copy 3 GB of weights per all-tasks pass (float32); in chunks of rows, the
+# copy stays this small whatever K is (the number of chunks depends on the plan's shape alone).
+SHARED_HEAD_BYTES = 64 << 20
+
+
+def shared_heads(c: Tensor, pools: SlotPools, row_slots: Tensor) -> Tensor:
+    """Final class tokens (B, R, D), every row's head applied to every image -> (R, B, C): one
+    batched product per chunk of rows, each gathering only its chunk's heads from the pool."""
+    _, R, D = c.shape  # (B, R, D)
+    C = pools.head_weight.shape[1]
+    per_chunk = max(1, SHARED_HEAD_BYTES // max(1, C * D * pools.head_weight.element_size()))
+    parts = []
+    for start in range(0, R, per_chunk):
+        slots = row_slots[start : start + per_chunk]
+        weight = pools.head_weight.index_select(0, slots)  # (r, C, D)
+        bias = pools.head_bias.index_select(0, slots).unsqueeze(1)  # (r, 1, C)
+        rows = c[:, start : start + per_chunk].transpose(0, 1)  # (r, B, D)
+        parts.append(torch.baddbmm(bias, rows, weight.transpose(1, 2)))  # (r, B, C)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def gathered_heads(c: Tensor, out_rows: Tensor, out_slots: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """The torch gathered heads: output n = row ``out_rows[n]`` of c (M, D) through head
+    ``out_slots[n]`` of the pool (S, C, D), (S, C), one matrix per output. Returns (N, C)."""
+    rows = c.index_select(0, out_rows).unsqueeze(1)  # (N, 1, D)
+    w = weight.index_select(0, out_slots)  # (N, C, D)
+    b = bias.index_select(0, out_slots).unsqueeze(1)  # (N, 1, C)
+    return torch.baddbmm(b, rows, w.transpose(1, 2)).squeeze(1)
