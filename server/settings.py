@@ -26,7 +26,7 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Off by default: the mode costs throughput (benchmarks/RESULTS.md §1) and most users never see the
-    # last-bit differences it removes (memory_core/invariant.py).
+    # last-bit differences it removes (memory_core/invariant/).
     batch_invariant: bool = Field(
         False, description="bit-identical logits per image, whatever shares its batch or is loaded"
     )

@@ -1,7 +1,7 @@
 """A batch's answers, computed for the whole batch at once and cut per request with one fancy index.
 
 A fused pass returns the base's logits (B, C_0) and every asked (image, task)'s logits as rows of one
-tensor (N, C), each task's classes padded to C (memory_core/output.py). Answering per request and
+tensor (N, C), each task's classes padded to C (memory_core/output/fused.py). Answering per request and
 per task, in Python, is what cost the CPU (a softmax, a top-k and a ``.tolist()`` per task per
 request). Here, on the pass's device, for the batch:
 

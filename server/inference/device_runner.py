@@ -5,7 +5,7 @@ one batch while the device runs another and a third is read back.
    their batch (server/inference/device_decode.py); images decoded on the CPU (PNG, WebP, ...) stacked into a
    pinned host buffer and copied. An event marks the batch ready.
 2. ``launch`` (the pass thread, on the compute stream): waits for that event on the device (never on
-   the host), runs the pass (a CUDA graph replay, memory_core/graphs.py), then the batch's answers
+   the host), runs the pass (a CUDA graph replay, memory_core/routing/graphs.py), then the batch's answers
    (server/inference/answers.py: a masked softmax and top-k of every row, copied to pinned host memory).
 3. ``collect`` (the collector thread): waits for the batch's last copy and hands the answers over.
 

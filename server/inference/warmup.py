@@ -1,7 +1,7 @@
 """The graphs a server will replay, captured before it takes traffic and again after the slot pools grow.
 
 On CUDA each pass is a graph replay, and a graph is captured the first time its shape is met
-(memory_core/graphs.py): under load that is a request's pass stretched by a capture (three passes'
+(memory_core/routing/graphs.py): under load that is a request's pass stretched by a capture (three passes'
 time), and a capture while other threads queue device work (the decoder's synchronisations, the
 collector's) is what CUDA's capture mode forbids. So the engine loop captures every shape it expects
 to meet before any of its threads run: at start-up, before ``/readyz`` says ready, and when the slot

@@ -44,7 +44,8 @@ class Metrics:
         )
         self.stage_seconds = Histogram(
             "memvit_stage_seconds",
-            "where requests' time goes: receive, decode, queue, copy, pass, respond (server/stages.py)",
+            "where requests' time goes: receive, decode, queue, copy, pass, respond "
+            "(server/telemetry/stages.py)",
             ["stage"],
             buckets=STAGE_BUCKETS,
             registry=r,
