@@ -12,7 +12,7 @@ from PIL import Image
 
 from memvit.adapters.preprocess import eval_transform, to_rgb
 from memvit.memory_core import MemoryViT
-from tests.adapters.test_bundle import BAD
+from tests.adapters.bundle.test_format import BAD
 from tests.server.conftest import TOKEN, photo, published
 
 

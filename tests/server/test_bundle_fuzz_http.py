@@ -1,6 +1,6 @@
 """Mutated bundles over HTTP and in the store: never a 5xx, never a crash, the live set unchanged.
 
-The same mutations as tests/adapters/test_bundle_fuzz.py, posted to a real server, journaled in its
+The same mutations as tests/adapters/bundle/test_reader_fuzz.py, posted to a real server, journaled in its
 live store (as a damaged disk or a replica of another base would leave them), and found in a store
 written before the journal when a replica first starts on it.
 """
@@ -15,7 +15,7 @@ from PIL import Image
 
 from memvit.server.registry import Catalog
 from memvit.server.store import LocalStore
-from tests.adapters.test_bundle_fuzz import mutate
+from tests.adapters.bundle.test_reader_fuzz import mutate
 from tests.server.filling import entries_for
 
 POSTED = 300

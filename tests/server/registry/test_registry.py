@@ -17,7 +17,7 @@ import torch
 from memvit.memory_core import MemvitError
 from memvit.server.registry import AdapterRegistry
 from memvit.server.store import key_of, open_store
-from tests.adapters.test_bundle_fuzz import mutate
+from tests.adapters.bundle.test_reader_fuzz import mutate
 from tests.server.counting import bundle_reads, counting_requests
 
 
