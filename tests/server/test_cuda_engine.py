@@ -22,21 +22,13 @@ from memvit.server.inference.warmup import warm_up
 from memvit.server.telemetry.metrics import Metrics
 from tests.conftest import random_adapter
 from tests.server.inference.test_device_decode import jpeg, photo
+from tests.server.inference.test_engine_loop import SINK
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
 ]
 MAX_BATCH = 16
-
-
-class Sink:
-    def deliver(self, finished) -> None:
-        for job, result in finished:
-            if isinstance(result, BaseException):
-                job.context.set_exception(result)
-            else:
-                job.context.set_result(result)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +71,7 @@ def test_answers_under_load_are_each_images_alone(served) -> None:
             item, adapters = rng.choice(items), rng.choice(asks)
             future: Future = Future()
             tasks = None if adapters is None else ["base", *adapters]
-            job = Job([item], adapters, tasks, Sink(), top_k=3, logits=True, context=future)
+            job = Job([item], adapters, tasks, SINK, top_k=3, logits=True, context=future)
             loop.submit(job)
             jobs.append((item, adapters, future))
         answers = [(item, adapters, future.result(120)) for item, adapters, future in jobs]
@@ -123,7 +115,7 @@ def test_the_engine_loop_keeps_three_batches_in_flight(served) -> None:
     futures = []
     for i in range(40):
         future: Future = Future()
-        loop.submit(Job([items[i % len(items)]], None, None, Sink(), context=future))
+        loop.submit(Job([items[i % len(items)]], None, None, SINK, context=future))
         futures.append(future)
     loop.start()
     try:

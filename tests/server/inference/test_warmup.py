@@ -21,15 +21,9 @@ from memvit.server.telemetry.metrics import Metrics
 from tests.conftest import random_adapter
 from tests.factories import tiny_engine
 from tests.server.inference.test_device_decode import jpeg, photo
+from tests.server.inference.test_engine_loop import SINK
 
 MAX_BATCH = 16
-
-
-class Sink:
-    def deliver(self, finished) -> None:
-        for job, result in finished:
-            done = job.context.set_exception if isinstance(result, BaseException) else job.context.set_result
-            done(result)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +52,7 @@ def serve(engine, graphs, live, decoder, items, asks, jobs: int = 150) -> tuple[
         for _ in range(jobs):
             adapters, future = rng.choice(asks), Future()
             tasks = None if adapters is None else ["base", *adapters]
-            loop.submit(Job([rng.choice(items)], adapters, tasks, Sink(), 1, False, context=future))
+            loop.submit(Job([rng.choice(items)], adapters, tasks, SINK, 1, False, context=future))
             futures.append(future)
         for future in futures:
             future.result(60)
@@ -72,6 +66,9 @@ def test_warm_up_captures_what_one_task_requests_meet(served) -> None:
     at_start, while_serving = serve(engine, graphs, live, decoder, items, [("a0",), ("a1",), ("a3",), ()])
     assert 0 < at_start <= len(shapes(live.current, MAX_BATCH, 64))  # passes may share a graph
     assert while_serving == 0
+    # Batches of one kind alone: only the base, every adapter, one adapter for the whole batch.
+    for asks in ([()], [None], [("a2",)]):
+        assert serve(engine, graphs, live, decoder, items, asks, jobs=60)[1] == 0, asks
 
 
 def test_every_adapter_beside_one_is_captured_on_first_use(served) -> None:

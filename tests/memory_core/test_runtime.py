@@ -1,0 +1,37 @@
+"""Process-level settings entry points call: float32 on CUDA kept float32 (no TF32), nothing else touched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memvit.memory_core.invariant.blocks import InvariantBlocks
+from memvit.memory_core.runtime import exact_float32
+
+
+@pytest.fixture
+def tf32_on():
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_float32_on_cuda_turns_tf32_off(tf32_on) -> None:
+    # The flags are process-wide and settable without a GPU: what the server does when it builds its engine.
+    assert exact_float32(torch.device("cuda"), torch.float32)
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", torch.float32), ("cuda", torch.bfloat16)])
+def test_other_passes_leave_tf32_alone(tf32_on, device: str, dtype: torch.dtype) -> None:
+    assert not exact_float32(torch.device(device), dtype)
+    assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+
+
+def test_invariant_blocks_in_float32_on_cuda_keep_the_token_rows_blocked() -> None:
+    # Measured on an H200: float32 did not hold with the per-token layers whole (benchmarks/RESULTS.md §1.6).
+    fp32 = InvariantBlocks.for_device(torch.device("cuda"), torch.float32)
+    bf16 = InvariantBlocks.for_device(torch.device("cuda"), torch.bfloat16)
+    assert fp32.rows is not None and fp32.images is not None
+    assert bf16.rows is None and bf16.images is None
