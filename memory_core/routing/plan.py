@@ -23,7 +23,6 @@ How a plan is computed from the set's slot table and the batch's tasks is routin
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -96,6 +95,9 @@ class PassPlan:
     # The set's kept all-tasks plan that ``host`` is (read-only, no buffer): a graph whose static plan
     # already holds it is not sent it again (memory_core/routing/graphs.py).
     kept: np.ndarray | None = None
+    # ``kept`` as a tensor over the same memory, made once before the array was made read-only (torch
+    # warns on a read-only array): what a CPU pass reads.
+    kept_tensor: Tensor | None = None
 
     @property
     def generation(self) -> int:
@@ -105,11 +107,8 @@ class PassPlan:
         """The plan on ``device``: on the host, the packed array itself; on CUDA one non-blocking
         copy from a (pinned) host buffer."""
         if device.type == "cpu":
-            if self.host.flags.writeable:
-                return PlanTensors.unpack(torch.from_numpy(self.host), self.shape)
-            with warnings.catch_warnings():  # the kept plan is read-only on purpose; the pass only reads it
-                warnings.simplefilter("ignore", UserWarning)
-                return PlanTensors.unpack(torch.from_numpy(self.host), self.shape)
+            host = self.kept_tensor if self.kept_tensor is not None else torch.from_numpy(self.host)
+            return PlanTensors.unpack(host, self.shape)
         buffers = buffers if buffers is not None else HostBuffers()
         buffer = self.buffer
         if buffer is None:

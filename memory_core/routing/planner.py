@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
+import torch
 
 from ..errors import InputError
 from ..output.index import OutputIndex
@@ -123,9 +124,10 @@ class _Planner:
         shape, packed, starts, classes = self._shared_arrays(asked)
         index = OutputIndex(asked, starts, np.full(asked.size, batch, dtype=np.int64), classes, None, batch)
         if every:  # kept (plan_pass): the array itself, sent only to a graph that does not hold it yet
+            tensor = torch.from_numpy(packed)  # before the array is made read-only
             packed.setflags(write=False)
             pools = self.slots.pools.narrowed(shape.memory, shape.classes)
-            return PassPlan(shape, batch, packed, index, pools, self.adapter_set, None, packed)
+            return PassPlan(shape, batch, packed, index, pools, self.adapter_set, None, packed, tensor)
         host, buffer = self._host(shape)
         host[:] = packed
         return self._plan(shape, host, buffer, index)
