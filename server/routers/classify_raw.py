@@ -44,7 +44,7 @@ from ..errors import ServiceError
 from ..http.deps import classify_input
 from ..http.schemas import ClassifyResponse
 from ..http.state import AppState
-from ..telemetry.metrics import EDGE_DONE, RequestMeter
+from ..telemetry.metrics import EDGE_DONE, MeteredSend, RequestMeter
 from ..telemetry.stages import begin_stages
 from .classify import classify
 
@@ -109,16 +109,7 @@ class RawClassify:
             await self.app(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stages = begin_stages()
-        status = 500  # what the metrics count if nothing is sent (the app failed)
-
-        async def answer(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message = self.meter.starting(message, stages)
-            await send(message)
-
+        answer = MeteredSend(send, self.meter, begin_stages())
         headers = Headers(scope=scope)
         try:
             try:
@@ -132,7 +123,7 @@ class RawClassify:
                 if ticket is not None:
                     ticket.release()
         finally:
-            self.meter.observe(PATH, "POST", status, stages)
+            self.meter.observe(PATH, "POST", answer.status, answer.stages)
 
     async def _admitted(self, scope: Scope, receive: Receive, send: Send, content_type: str) -> None:
         async def refused(error: ServiceError) -> None:

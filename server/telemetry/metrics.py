@@ -176,21 +176,29 @@ class MetricsMiddleware:
         if scope["type"] != "http" or EDGE_DONE in scope:  # counted by the route that set it
             await self.app(scope, receive, send)
             return
-        stages = begin_stages()
-        status = 500
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message = self.meter.starting(message, stages)
-            await send(message)
-
+        metered = MeteredSend(send, self.meter, begin_stages())
         try:
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, receive, metered)
         finally:
             route = scope.get("route")
-            self.meter.observe(getattr(route, "path", None) or "unmatched", scope["method"], status, stages)
+            path = getattr(route, "path", None) or "unmatched"
+            self.meter.observe(path, scope["method"], metered.status, metered.stages)
+
+
+class MeteredSend:
+    """``send`` for one metered request: remembers the status it answered with (500 until a response
+    starts: the app failed) and adds the stages' ``Server-Timing`` header (``RequestMeter.starting``)."""
+
+    __slots__ = ("meter", "send", "stages", "status")
+
+    def __init__(self, send: Send, meter: RequestMeter, stages) -> None:
+        self.send, self.meter, self.stages, self.status = send, meter, stages, 500
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            message = self.meter.starting(message, self.stages)
+        await self.send(message)
 
 
 class RequestMeter:
