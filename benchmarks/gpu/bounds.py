@@ -28,6 +28,7 @@ from .plan import ARCHS, DTYPES, Plan, adapters, engine, sync
 
 MAX_BATCH = {"cuda": 64, "cpu": 8}
 DEVICE_BATCH = 64  # JPEGs per device decoder call, as the server's batches of 64 are
+SMALLER_CALLS = (16, 1)  # and per call as a loaded server's batches were (mean 12-17) and alone
 
 
 def bound(bounds: dict, key: str, measure, *args) -> dict:
@@ -158,8 +159,23 @@ def decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
     batch = [items[i % len(items)] for i in range(DEVICE_BATCH)]
     key = "gpu img/s" if plan.device.type == "cuda" else "device decoder on cpu img/s"
     row[key] = timed(lambda: device.decode(batch), plan.device, seconds, len(batch))
+    for size in SMALLER_CALLS:  # what a call costs at the batches a loaded server forms
+        row[f"{key} at {size} per call"] = timed(
+            lambda n=size: device.decode(batch[:n]), plan.device, seconds / 2, size
+        )
+    second = DeviceDecoder(decoder, plan.device)  # a stream of its own, as a second stage would have
+    row[f"{key}, 2 threads"] = _two_threads((device, second), batch, plan.device, seconds / 2)
     raw = [torch.frombuffer(bytearray(item.data), dtype=torch.uint8) for item in batch]
     row["decode_jpeg img/s"] = timed(
         lambda: decode_jpeg(raw, device=plan.device), plan.device, seconds, len(batch)
     )
     return row
+
+
+def _two_threads(decoders: tuple, batch: list, where: torch.device, seconds: float) -> float:
+    """Two threads calling the decoder at once: whether a second decode stage would add throughput
+    (torchvision's GPU decoder is one object behind a lock) or only contend."""
+    with ThreadPoolExecutor(2) as pool:
+        return timed(
+            lambda: list(pool.map(lambda d: d.decode(batch), decoders)), where, seconds, 2 * len(batch)
+        )
