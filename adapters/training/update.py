@@ -113,9 +113,9 @@ class JointUpdate:
             return
         device = self.params[0].device
         if self._rates is None:
-            self._rates = torch.empty(len(rates), device=device)
+            self._rates = torch.empty(len(rates), dtype=torch.float32, device=device)
         pinned = device.type == "cuda"  # a new pinned buffer per copy: the copy may still be queued
-        self._rates.copy_(torch.tensor(rates, pin_memory=pinned), non_blocking=pinned)
+        self._rates.copy_(torch.tensor(rates, dtype=torch.float32, pin_memory=pinned), non_blocking=pinned)
         self._loaded = rates
 
     def key(self) -> tuple:
