@@ -91,6 +91,7 @@ class JointUpdate:
         self._rates: Tensor | None = None  # (N,) -lr per tensor, on the device
         self._loaded: list[float] | None = None
         self._layout: _Layout | None = None
+        self._moved: list[bool] | None = None  # which tensors the last update moved (had a gradient)
 
     @property
     def entries(self) -> list[tuple[Tensor, dict, int]]:
@@ -128,11 +129,14 @@ class JointUpdate:
         )
 
     def ready(self) -> bool:
-        """Whether every tensor with momentum has its buffer: the first step makes them (as SGD does),
-        which a graph cannot (it would make them again on every replay)."""
+        """Whether every tensor the last update moved with momentum has its buffer: the first step
+        makes them (as SGD does), which a graph cannot (it would make them again on every replay).
+        False before any update: which tensors get a gradient is known from one."""
+        if self._moved is None:
+            return False
         return all(
-            not g["momentum"] or "momentum_buffer" in self.optimizers[k].state.get(p, {})
-            for p, g, k in self.entries
+            not g["momentum"] or not moved or "momentum_buffer" in self.optimizers[k].state.get(p, {})
+            for (p, g, k), moved in zip(self.entries, self._moved, strict=True)
         )
 
     @torch.no_grad()
@@ -145,6 +149,7 @@ class JointUpdate:
         tensors = [
             (p, group, k, g, r) for (p, group, k), g, r in zip(self.entries, grads, rates, strict=True)
         ]
+        self._moved = [t[3] is not None for t in tensors]
         tensors = [t for t in tensors if t[3] is not None]
         if not tensors:
             return

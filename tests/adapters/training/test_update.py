@@ -140,3 +140,17 @@ def test_rates_are_copied_only_when_a_schedule_changed_them() -> None:
     optimizers[2].load_state_dict(state)
     update.load_rates()
     assert -9.0 in rates.tolist()
+
+
+def test_a_tensor_the_loss_does_not_reach_is_left_alone_and_does_not_hold_up_capture() -> None:
+    params = _variants()
+    optimizers = _optimizers(params)
+    update = JointUpdate(optimizers, [1.0] * len(optimizers))
+    before = [p.detach().clone() for p in update.params]
+    _grads(params, 0)
+    grads = _given(update)
+    grads[0] = None  # as autograd.grad gives for a tensor the loss does not reach (allow_unused)
+    update(grads)
+    assert torch.equal(update.params[0], before[0]) and not torch.equal(update.params[1], before[1])
+    assert update.params[0] not in optimizers[0].state  # no momentum buffer, as SGD.step leaves it
+    assert update.ready()  # every tensor that moved has its buffer
