@@ -11,11 +11,11 @@
 SGD with momentum, gradient-norm clipping, linear warm-up then cosine decay stepped per optimiser
 step. The run computes on ``config.device`` (the engine is moved there) in ``config.precision``
 (device.py). The base runs without autograd (docs/design.md §2.3): only the class-token path is
-recorded, so a step costs about one inference pass; on CUDA the pass and its way back to the
-adapters are one CUDA graph (step_graph.py). Each batch goes through the base once for every adapter
-(``step.TrainStep``; docs/design.md §2.8). The result is a ``memvit.adapter/1`` bundle per adapter
-whose ``training`` metadata records the data, the steps, the hyper-parameters, the device and the
-validation accuracy.
+recorded, so a step costs about one inference pass; on CUDA the whole step (the adapters'
+preparation, the pass, its way back and the update) is one CUDA graph (step_graph.py). Each batch
+goes through the base once for every adapter (``step.TrainStep``; docs/design.md §2.8). The result
+is a ``memvit.adapter/1`` bundle per adapter whose ``training`` metadata records the data, the
+steps, the hyper-parameters, the device and the validation accuracy.
 """
 
 from __future__ import annotations

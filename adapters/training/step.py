@@ -4,18 +4,16 @@
     step(images, labels)          # or step(cached_batch, labels): from an activation cache
     step.flush()                  # the losses and hits of the steps so far, into each variant
 
-Order matters on a GPU, where the host queues work and the device runs it later:
-1. the adapters are prepared and stacked first: building the stack copies small index tensors to
-   the device, which waits for the device to finish what it was given (the previous step); here that
-   wait costs the least, as nothing of this step is queued yet;
-2. the pass forward (from images: the base rows without autograd and the class-token rows with it,
-   under the run's precision; from a cache: the class-token rows alone), the losses and the way
-   back to the adapters' stack are queued, on CUDA as one CUDA graph (step_graph.py);
-3. the rest of the way back, through the preparation to the parameters, and the joint update
-   (update.py) are queued while the device runs the graph.
-No value comes back to the host during a step: each step's losses and hits stay on the device
-(``pending``) until ``flush`` reads them all in one copy, when a progress bar, a curve point, a
-checkpoint or the end needs them.
+A step is one function of the batch (``_step``), all of it on the device: the adapters prepared and
+stacked from their live parameters (``MemoryViT.prepare_many``, what serving runs; the stack's
+constant parts made once per run, stacking.py), the pass forward (from images: the base rows
+without autograd and the class-token rows with it, under the run's precision; from a cache: the
+class-token rows alone), the losses, ``autograd.grad`` of their sum back to the parameters and the
+joint update of every variant (update.py). On CUDA that function is one CUDA graph (step_graph.py):
+a step is the batch copied in, the learning rates copied in (the schedules set them on the host),
+one replay and one small clone, however many variants train. No value comes back to the host
+during a step: each step's losses and hits stay on the device (``pending``) until ``flush`` reads
+them all in one copy, when a progress bar, a curve point, a checkpoint or the end needs them.
 
 Rows never attend to each other, so the summed loss gives each adapter exactly the gradient it
 would get alone; each has its own optimiser, learning rates, schedule and clipping, so each ends
@@ -34,6 +32,7 @@ from memvit.memory_core import AdapterSet, MemoryViT, PreparedAdapter
 from memvit.memory_core.stored.cached import CachedBatch
 
 from .device import autocast
+from .stacking import StackLayout
 from .step_graph import StepGraph
 from .update import JointUpdate
 from .variant import Variant
@@ -51,55 +50,64 @@ class TrainStep:
         precision: str = "float32",
         *,
         graphs: bool = True,
+        rehearse: bool = False,
     ) -> None:
+        """``graphs``: the step as a CUDA graph on CUDA; ``rehearse``: the graph's route without one,
+        on the CPU (step_graph.py)."""
         self.engine, self.variants, self.parent = engine, list(variants), parent
         self.precision = precision
-        self.path = StepGraph(engine, [v.name for v in self.variants], precision, graphs=graphs)
-        self.params = [p for v in self.variants for p in v.params]
-        self.update = JointUpdate()
-        self.pending: list[tuple[Tensor, Tensor]] = []  # per step: losses (K,), hits (K,), on the device
+        self.update = JointUpdate(
+            [v.optimizer for v in self.variants], [v.config.clip_grad for v in self.variants]
+        )
+        self.path = StepGraph(self._step, engine.device, graphs=graphs, rehearse=rehearse)
+        self.layout: StackLayout | None = None  # the stack's constants, made on the first step
+        self.store: str | None = None  # the cached batches' store, or None for images
+        self.pending: list[Tensor] = []  # per step: losses and hits (2, K), on the device
 
     def __call__(self, batch: Tensor | CachedBatch, labels: Tensor) -> None:
         """One step for every variant on ``batch`` (images or cached activations, on the engine's
         device) with ``labels`` (B,) there too."""
-        engine, variants = self.engine, self.variants
-        prepared = tuple(engine.prepare_many([v.adapter.live_weights() for v in variants]))
-        adapter_set = AdapterSet(((self.parent,) if self.parent else ()) + prepared)
-        adapter_set.stack  # noqa: B018  # built now, before this step queues anything (see above)
-        for v in variants:
-            v.optimizer.zero_grad(set_to_none=True)
-        # Each loss depends on its own adapter's parameters only (rows never attend to each other), so
-        # the sum's gradient for each adapter is that adapter's own loss gradient.
-        measured = self.path(adapter_set, batch, labels, self.params)
-        if measured is None:  # this base's step is not cut (step_graph.py): the whole path eagerly
-            measured = self._uncut(adapter_set, batch, labels)
-        self.update([v.optimizer for v in variants], [v.config.clip_grad for v in variants])
-        for v in variants:
-            v.schedule.step()
-        self.pending.append(measured)
-
-    def _uncut(
-        self, adapter_set: AdapterSet, batch: Tensor | CachedBatch, labels: Tensor
-    ) -> tuple[Tensor, Tensor]:
         if isinstance(batch, CachedBatch):
-            out = self.engine(batch, adapter_set)
+            inputs, self.store = [batch.layers, batch.base_logits, labels], batch.store
         else:
-            with autocast(batch.device, self.precision):
-                out = self.engine(batch, adapter_set)
-        logits = torch.stack([out.adapters[v.name] for v in self.variants]).float()  # (K, B, C)
-        K, B, C = logits.shape
-        per_image = F.cross_entropy(logits.view(K * B, C), labels.repeat(K), reduction="none")
-        losses = per_image.view(K, B).mean(1)  # (K,) each variant's mean loss
-        losses.sum().backward()
-        return losses.detach(), (logits.detach().argmax(-1) == labels).sum(-1)
+            inputs, self.store = [batch, labels], None
+        self.update.load_rates()  # the schedules' rates for this step, into the device tensor
+        key = (self.store, self.update.key())
+        self.pending.append(self.path(inputs, key, ready=self.update.ready()))
+        for v in self.variants:
+            v.schedule.step()
+
+    def _step(self, inputs: list[Tensor]) -> Tensor:
+        """The whole step on the device (a CUDA graph's body): (2, K) each variant's loss and hits."""
+        *batch, labels = inputs
+        prepared = self.engine.prepare_many([v.adapter.live_weights() for v in self.variants])
+        adapters = ((self.parent,) if self.parent else ()) + tuple(prepared)
+        if self.layout is None or not self.layout.fits(adapters):
+            self.layout = StackLayout.of(adapters)  # once per run: host values, so never in a capture
+        adapter_set = AdapterSet(adapters)
+        adapter_set._stack = self.layout.stack(adapters)
+        if self.store is not None:
+            out = self.engine(CachedBatch(self.store, *batch), adapter_set)
+        else:
+            with autocast(labels.device, self.precision):
+                out = self.engine(batch[0], adapter_set)
+        z = torch.stack([out.adapters[v.name] for v in self.variants]).float()  # (K, B, C)
+        K, B, C = z.shape
+        losses = F.cross_entropy(z.view(K * B, C), labels.repeat(K), reduction="none").view(K, B).mean(1)
+        # Each loss depends on its own adapter's parameters only (rows never attend to each other),
+        # so the sum's gradient for each adapter is that adapter's own loss gradient.
+        grads = torch.autograd.grad(losses.sum(), self.update.params, allow_unused=True)
+        self.update(grads)
+        hits = (z.detach().argmax(-1) == labels).sum(-1)  # (K,)
+        return torch.stack([losses.detach(), hits.float()])  # (2, K); hits exact below 2**24
 
     def flush(self) -> None:
         """Every pending step's losses and hits, read back in one copy, into the variants."""
         if not self.pending:
             return
-        losses = torch.stack([loss for loss, _ in self.pending]).cpu()  # (steps, K)
-        hits = torch.stack([hit for _, hit in self.pending]).sum(0).cpu()  # (K,)
+        measured = torch.stack(self.pending).cpu()  # (steps, 2, K)
         self.pending.clear()
+        losses, hits = measured[:, 0], measured[:, 1].sum(0)
         for k, v in enumerate(self.variants):
             v.losses.extend(losses[:, k].tolist())
             v.correct += int(hits[k])

@@ -1,6 +1,8 @@
 """Training on a CUDA device (``pytest -m cuda``; skipped without one): the graphed base pass replays
-the eager one, a run on the GPU reaches the CPU run's numbers (float32) and stays near them
-(bfloat16), the cache placements agree on the device, and the joint update equals torch's SGD there."""
+the eager one, the whole step as one graph ends where the eager step ends and launches one graph and
+a handful of operations per step, a run on the GPU reaches the CPU run's numbers (float32) and stays
+near them (bfloat16), the cache placements agree on the device, and the joint update equals torch's
+SGD there."""
 
 from __future__ import annotations
 
@@ -56,35 +58,76 @@ def test_the_graphed_base_pass_replays_the_eager_one(precision: str, exact_float
         assert max_diff(graphed(x).layers, layers) <= 1e-5
 
 
+def _graph_variants(engine, x) -> list:
+    from memvit.adapters.training.variant import Variant
+
+    made = []
+    for i, m in enumerate((0, 2, 3, 1)):
+        config = TrainConfig(
+            name=f"v{i}", train_dir="-", memory_tokens=m, lr=0.05 * (i + 1), steps=20,
+            weight_decay=0.01 * (i % 2), clip_grad=(0.05, 1.0)[i % 2],
+        )  # fmt: skip
+        made.append(Variant(engine, config, ("a", "b", "c"), None, total=20, init_images=x[:2]))
+    return made
+
+
 @pytest.mark.parametrize("source", ["images", "cache"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_the_graphed_step_is_the_eager_step(source: str, precision: str, exact_float32) -> None:
+    """The whole step (preparation, pass, way back, update) replayed as one graph, through a resume's
+    new optimiser state (the graph dropped and captured again), ends where the eager step ends."""
+    import copy
+
     from memvit.adapters.training.step import TrainStep
     from memvit.adapters.training.step_graph import WARM_UP
-    from memvit.adapters.training.variant import Variant
 
     runs = []
     for graphs in (True, False):
         engine = tiny_engine().to(CUDA).train()
-        x = images(engine, batch=6).to(CUDA)
-        variants = []
-        for i, m in enumerate((0, 2, 3)):
-            config = TrainConfig(name=f"v{i}", train_dir="-", memory_tokens=m, lr=0.05 * (i + 1), steps=20)
-            variants.append(Variant(engine, config, ("a", "b", "c"), None, total=20, init_images=x[:2]))
+        variants = _graph_variants(engine, images(engine, batch=6).to(CUDA))
         step = TrainStep(engine, variants, precision=precision, graphs=graphs)
-        for i in range(WARM_UP + 4):  # past the warm-up: the graph captured, then replayed with new data
+        for i in range(2 * WARM_UP + 5):  # captured, replayed with new data, dropped, captured again
+            if i == WARM_UP + 3:
+                for v in variants:
+                    v.optimizer.load_state_dict(copy.deepcopy(v.optimizer.state_dict()))
             batch = images(engine, batch=6, seed=10 + i).to(CUDA)
             if source == "cache":
                 logits, layers = capture(engine, batch, "inputs")
                 batch = CachedBatch("inputs", layers, logits)
             step(batch, torch.tensor([0, 1, 2, 2, 1, 0], device=CUDA))
+            if graphs and i == WARM_UP + 2:
+                assert step.path.graphed
         step.flush()
-        assert step.path.graphed is graphs and step.path.failed is None and step.path.cut
+        assert step.path.graphed is graphs and step.path.failed is None
         runs.append(variants)
     for a, b in zip(*runs, strict=True):
         assert a.losses == pytest.approx(b.losses, abs=1e-5)
         for p, q in zip(a.adapter.parameters(), b.adapter.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_the_graphed_step_is_one_launch_and_waits_for_nothing() -> None:
+    """Per step on the GPU: one graph launch, a handful of operations around it whatever the number
+    of variants (tests/adapters/training/test_step_ops.py counts the same on the CPU), no host sync."""
+    from benchmarks.gpu.step_ops import step_ops
+    from memvit.adapters.training.step import TrainStep
+    from memvit.adapters.training.step_graph import WARM_UP
+    from tests.adapters.training.test_step_ops import OUTSIDE
+
+    found = []
+    for n in (1, 4):
+        engine = tiny_engine().to(CUDA).train()
+        x = images(engine, batch=6).to(CUDA)
+        y = torch.tensor([0, 1, 2, 2, 1, 0], device=CUDA)
+        step = TrainStep(engine, _graph_variants(engine, x)[:n])
+        for _ in range(WARM_UP + 2):
+            step(x, y)
+        assert step.path.graphed, step.path.failed
+        counts = step_ops(lambda step=step, x=x, y=y: step(x, y), steps=3, cuda=True)
+        assert counts["graph launches"] == 1 and counts["host syncs"] == 0, counts
+        assert counts["outside the graph"] <= OUTSIDE and counts["in the graph"] == 0, counts
+        found.append(counts["outside the graph"])
+    assert found[0] == found[1]
 
 
 def test_a_run_on_the_gpu_reaches_the_cpu_runs_numbers(image_folder, tiny_weights, exact_float32) -> None:
@@ -146,13 +189,17 @@ def test_the_joint_update_equals_torchs_sgd_on_the_device() -> None:
     alone = [
         torch.optim.SGD(ps, lr=0.1 * (i + 1), momentum=0.9, weight_decay=1e-3) for i, ps in enumerate(twins)
     ]
-    update = JointUpdate()
+    update = JointUpdate(joint, [0.5, 5.0])
     for step in range(3):
-        for a, b in zip(made, twins, strict=True):
-            for p, q in zip(a, b, strict=True):
-                p.grad = torch.randn(p.shape, generator=g).to(CUDA) * (step + 1)
-                q.grad = p.grad.clone()
-        update(joint, [0.5, 5.0])
+        grads = []
+        for b in twins:
+            for q in b:
+                q.grad = torch.randn(q.shape, generator=g).to(CUDA) * (step + 1)
+                grads.append(q.grad.clone())
+        for o in joint + alone:
+            o.param_groups[0]["lr"] *= 0.9  # a schedule's change, read from the device tensor
+        update.load_rates()
+        update(grads)
         for ps, optimizer, clip in zip(twins, alone, [0.5, 5.0], strict=True):
             torch.nn.utils.clip_grad_norm_(ps, clip)
             optimizer.step()
