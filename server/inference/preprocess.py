@@ -5,7 +5,8 @@ image costs ~11 operations an image (resize, two crop slices, the cast, two divi
 subtraction, the views around them). Each operation is a call through the dispatcher that releases
 and retakes the GIL, and in a process that also launches the passes, that is where the time went
 (docs/design.md §5). Here, an image costs two: its resize (an image's size is its own, so the
-resize is its own call) and the view that gives it a batch dimension. The rest is done once for the
+resize is its own call) and the view that gives it a batch dimension; images all of one size (and
+one resize) cost none: they are stacked and resized in one call. The rest is done once for the
 batch:
 
 - the resized images are concatenated, channel by channel, into one flat buffer
@@ -92,11 +93,15 @@ class BatchPreprocess:
         ]
         if self.mode is None or any(place is None for place in places):
             return torch.stack([self._one(p, o) for p, o in zip(pictures, orientations, strict=True)])
-        if not self.on_uint8:
-            pictures = torch._foreach_add(list(pictures), 0.0)  # one cast for the batch
-        resized = [self._resized(p, place.size) for p, place in zip(pictures, places, strict=True)]
-        flat = torch._chunk_cat(resized, dim=1, num_chunks=3)  # (1, 3, P): every image, per channel
-        rows, cols = self._tables_for(places, [r.shape[-2] * r.shape[-1] for r in resized])
+        if _same_size(pictures, places):  # one resize for the batch (each image's alone, as one)
+            flat, sizes = self._resized_together(pictures, places[0].size)
+        else:
+            if not self.on_uint8:
+                pictures = torch._foreach_add(list(pictures), 0.0)  # one cast for the batch
+            resized = [self._resized(p, place.size) for p, place in zip(pictures, places, strict=True)]
+            flat = torch._chunk_cat(resized, dim=1, num_chunks=3)  # (1, 3, P): every image, per channel
+            sizes = [r.shape[-2] * r.shape[-1] for r in resized]
+        rows, cols = self._tables_for(places, sizes)
         x = flat[self._zero, self._channel, rows + cols]  # (n, 3, H, W), cropped and oriented
         if not self.on_uint8:  # as torchvision does after a float resize of uint8 pixels
             x = x.clamp_(0, 255).round_()
@@ -126,6 +131,20 @@ class BatchPreprocess:
         if tuple(batch.shape[-2:]) == size:
             return batch
         return F.interpolate(batch, size=list(size), mode=self.mode, align_corners=False, antialias=True)
+
+    def _resized_together(
+        self, pictures: Sequence[Tensor], size: tuple[int, int]
+    ) -> tuple[Tensor, list[int]]:
+        """Pictures of one size (3, h, w) resized to ``size`` in one call -> the flat buffer (1, 3, P)
+        ``_chunk_cat`` makes of them one by one, and each image's share of P. The filter reads each
+        image's own pixels only, so the batch's resize is each image's, bit for bit."""
+        batch = torch.stack(list(pictures))  # (n, 3, h, w)
+        if not self.on_uint8:
+            batch = batch.float()
+        if tuple(batch.shape[-2:]) != size:
+            batch = F.interpolate(batch, size=list(size), mode=self.mode, align_corners=False, antialias=True)
+        n = batch.shape[0]
+        return batch.transpose(0, 1).reshape(1, 3, -1), [size[0] * size[1]] * n  # (1, 3, n * H * W)
 
     def _tables_for(self, places: list[_Placement], sizes: list[int]) -> tuple[Tensor, Tensor]:
         """(n, 1, H, 1) rows and (n, 1, 1, W) columns whose sums index the flat buffer."""
@@ -164,6 +183,14 @@ class BatchPreprocess:
         )
         picture = TF.center_crop(picture, list(self.crop_size))
         return torch.addcmul(self.shift, picture, self.scale)
+
+
+def _same_size(pictures: Sequence[Tensor], places: list) -> bool:
+    """Whether every picture has one shape and one resize (a batch of one camera's photos, or a
+    client's thumbnails): then they are resized together."""
+    first, size = pictures[0].shape, places[0].size
+    same = all(p.shape == first for p in pictures) and all(q.size == size for q in places)
+    return len(pictures) > 1 and same
 
 
 def orient(picture: Tensor, orientation: int) -> Tensor:
