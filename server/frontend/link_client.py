@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .link import NOTIFY, LinkDownError, _frame, _read, _unpack_error
+from .link import BATCH, NOTIFY, LinkDownError, _frame, _read, _unpack_error
 
 log = logging.getLogger("memvit.server.frontend.link")  # the link's one logger
 
@@ -89,14 +89,11 @@ class LinkClient:
                 if call_id == NOTIFY:  # the model process's own notice: (NOTIFY, method, args)
                     if self.on_notice is not None:
                         self.on_notice(ok, *result)
-                    continue
-                future = self._pending.get(call_id)
-                if future is None or future.done():
-                    continue  # the caller gave up (its client went away)
-                if ok:
-                    future.set_result(result)
+                elif call_id == BATCH:  # a batch's answers: one frame, one read
+                    for answer in result:
+                        self._settle(*answer)
                 else:
-                    future.set_exception(_unpack_error(result))
+                    self._settle(call_id, ok, result)
         except (asyncio.IncompleteReadError, ConnectionError):
             log.warning("the link to the model process closed")
         finally:
@@ -105,6 +102,15 @@ class LinkClient:
             for future in self._pending.values():
                 if not future.done():
                     future.set_exception(LinkDownError("the model process went away; retry shortly"))
+
+    def _settle(self, call_id: int, ok: bool, result: Any) -> None:
+        future = self._pending.get(call_id)
+        if future is None or future.done():
+            return  # the caller gave up (its client went away)
+        if ok:
+            future.set_result(result)
+        else:
+            future.set_exception(_unpack_error(result))
 
     async def close(self) -> None:
         if self._writer is not None:

@@ -45,7 +45,7 @@ READ_RGB = ImageReadMode.RGB
 class Encoded:
     """An upload that passed every pixel-free check, to be decoded on the device."""
 
-    data: bytes
+    data: bytes | bytearray
     name: str
     orientation: int  # EXIF orientation, 1 (upright) to 8
 
@@ -111,7 +111,7 @@ class DeviceDecoder:
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             if self.cuda and self.barrier:
                 self.stream.synchronize()  # nothing queued here still reads what the decoder is given
-            raw = [torch.frombuffer(bytearray(item.data), dtype=torch.uint8) for item in items]
+            raw = [torch.frombuffer(_writable(item.data), dtype=torch.uint8) for item in items]
             try:
                 pictures: list[Tensor | None] = list(decode_jpeg(raw, mode=READ_RGB, device=self.device))
             except RuntimeError:  # one bad file fails the call: find it, decode the rest
@@ -156,6 +156,12 @@ class DeviceDecoder:
             return self.cpu(item.data, item.name).to(self.device)
         except ServiceError as exc:
             return exc
+
+
+def _writable(data: bytes | bytearray) -> bytearray:
+    """The bytes as ``torch.frombuffer`` takes them without a warning: a bytearray (copied from
+    bytes once; one read out of the link's shared memory already is one)."""
+    return data if isinstance(data, bytearray) else bytearray(data)
 
 
 def _complete(data: bytes) -> bool:

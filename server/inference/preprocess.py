@@ -41,6 +41,7 @@ from torchvision.transforms.v2.functional._geometry import _compute_resized_outp
 
 TRANSPOSED, H_FLIPPED, V_FLIPPED = (5, 6, 7, 8), (2, 3, 6, 7), (3, 4, 7, 8)  # EXIF orientations
 _MODES = {InterpolationMode.BILINEAR: "bilinear", InterpolationMode.BICUBIC: "bicubic"}
+_UNKNOWN = object()
 
 
 def eval_steps(transform: Callable) -> tuple[Resize, CenterCrop, Normalize]:
@@ -83,14 +84,22 @@ class BatchPreprocess:
         self._zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
         self._channel = torch.arange(3, device=device).view(1, 3, 1, 1)
         self._tables: Tensor | None = None  # on CUDA: the device copy of the row and column tables
+        self._places: dict[tuple[int, int, int], _Placement | None] = {}  # (h, w, orientation) -> _place
 
     def __call__(self, pictures: Sequence[Tensor], orientations: Sequence[int]) -> Tensor:
         """``pictures`` (3, h, w) uint8, each with its EXIF orientation -> (n, 3, H, W) float32."""
         if not pictures:
             return torch.empty(0, 3, *self.crop_size, device=self.device)
-        places = [
-            self._place(p.shape[-2], p.shape[-1], o) for p, o in zip(pictures, orientations, strict=True)
-        ]
+        known = self._places
+        if len(known) > 4096:  # sizes seen: a camera's few, or anything a client sends (bounded)
+            known.clear()
+        places = []
+        for p, o in zip(pictures, orientations, strict=True):
+            key = (p.shape[-2], p.shape[-1], o)
+            place = known.get(key, _UNKNOWN)
+            if place is _UNKNOWN:
+                place = known[key] = self._place(*key)
+            places.append(place)
         if self.mode is None or any(place is None for place in places):
             return torch.stack([self._one(p, o) for p, o in zip(pictures, orientations, strict=True)])
         if _same_size(pictures, places):  # one resize for the batch (each image's alone, as one)
