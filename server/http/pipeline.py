@@ -30,6 +30,7 @@ from pydantic_core import to_json
 from ..edge.body import read_upload
 from ..errors import ImageTooLargeError
 from ..inference.answers import Answer, Labels
+from ..inference.device_decode import JpegCheck
 from ..inference.device_runner import Item
 from ..inference.fair_queue import FairPool
 from ..inference.runner import ANONYMOUS, Ask, Images, Runner, Tenant
@@ -54,9 +55,16 @@ class ClassifyPipeline:
         max_image_bytes: int,
         stack: bool = True,
         decode_order: FairPool | None = None,
+        check_inline: bool = False,
     ) -> None:
         self.runner = runner
         self.decoder = decode
+        # ``check_inline``: the device path's JPEG checks run on the event loop (JpegCheck.inline, tens
+        # of microseconds, no pixels), a worker only for what is decoded here: the hop to a worker
+        # and back cost an API process more CPU than the check (benchmarks/RESULTS.md §3.14). Not in
+        # one process: there the hop is what lets a forming batch wait for the requests being
+        # checked (announced), and without it batches halved and the passes cost more than it saved.
+        self.inline = decode.inline if check_inline and isinstance(decode, JpegCheck) else None
         self.decode_pool = decode_pool
         self.stack = stack
         self.decode_order = decode_order  # each key's images in turn on ``decode_pool``; None: first come
@@ -108,7 +116,7 @@ class ClassifyPipeline:
         decoder, one item per image instead: a JPEG checked and left encoded for the device, or
         anything else decoded here."""
         loop = asyncio.get_running_loop()
-        decode = self.decoder
+        decode, inline = self.decoder, self.inline
         started = time.perf_counter()
 
         def one(data: bytes, name: str) -> asyncio.Future[Item]:
@@ -116,10 +124,21 @@ class ClassifyPipeline:
                 return loop.run_in_executor(self.decode_pool, decode, data, name)
             return self.decode_order.submit(tenant.id, tenant.weight, decode, data, name)
 
-        decoded = await asyncio.gather(
-            *(one(data, name) for data, name in zip(blobs, names, strict=True)),
-            return_exceptions=True,  # wait for all, so no decode is left running unobserved
-        )
+        decoded: list[Item | BaseException | None] = [None] * len(blobs)
+        pending: dict[int, asyncio.Future[Item]] = {}
+        for i, (data, name) in enumerate(zip(blobs, names, strict=True)):
+            if inline is not None:  # a JPEG for the device: checked here, no thread hop
+                try:
+                    decoded[i] = inline(data, name)
+                except Exception as exc:  # answered in the images' order, as the pool's would be
+                    decoded[i] = exc
+                if decoded[i] is not None:
+                    continue
+            pending[i] = one(data, name)
+        if pending:  # wait for all, so no decode is left running unobserved
+            done = await asyncio.gather(*pending.values(), return_exceptions=True)
+            for i, result in zip(pending, done, strict=True):
+                decoded[i] = result
         stages = current_stages()
         if stages is not None:
             stages.add("decode", time.perf_counter() - started)

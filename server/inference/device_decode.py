@@ -63,9 +63,19 @@ class JpegCheck:
         """One upload, on a CPU worker: checked (raises the CPU path's 4xx), then either kept encoded
         for the device, or decoded here the exact CPU way when the device decoder does not take it."""
         image = self.cpu.open(data, name)
+        return self._encoded(image, data, name) or self.cpu.decode(image, name)
+
+    def inline(self, data: bytes, name: str = "image") -> Encoded | None:
+        """The check alone, where it is cheap enough for the event loop (tens of microseconds: the
+        header and markers, no pixels; less than a hop to a worker thread and back): the upload kept
+        encoded, its 4xx raised, or None when it must be decoded here (``__call__`` in a worker)."""
+        return self._encoded(self.cpu.open(data, name), data, name)
+
+    @staticmethod
+    def _encoded(image: Image.Image, data: bytes, name: str) -> Encoded | None:
         if image.format in ("JPEG", "MPO") and image.mode in DEVICE_MODES and _complete(data):
             return Encoded(data, name, _orientation(image))
-        return self.cpu.decode(image, name)
+        return None
 
 
 class DeviceDecoder:

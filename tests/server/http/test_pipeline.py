@@ -4,15 +4,24 @@ answer, each task's top k by its own class count, its labels, its logits when as
 
 from __future__ import annotations
 
+import asyncio
+import io
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
 from pydantic import TypeAdapter
 
-from memvit.server.http.pipeline import respond, respond_json
+from memvit.memory_core import MemoryViT
+from memvit.server.errors import BrokenImageError
+from memvit.server.http.pipeline import ClassifyPipeline, respond, respond_json
 from memvit.server.http.schemas import ClassifyResponse
 from memvit.server.inference.answers import Answer, BatchAnswers, Want
+from memvit.server.inference.device_decode import Encoded, JpegCheck
+from memvit.server.inference.images import ImageDecoder
 from tests.conftest import random_adapter, tiny_engine
+from tests.server.inference.test_device_decode import jpeg, photo
 
 
 def test_the_response_is_built_from_one_answer() -> None:
@@ -64,3 +73,31 @@ def test_the_json_is_fastapis_byte_for_byte(top_k: int, logits: bool) -> None:
     names = ["x.jpg", "名前.jpg", 'a "b"']
     expected = RESPONSE.dump_json(respond(answer, names, top_k=top_k, logits=logits), by_alias=True)
     assert respond_json(answer, names, top_k=top_k, logits=logits) == expected
+
+
+@pytest.mark.parametrize("check_inline", [False, True])
+def test_jpeg_checks_on_the_event_loop_answer_as_the_pool_does(tiny_weights, check_inline: bool) -> None:
+    """``check_inline`` (an API process's device path): JPEGs are checked without a worker, anything
+    else is decoded by one; each image's result or 4xx in the images' order, as through the pool."""
+    cpu = ImageDecoder(MemoryViT.from_timm(weights=tiny_weights), max_bytes=4_000_000, max_pixels=4_000_000)
+    pool = ThreadPoolExecutor(1)
+    submitted = []
+
+    class Counting:  # the pool, counting what it is given
+        def submit(self, fn, *args):
+            submitted.append(args)
+            return pool.submit(fn, *args)
+
+    pipeline = ClassifyPipeline(
+        None, JpegCheck(cpu), Counting(), max_image_bytes=4_000_000, stack=False, check_inline=check_inline
+    )
+    png = io.BytesIO()
+    photo(1, (40, 30)).save(png, "PNG")
+    blobs = [jpeg(photo(0)), png.getvalue(), jpeg(photo(2))]
+    items = asyncio.run(pipeline.decode(blobs, ["a", "b", "c"]))
+    assert isinstance(items[0], Encoded) and isinstance(items[2], Encoded) and items[2].name == "c"
+    assert torch.equal(items[1], cpu(blobs[1]))  # the PNG decoded the CPU way, by a worker
+    assert len(submitted) == (1 if check_inline else 3)
+    with pytest.raises(BrokenImageError, match="b:"):  # the first bad image names itself
+        asyncio.run(pipeline.decode([blobs[0], b"\xff\xd8\xff broken", b"not an image"], ["a", "b", "c"]))
+    pool.shutdown()
