@@ -133,7 +133,13 @@ def _build(settings: Settings, link: ModelLink, arena: Arena | None, info: dict)
     runner = RemoteRunner(link, arena, registry, LabelCache(engine.labels, catalog_labels, ask))
     usage = RemoteUsage(usage_log_for(store) if settings.usage_log else None)
     return assemble(
-        settings, engine=engine, live=ResidentCount(), registry=registry, runner=runner, usage=usage
+        settings,
+        engine=engine,
+        live=ResidentCount(),
+        registry=registry,
+        runner=runner,
+        usage=usage,
+        check_inline=True,  # the hop to a decode worker costs more than the check (http/pipeline.py)
     )
 
 

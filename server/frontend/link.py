@@ -2,12 +2,13 @@
 number of calls in flight, answered in any order.
 
 A frame is a 4-byte length and a pickle: ``(call id, method, args, kwargs)`` one way, ``(call id,
-ok, result)`` the other. The model process's side reads and writes on threads of its own (no event
-loop on the data path); an API process's side is its event loop's. Both ends are this package's own
-processes, started together by one supervisor (server/frontend/), on a socket in a directory only
-they can reach; large payloads (the uploads) go through shared memory (server/frontend/shm_arena.py)
-and only their tickets through here. An error raised by a handler comes back as the same exception
-class with the same message and field,
+ok, result)`` the other, or a batch's answers to one API process in one frame (``BATCH``). The
+model process's side reads and writes on threads of its own (no event loop on the data path); an
+API process's side is its event loop's. Both ends are this package's own processes, started
+together by one supervisor (server/frontend/), on a socket in a directory only they can reach;
+large payloads (the uploads) go through shared memory (server/frontend/shm_arena.py) and only their
+tickets through here. An error raised by a handler comes back as the same exception class with the
+same message and field,
 so an API process answers it exactly as the model process would have (server/errors.py).
 
 Here: the frames, the errors and the model process's side (``LinkServer``); the API process's side is
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!I")
 Handler = Callable[..., Awaitable[Any]]
 NOTIFY = -1  # the call id of a call nobody waits for
+BATCH = -2  # the call id of answers sent as one frame: (BATCH, True, [(call id, ok, result), ...])
 # Which connection a handler is serving (set per connection; tasks inherit it): state a handler keeps
 # for one API process (its admitted requests, its images on their way) is dropped when it goes away.
 current_peer: contextvars.ContextVar[int] = contextvars.ContextVar("current_peer", default=-1)
@@ -91,9 +93,13 @@ class Connection:
 
     def failure(self, call_id: int, exc: BaseException) -> bytes:
         """The frame that answers ``call_id`` with ``exc`` (to send with others)."""
+        return _frame(self.failed(call_id, exc))
+
+    def failed(self, call_id: int, exc: BaseException) -> tuple:
+        """The answer to ``call_id`` that raises ``exc`` there, to frame (alone, or in a ``BATCH``)."""
         if not getattr(exc, "expected", False) and getattr(exc, "status", 500) >= 500:
             log.error("link call failed", exc_info=exc)
-        return _frame((call_id, False, _pack_error(exc)))
+        return call_id, False, _pack_error(exc)
 
     def send(self, frames: list[bytes]) -> None:
         with self._ready:

@@ -2,7 +2,9 @@
 
 Frames and errors as link.py defines them; any number of calls in flight, each answered by its
 call id in whatever order the model process answers. A link that closes fails every call still
-waiting with ``LinkDownError`` (503, Retry-After).
+waiting with ``LinkDownError`` (503, Retry-After). The frames written during one turn of the event
+loop leave in one write at its end (every request's call and delivery of that turn: one system
+call and one wake-up of the model process's reader for all of them), in the order they were made.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .link import NOTIFY, LinkDownError, _frame, _read, _unpack_error
+from .link import BATCH, NOTIFY, LinkDownError, _frame, _read, _unpack_error
 
 log = logging.getLogger("memvit.server.frontend.link")  # the link's one logger
 
@@ -31,6 +33,7 @@ class LinkClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
+        self._out: list[bytes] = []  # this turn's frames, written at its end (``_flush``)
 
     @property
     def connected(self) -> bool:
@@ -42,6 +45,7 @@ class LinkClient:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         future = self.send(method, *args, **kwargs)
+        self._flush()  # then the writer's flow control, as for a frame written at once
         await self._writer.drain()
         return await future
 
@@ -54,14 +58,24 @@ class LinkClient:
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
         future.add_done_callback(lambda _: self._pending.pop(call_id, None))
-        self._writer.write(_frame((call_id, method, args, kwargs)))
+        self._write(_frame((call_id, method, args, kwargs)))
         return future
 
     def notify(self, method: str, *args: Any) -> None:
         """A call nobody waits for (its answer is never sent): a delivery, a release."""
         if not self.connected:
             raise LinkDownError("the model process is not reachable; retry shortly")
-        self._writer.write(_frame((NOTIFY, method, args, {})))
+        self._write(_frame((NOTIFY, method, args, {})))
+
+    def _write(self, frame: bytes) -> None:
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(frame)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(out[0] if len(out) == 1 else b"".join(out))
 
     async def wait_closed(self) -> None:
         """Until the link closes (the model process went away, or ``close``)."""
@@ -75,14 +89,11 @@ class LinkClient:
                 if call_id == NOTIFY:  # the model process's own notice: (NOTIFY, method, args)
                     if self.on_notice is not None:
                         self.on_notice(ok, *result)
-                    continue
-                future = self._pending.get(call_id)
-                if future is None or future.done():
-                    continue  # the caller gave up (its client went away)
-                if ok:
-                    future.set_result(result)
+                elif call_id == BATCH:  # a batch's answers: one frame, one read
+                    for answer in result:
+                        self._settle(*answer)
                 else:
-                    future.set_exception(_unpack_error(result))
+                    self._settle(call_id, ok, result)
         except (asyncio.IncompleteReadError, ConnectionError):
             log.warning("the link to the model process closed")
         finally:
@@ -91,6 +102,15 @@ class LinkClient:
             for future in self._pending.values():
                 if not future.done():
                     future.set_exception(LinkDownError("the model process went away; retry shortly"))
+
+    def _settle(self, call_id: int, ok: bool, result: Any) -> None:
+        future = self._pending.get(call_id)
+        if future is None or future.done():
+            return  # the caller gave up (its client went away)
+        if ok:
+            future.set_result(result)
+        else:
+            future.set_exception(_unpack_error(result))
 
     async def close(self) -> None:
         if self._writer is not None:

@@ -13,9 +13,10 @@ API process, read by that connection's thread:
 
 Once both are in, the request is queued on the engine loop (server/inference/engine_loop.py). Its answer comes
 back from the engine's collector thread (``ConnectionSink``): the batch's answers for one API
-process in one write, each the request's arrays and its labels by key (labels.py), pickled once per
-request, never per task. Usage and the per-key and per-task metrics are counted here, where the pass
-ran. The event loop serves the control path only: registrations, the keys' limits, descriptions.
+process in one frame (one pickle, one write, one read there), each the request's arrays as bytes
+and its labels by key (labels.py), never an object per task. Usage and the per-key and per-task
+metrics are counted here, where the pass ran. The event loop serves the control path only:
+registrations, the keys' limits, descriptions.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..settings import Settings
 from ..telemetry.task_labels import TaskLabels
 from .labels import LabelKeys
 from .limits import Admissions
-from .link import Connection, LinkServer, _frame
+from .link import BATCH, Connection, LinkServer, _frame
 from .model_control import ControlCalls
 from .remote import answer_to_wire
 from .shared_metrics import SharedMetrics
@@ -94,15 +95,15 @@ class ConnectionSink:
         self.handlers, self.connection = handlers, connection
 
     def deliver(self, finished: list[tuple[Job, Result]]) -> None:
-        keys, frames = self.handlers.keys.cached(), []
+        keys, answers, connection = self.handlers.keys.cached(), [], self.connection
         for job, result in finished:
             pending: Pending = job.context
             pending.release()
             if isinstance(result, Answer):
-                frames.append(_frame((pending.call_id, True, answer_to_wire(result, keys))))
+                answers.append((pending.call_id, True, answer_to_wire(result, keys)))
             else:
-                frames.append(self.connection.failure(pending.call_id, result))
-        self.connection.send(frames)
+                answers.append(connection.failed(pending.call_id, result))
+        connection.send([_frame((BATCH, True, answers))])  # one pickle, one frame for the batch's
 
 
 class ModelHandlers(ControlCalls):

@@ -94,7 +94,7 @@ class ModelLink:
         return await client.call(method, *args, **kwargs)
 
     def send(self, method: str, *args: Any) -> asyncio.Future:
-        """A call whose frame leaves now, before any made after it; the future of its answer."""
+        """A call whose frame leaves with this loop turn's, before any made after it; its answer."""
         client = self.client
         if client is None or not client.connected:
             raise LinkDownError("the model process is not reachable; retry shortly")
@@ -121,8 +121,7 @@ class ModelLink:
             await self.client.close()
 
 
-def _retrieve(future: asyncio.Future) -> None:
-    """A call whose failure nobody waits for is not an error to log ("never retrieved")."""
+def _retrieve(future: asyncio.Future) -> None:  # a failure nobody waits for is not one to log
     if not future.cancelled():
         future.exception()
 
@@ -250,11 +249,12 @@ class RemoteRunner:
         the images this process decodes meanwhile."""
         number = next(self._numbers)
         tenant = ask.tenant
-        call = asyncio.ensure_future(
-            self.link.call(
-                "run", number, ask.count, ask.tasks, tenant.id, tenant.weight, ask.top_k, ask.logits
-            )
-        )
+        try:  # the frame leaves with this turn's others; no task per request
+            call = self.link.send("run", number, ask.count, ask.tasks, tenant.id, tenant.weight, ask.top_k,
+                                  ask.logits)  # fmt: skip
+        except LinkDownError as exc:  # raised when awaited: after the images, as a call's would be
+            call = asyncio.get_running_loop().create_future()
+            call.set_exception(exc)
         tickets: list = []
 
         def free(_: asyncio.Future | None = None) -> None:  # once the model process has answered

@@ -81,7 +81,8 @@ def unpack(payload: Payload, reader: Reader) -> Images:
     for note in payload:
         if note[0] == "j":
             _, data, name, orientation = note
-            raw = bytes(reader.view_at(*data)) if isinstance(data, tuple) else data
+            # A bytearray: the device decoder reads it in place (torch.frombuffer needs it writable).
+            raw = bytearray(reader.view_at(*data)) if isinstance(data, tuple) else data
             items.append(Encoded(raw, name, orientation))
         else:
             items.append(_unpack_tensor(note, reader))

@@ -25,17 +25,19 @@ from concurrent.futures import Executor
 
 import torch
 from fastapi import UploadFile
+from pydantic_core import to_json
 
 from ..edge.body import read_upload
 from ..errors import ImageTooLargeError
 from ..inference.answers import Answer, Labels
+from ..inference.device_decode import JpegCheck
 from ..inference.device_runner import Item
 from ..inference.fair_queue import FairPool
 from ..inference.runner import ANONYMOUS, Ask, Images, Runner, Tenant
 from ..telemetry.stages import current_stages
 from .schemas import ClassifyResponse, ImageResult, Prediction, RegistryInfo, TaskResult
 
-__all__ = ["ANONYMOUS", "Ask", "ClassifyPipeline", "Tenant"]
+__all__ = ["ANONYMOUS", "Ask", "ClassifyPipeline", "Tenant", "respond", "respond_json"]
 
 Decode = Callable[[bytes, str], Item]  # one upload -> its image (C, H, W), or a JPEG left encoded
 
@@ -53,9 +55,16 @@ class ClassifyPipeline:
         max_image_bytes: int,
         stack: bool = True,
         decode_order: FairPool | None = None,
+        check_inline: bool = False,
     ) -> None:
         self.runner = runner
         self.decoder = decode
+        # ``check_inline``: the device path's JPEG checks run on the event loop (JpegCheck.inline, tens
+        # of microseconds, no pixels), a worker only for what is decoded here: the hop to a worker
+        # and back cost an API process more CPU than the check (benchmarks/RESULTS.md §3.14). Not in
+        # one process: there the hop is what lets a forming batch wait for the requests being
+        # checked (announced), and without it batches halved and the passes cost more than it saved.
+        self.inline = decode.inline if check_inline and isinstance(decode, JpegCheck) else None
         self.decode_pool = decode_pool
         self.stack = stack
         self.decode_order = decode_order  # each key's images in turn on ``decode_pool``; None: first come
@@ -69,15 +78,17 @@ class ClassifyPipeline:
         top_k: int,
         logits: bool,
         tenant: Tenant = ANONYMOUS,
-    ) -> ClassifyResponse:
-        """``tasks``: checked (``deps.classify_input``); None asks for every task."""
+        as_json: bool = False,
+    ) -> ClassifyResponse | bytes:
+        """``tasks``: checked (``deps.classify_input``); None asks for every task. ``as_json``: the
+        response's JSON as FastAPI would send it (``respond_json``), not its model."""
         names = [upload.filename or f"image-{i}" for i, upload in enumerate(uploads)]
         stages = current_stages()
         if stages is not None:
             stages.received()  # FastAPI has parsed the multipart body
         ask = Ask(len(names), tasks, tenant, top_k=top_k, logits=logits)
         answer = await self.run(ask, self._uploads(uploads, names, tenant))
-        return respond(answer, names, top_k=top_k, logits=logits)
+        return (respond_json if as_json else respond)(answer, names, top_k=top_k, logits=logits)
 
     async def run(self, ask: Ask, images) -> Answer:
         """The runner's answer, its stages added to the request's."""
@@ -105,7 +116,7 @@ class ClassifyPipeline:
         decoder, one item per image instead: a JPEG checked and left encoded for the device, or
         anything else decoded here."""
         loop = asyncio.get_running_loop()
-        decode = self.decoder
+        decode, inline = self.decoder, self.inline
         started = time.perf_counter()
 
         def one(data: bytes, name: str) -> asyncio.Future[Item]:
@@ -113,10 +124,21 @@ class ClassifyPipeline:
                 return loop.run_in_executor(self.decode_pool, decode, data, name)
             return self.decode_order.submit(tenant.id, tenant.weight, decode, data, name)
 
-        decoded = await asyncio.gather(
-            *(one(data, name) for data, name in zip(blobs, names, strict=True)),
-            return_exceptions=True,  # wait for all, so no decode is left running unobserved
-        )
+        decoded: list[Item | BaseException | None] = [None] * len(blobs)
+        pending: dict[int, asyncio.Future[Item]] = {}
+        for i, (data, name) in enumerate(zip(blobs, names, strict=True)):
+            if inline is not None:  # a JPEG for the device: checked here, no thread hop
+                try:
+                    decoded[i] = inline(data, name)
+                except Exception as exc:  # answered in the images' order, as the pool's would be
+                    decoded[i] = exc
+                if decoded[i] is not None:
+                    continue
+            pending[i] = one(data, name)
+        if pending:  # wait for all, so no decode is left running unobserved
+            done = await asyncio.gather(*pending.values(), return_exceptions=True)
+            for i, result in zip(pending, done, strict=True):
+                decoded[i] = result
         stages = current_stages()
         if stages is not None:
             stages.add("decode", time.perf_counter() - started)
@@ -147,6 +169,30 @@ def respond(answer: Answer, names: list[str], *, top_k: int, logits: bool) -> Cl
         results.append(ImageResult.model_construct(image=name, tasks=answers))
     info = RegistryInfo.model_construct(version=answer.version, adapters=answer.registered)
     return ClassifyResponse.model_construct(registry=info, tasks=list(tasks), results=results)
+
+
+def respond_json(answer: Answer, names: list[str], *, top_k: int, logits: bool) -> bytes:
+    """``respond``'s response as FastAPI sends it (pydantic's JSON of ``ClassifyResponse``, by alias),
+    byte for byte, from plain dicts and lists in one ``to_json`` call: building the models and
+    serialising them cost ~4x the time (tests/server/test_respond_json.py compares the two)."""
+    tasks, classes = answer.tasks, answer.classes.tolist()
+    probs, index = answer.probs.tolist(), answer.index.tolist()  # (n, T, k) nested lists
+    raw = answer.logits.tolist() if logits and answer.logits is not None else None
+    keep = [min(top_k, c) for c in classes]
+    results = []
+    for i, name in enumerate(names):
+        answers = {}
+        for t, task in enumerate(tasks):
+            labels = answer.labels[t]
+            predictions = [
+                {"label": _label(labels, j), "index": j, "probability": p}
+                for p, j in zip(probs[i][t][: keep[t]], index[i][t][: keep[t]], strict=True)
+            ]
+            values = raw[i][t][: classes[t]] if raw is not None else None
+            answers[task] = {"predictions": predictions, "logits": values}
+        results.append({"image": name, "tasks": answers})
+    registry = {"version": answer.version, "adapters": answer.registered}
+    return to_json({"registry": registry, "tasks": list(tasks), "results": results})
 
 
 def _label(labels: Labels, index: int) -> str:

@@ -113,9 +113,11 @@ def assemble(
     runner: Runner,
     usage: Any,
     engine_loop: EngineLoop | None = None,
+    check_inline: bool = False,
 ) -> Service:
     """The request side around ``runner``. ``engine``: the model, or its description (labels, input
-    shape and preprocessing are all the request side reads)."""
+    shape and preprocessing are all the request side reads). ``check_inline``: the device path's
+    JPEG checks on the event loop (``ClassifyPipeline``), where the pass is another process's."""
     decoder = ImageDecoder(
         engine,
         max_bytes=settings.max_image_bytes,
@@ -131,6 +133,7 @@ def assemble(
         max_image_bytes=settings.max_image_bytes,
         stack=not on_device,
         decode_order=FairPool(pool) if settings.fair_batching else None,
+        check_inline=check_inline and on_device,
     )
     return Service(engine, live, registry, pipeline, pool, usage, engine_loop)
 

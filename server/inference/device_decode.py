@@ -45,7 +45,7 @@ READ_RGB = ImageReadMode.RGB
 class Encoded:
     """An upload that passed every pixel-free check, to be decoded on the device."""
 
-    data: bytes
+    data: bytes | bytearray
     name: str
     orientation: int  # EXIF orientation, 1 (upright) to 8
 
@@ -63,9 +63,19 @@ class JpegCheck:
         """One upload, on a CPU worker: checked (raises the CPU path's 4xx), then either kept encoded
         for the device, or decoded here the exact CPU way when the device decoder does not take it."""
         image = self.cpu.open(data, name)
+        return self._encoded(image, data, name) or self.cpu.decode(image, name)
+
+    def inline(self, data: bytes, name: str = "image") -> Encoded | None:
+        """The check alone, where it is cheap enough for the event loop (tens of microseconds: the
+        header and markers, no pixels; less than a hop to a worker thread and back): the upload kept
+        encoded, its 4xx raised, or None when it must be decoded here (``__call__`` in a worker)."""
+        return self._encoded(self.cpu.open(data, name), data, name)
+
+    @staticmethod
+    def _encoded(image: Image.Image, data: bytes, name: str) -> Encoded | None:
         if image.format in ("JPEG", "MPO") and image.mode in DEVICE_MODES and _complete(data):
             return Encoded(data, name, _orientation(image))
-        return self.cpu.decode(image, name)
+        return None
 
 
 class DeviceDecoder:
@@ -111,7 +121,7 @@ class DeviceDecoder:
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             if self.cuda and self.barrier:
                 self.stream.synchronize()  # nothing queued here still reads what the decoder is given
-            raw = [torch.frombuffer(bytearray(item.data), dtype=torch.uint8) for item in items]
+            raw = [torch.frombuffer(_writable(item.data), dtype=torch.uint8) for item in items]
             try:
                 pictures: list[Tensor | None] = list(decode_jpeg(raw, mode=READ_RGB, device=self.device))
             except RuntimeError:  # one bad file fails the call: find it, decode the rest
@@ -156,6 +166,12 @@ class DeviceDecoder:
             return self.cpu(item.data, item.name).to(self.device)
         except ServiceError as exc:
             return exc
+
+
+def _writable(data: bytes | bytearray) -> bytearray:
+    """The bytes as ``torch.frombuffer`` takes them without a warning: a bytearray (copied from
+    bytes once; one read out of the link's shared memory already is one)."""
+    return data if isinstance(data, bytearray) else bytearray(data)
 
 
 def _complete(data: bytes) -> bool:

@@ -5,7 +5,8 @@ image costs ~11 operations an image (resize, two crop slices, the cast, two divi
 subtraction, the views around them). Each operation is a call through the dispatcher that releases
 and retakes the GIL, and in a process that also launches the passes, that is where the time went
 (docs/design.md §5). Here, an image costs two: its resize (an image's size is its own, so the
-resize is its own call) and the view that gives it a batch dimension. The rest is done once for the
+resize is its own call) and the view that gives it a batch dimension; images all of one size (and
+one resize) cost none: they are stacked and resized in one call. The rest is done once for the
 batch:
 
 - the resized images are concatenated, channel by channel, into one flat buffer
@@ -40,6 +41,7 @@ from torchvision.transforms.v2.functional._geometry import _compute_resized_outp
 
 TRANSPOSED, H_FLIPPED, V_FLIPPED = (5, 6, 7, 8), (2, 3, 6, 7), (3, 4, 7, 8)  # EXIF orientations
 _MODES = {InterpolationMode.BILINEAR: "bilinear", InterpolationMode.BICUBIC: "bicubic"}
+_UNKNOWN = object()
 
 
 def eval_steps(transform: Callable) -> tuple[Resize, CenterCrop, Normalize]:
@@ -78,26 +80,35 @@ class BatchPreprocess:
         self.scale = (1 / (255 * std)).float().to(device)
         self.shift = (-mean / std).float().to(device)
         self.on_uint8 = device.type == "cpu" and _native_uint8(self.resize.interpolation)
-        # The gather's indices into the (1, 3, P) buffer: image b's channel c at its own pixel.
-        self._zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-        self._channel = torch.arange(3, device=device).view(1, 3, 1, 1)
         self._tables: Tensor | None = None  # on CUDA: the device copy of the row and column tables
+        self._places: dict[tuple[int, int, int], _Placement | None] = {}  # (h, w, orientation) -> _place
 
     def __call__(self, pictures: Sequence[Tensor], orientations: Sequence[int]) -> Tensor:
         """``pictures`` (3, h, w) uint8, each with its EXIF orientation -> (n, 3, H, W) float32."""
         if not pictures:
             return torch.empty(0, 3, *self.crop_size, device=self.device)
-        places = [
-            self._place(p.shape[-2], p.shape[-1], o) for p, o in zip(pictures, orientations, strict=True)
-        ]
+        known = self._places
+        if len(known) > 4096:  # sizes seen: a camera's few, or anything a client sends (bounded)
+            known.clear()
+        places = []
+        for p, o in zip(pictures, orientations, strict=True):
+            key = (p.shape[-2], p.shape[-1], o)
+            place = known.get(key, _UNKNOWN)
+            if place is _UNKNOWN:
+                place = known[key] = self._place(*key)
+            places.append(place)
         if self.mode is None or any(place is None for place in places):
             return torch.stack([self._one(p, o) for p, o in zip(pictures, orientations, strict=True)])
-        if not self.on_uint8:
-            pictures = torch._foreach_add(list(pictures), 0.0)  # one cast for the batch
-        resized = [self._resized(p, place.size) for p, place in zip(pictures, places, strict=True)]
-        flat = torch._chunk_cat(resized, dim=1, num_chunks=3)  # (1, 3, P): every image, per channel
-        rows, cols = self._tables_for(places, [r.shape[-2] * r.shape[-1] for r in resized])
-        x = flat[self._zero, self._channel, rows + cols]  # (n, 3, H, W), cropped and oriented
+        if _same_size(pictures, places):  # one resize for the batch (each image's alone, as one)
+            flat, sizes = self._resized_together(pictures, places[0].size)
+        else:
+            if not self.on_uint8:
+                pictures = torch._foreach_add(list(pictures), 0.0)  # one cast for the batch
+            resized = [self._resized(p, place.size) for p, place in zip(pictures, places, strict=True)]
+            flat = torch._chunk_cat(resized, dim=1, num_chunks=3)  # (1, 3, P): every image, per channel
+            sizes = [r.shape[-2] * r.shape[-1] for r in resized]
+        rows, cols = self._tables_for(places, sizes)
+        x = flat.take(rows + cols)  # (n, 3, H, W), cropped and oriented: one gather (flat as 1-D)
         if not self.on_uint8:  # as torchvision does after a float resize of uint8 pixels
             x = x.clamp_(0, 255).round_()
         return torch.addcmul(self.shift, x, self.scale)  # float32 whatever x's dtype
@@ -127,18 +138,36 @@ class BatchPreprocess:
             return batch
         return F.interpolate(batch, size=list(size), mode=self.mode, align_corners=False, antialias=True)
 
+    def _resized_together(
+        self, pictures: Sequence[Tensor], size: tuple[int, int]
+    ) -> tuple[Tensor, list[int]]:
+        """Pictures of one size (3, h, w) resized to ``size`` in one call -> the flat buffer (1, 3, P)
+        ``_chunk_cat`` makes of them one by one, and each image's share of P. The filter reads each
+        image's own pixels only, so the batch's resize is each image's, bit for bit."""
+        batch = torch.stack(list(pictures))  # (n, 3, h, w)
+        if not self.on_uint8:
+            batch = batch.float()
+        if tuple(batch.shape[-2:]) != size:
+            batch = F.interpolate(batch, size=list(size), mode=self.mode, align_corners=False, antialias=True)
+        n = batch.shape[0]
+        return batch.transpose(0, 1).reshape(1, 3, -1), [size[0] * size[1]] * n  # (1, 3, n * H * W)
+
     def _tables_for(self, places: list[_Placement], sizes: list[int]) -> tuple[Tensor, Tensor]:
-        """(n, 1, H, 1) rows and (n, 1, 1, W) columns whose sums index the flat buffer."""
+        """(n, 3, H, 1) rows and (n, 1, 1, W) columns whose sums index the flat buffer as one
+        vector (each channel's rows offset by its place in it: ``take``, a plain gather, instead of
+        indexing with broadcast index tensors, three times slower on a CPU)."""
         h, w = self.crop_size
         n = len(places)
         offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
         coeff = np.array([(p.r0, p.ry, p.c0, p.cx) for p in places], dtype=np.int64).reshape(n, 4)
-        host = np.empty(n * (h + w), dtype=np.int64)
-        host[: n * h].reshape(n, h)[:] = (offsets + coeff[:, 0])[:, None] + coeff[:, 1:2] * np.arange(h)
-        host[n * h :].reshape(n, w)[:] = coeff[:, 2:3] + coeff[:, 3:4] * np.arange(w)
+        host = np.empty(n * (3 * h + w), dtype=np.int64)
+        rows = (offsets + coeff[:, 0])[:, None] + coeff[:, 1:2] * np.arange(h)  # (n, h)
+        channels = np.arange(3, dtype=np.int64)[:, None] * sum(sizes)  # (3, 1): each channel's start
+        host[: 3 * n * h].reshape(n, 3, h)[:] = rows[:, None, :] + channels
+        host[3 * n * h :].reshape(n, w)[:] = coeff[:, 2:3] + coeff[:, 3:4] * np.arange(w)
         tables = self._on_device(host) if self.device.type == "cuda" else torch.from_numpy(host)
-        rows = tables.as_strided((n, 1, h, 1), (h, h, 1, 1))
-        cols = tables.as_strided((n, 1, 1, w), (w, w, w, 1), n * h)
+        rows = tables.as_strided((n, 3, h, 1), (3 * h, h, 1, 1))
+        cols = tables.as_strided((n, 1, 1, w), (w, w, w, 1), 3 * n * h)
         return rows, cols
 
     def _on_device(self, host: np.ndarray) -> Tensor:
@@ -164,6 +193,14 @@ class BatchPreprocess:
         )
         picture = TF.center_crop(picture, list(self.crop_size))
         return torch.addcmul(self.shift, picture, self.scale)
+
+
+def _same_size(pictures: Sequence[Tensor], places: list) -> bool:
+    """Whether every picture has one shape and one resize (a batch of one camera's photos, or a
+    client's thumbnails): then they are resized together."""
+    first, size = pictures[0].shape, places[0].size
+    same = all(p.shape == first for p in pictures) and all(q.size == size for q in places)
+    return len(pictures) > 1 and same
 
 
 def orient(picture: Tensor, orientation: int) -> Tensor:

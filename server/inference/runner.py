@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -142,8 +143,8 @@ class LocalRunner:
         adapters = ask.adapters
         # Unfiltered (a small registry): every adapter, less any deleted meanwhile or invalid here.
         wanted = self.registry.every_name() if adapters is None else adapters
-        pinning = asyncio.ensure_future(self.registry.acquire_async(wanted, optional=adapters is None))
         loop = asyncio.get_running_loop()
+        pinning = _pin(self.registry, wanted, adapters is None, loop)
         self.engine.announce(ask.count)
         try:
             try:
@@ -177,9 +178,41 @@ class LocalRunner:
         return sink
 
 
+def _pin(
+    registry: AdapterRegistry, names: Sequence[str], optional: bool, loop: asyncio.AbstractEventLoop
+) -> asyncio.Future[Pin]:
+    """``names`` pinned (and loaded) as a future: settled at once when every one is resident (the
+    usual case: no task, no thread), else by the thread that finished the last load. A pin that
+    arrives after the request gave up (its future cancelled) is released."""
+    future: asyncio.Future[Pin] = loop.create_future()
+    here = threading.get_ident()
+
+    def then(result: Pin | BaseException) -> None:
+        if threading.get_ident() == here:
+            _settle_pin(future, result)
+        else:
+            loop.call_soon_threadsafe(_settle_pin, future, result)
+
+    try:
+        registry.acquire_then(names, then, optional=optional)
+    except Exception as exc:  # raised when awaited: after the images, as before
+        future.set_exception(exc)
+    return future
+
+
+def _settle_pin(future: asyncio.Future[Pin], result: Pin | BaseException) -> None:
+    if future.done():  # the request gave up meanwhile
+        if not isinstance(result, BaseException):
+            result.release()
+    elif isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
 async def _unpin(pinning: asyncio.Future[Pin]) -> None:
     """Release a request's pin once its batch has run (or it failed): the load may still be going."""
     if not pinning.done():
-        pinning.cancel()  # acquire_async releases what it pinned when cancelled
+        pinning.cancel()  # the pin, when it comes, is released (_settle_pin)
     with contextlib.suppress(Exception, asyncio.CancelledError):
         (await pinning).release()

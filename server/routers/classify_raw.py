@@ -12,9 +12,9 @@ layers did, in their order, with their code:
    key's limits), refusals answered as the guard answers them;
 3. the body, read through the guard's ``BodyLimits`` (its cap and its one deadline);
 4. the query and the multipart body read the short way (server/edge/form.py);
-5. ``deps.classify_input`` and ``routers.classify.classify``, the FastAPI route's own functions;
-6. the response serialised by pydantic as FastAPI serialises it; errors answered by the app's own
-   handlers' rules (server/edge/errors.py).
+5. ``deps.classify_input`` and ``routers.classify.answer``, the FastAPI route's own functions;
+6. the response's JSON as FastAPI serialises it (``pipeline.respond_json``: the same bytes, without
+   building the models); errors answered by the app's own handlers' rules (server/edge/errors.py).
 
 Anything the short way does not read (not multipart, not plain, still loading) goes to the app,
 marked as admitted (``EDGE_DONE``), with the body already read handed back: FastAPI answers it as
@@ -29,7 +29,6 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 from fastapi import FastAPI
-from pydantic import TypeAdapter
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -42,16 +41,14 @@ from ..edge.guard import Edge, refuse, route_path
 from ..edge.send import error_body, error_json
 from ..errors import ServiceError
 from ..http.deps import classify_input
-from ..http.schemas import ClassifyResponse
 from ..http.state import AppState
 from ..telemetry.metrics import EDGE_DONE, MeteredSend, RequestMeter
 from ..telemetry.stages import begin_stages
-from .classify import classify
+from .classify import answer
 
 log = logging.getLogger("memvit.server.errors")
 PATH = "/classify"
 _ROUTE = SimpleNamespace(path=PATH)  # the metrics' label, as the router would set it
-_RESPONSE = TypeAdapter(ClassifyResponse)
 _JSON = (b"content-type", b"application/json")
 PARSE_ERROR = "There was an error parsing the body"  # FastAPI's 400 for a body it could not read
 
@@ -164,8 +161,7 @@ class RawClassify:
                 service.registry, self.state.settings, principal, ticket, files, query.top_k, query.tasks,
                 query.logits,
             )  # fmt: skip
-            result = await classify(service.pipeline, inputs, principal, service.registry)
-            payload = _RESPONSE.dump_json(result, by_alias=True)
+            payload = await answer(service.pipeline, inputs, principal, service.registry, as_json=True)
         except MemvitError as exc:  # as the app's handler for them (server/edge/errors.py)
             status = status_of(exc)
             if getattr(exc, "expected", False):

@@ -113,3 +113,24 @@ def test_a_crop_larger_than_the_resized_image_is_padded_as_torchvision_pads_it()
         resized = TF.resize(orient(picture, o), [20], antialias=True)
         expected = (TF.center_crop(resized, [32, 32]).float() / 255 - 0.5) / 0.25
         assert torch.allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("on_uint8", [True, False], ids=["uint8 (CPU)", "float (as on CUDA)"])
+def test_pictures_of_one_size_are_resized_in_one_call_bit_for_bit(decoders, on_uint8: bool) -> None:
+    """A batch of one size is stacked and resized once: each image exactly as alone, in a number of
+    operations that does not grow with the batch."""
+    _, device = decoders
+    prep = device.preprocess
+    prep.on_uint8 = on_uint8
+    try:
+        pictures = [TF.pil_to_tensor(photo(i, (180, 140))) for i in range(9)]
+        orientations = [1 + i % 8 for i in range(9)]
+        with Ops() as ops:
+            together = prep(pictures, orientations)
+        alone = torch.cat([prep([p], [o]) for p, o in zip(pictures, orientations, strict=True)])
+        assert torch.equal(together, alone)
+        with Ops() as more:
+            prep(pictures * 3, orientations * 3)
+        assert more.aten == ops.aten < PER_IMAGE * len(pictures), (ops.ops, more.ops)
+    finally:
+        prep.on_uint8 = True
