@@ -27,7 +27,8 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor
 
-from ..block.attention import LayerMemory, _finish, base_attention, merged_block, project_qkv, split_block
+from ..block.attention import LayerMemory, _finish, base_attention, project_qkv, split_block
+from ..block.merged import merged_block
 from . import triton_kernels
 from .plan import PlanShape, PlanTensors
 from .slots import SlotPools
@@ -57,6 +58,7 @@ def planned_forward(
             raise ValueError("the split path runs on the torch kernels")
         for i, block in enumerate(base.blocks):
             x, c = split_block(block, x, c, layer_memory(pools, i, plan, shape, bias, lineage))
+        x, c = base.norm(x), base.norm(c)
     elif path == "merged":
         z = torch.cat([x, c], dim=1)  # (B, T+R, D)
         for i, block in enumerate(base.blocks):
@@ -64,10 +66,10 @@ def planned_forward(
                 z = triton_block(block, z, T, SlotAttention(pools, i, plan, shape))
             else:
                 z = merged_block(block, z, T, layer_memory(pools, i, plan, shape, bias, lineage))
+        z = base.norm(z)  # one norm over every row: a norm of each slice would copy it first
         x, c = z[:, :T], z[:, T:]
     else:
         raise ValueError(f"path must be 'merged' or 'split', got {path!r}")
-    x, c = base.norm(x), base.norm(c)
     return base.forward_head(x), heads(c, pools, plan, shape, kernels=kernels)
 
 
