@@ -123,6 +123,14 @@ class SlotAttention:
 
     def into(self, o: Tensor, attn: Attention, q: Tensor, k: Tensor, v: Tensor, num_base: int) -> None:
         """Write the rows' attention into ``o[:, T:]`` (B, T+R, H, d); q, k, v (B, H, T+R, d)."""
+        T = num_base
+        self.rows(o[:, T:], attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k[:, :, :T], v[:, :, :T])
+
+    def rows(
+        self, o: Tensor, attn: Attention, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor, v_x: Tensor
+    ) -> None:
+        """Write the rows' attention into ``o`` (B, R, H, d): their q, k, v (B, H, R, d), the base
+        keys and values k_x, v_x (B, H, T, d)."""
         B = q.shape[0]
         plan, shape = self.plan, self.shape
         row_slots = plan.row_slots.expand(B, -1) if shape.shared else plan.row_slots  # stride 0 if shared
@@ -132,7 +140,7 @@ class SlotAttention:
         pools = self.pools
         keys, values = pools.keys[self.layer], pools.values[self.layer]
         triton_kernels.class_token_attention_kernel(
-            o, q, k, v, num_base, keys, values, pools.memory_length, row_slots, lineage, attn.scale,
+            o, q, k, v, k_x, v_x, keys, values, pools.memory_length, row_slots, lineage, attn.scale,
             block_rows=self.block_rows,
         )  # fmt: skip
 
