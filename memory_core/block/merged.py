@@ -85,3 +85,17 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
     o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1).flatten(2)  # (B, T+K, H*d)
     del o_x, o_c
     return _finish(block, z, h, o)
+
+
+def class_rows_attention(
+    attn: Attention, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor, v_x: Tensor, memory: LayerMemory
+) -> Tensor:
+    """The class-token rows' attention when their q, k, v (B, H, R, d) are apart from the base keys
+    and values k_x, v_x (B, H, T, d) (block/apart.py): on the CPU's route above, the base kernel's
+    summary of the rows; else the base keys read directly. Returns (B, R, H, d)."""
+    if summarised(attn, q):
+        o_x, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_x, v_x, scale=attn.scale)
+        base = BaseSummary(o_x, lse)
+    else:
+        base = KeysValues(k_x, v_x)
+    return class_token_attention(attn, q, k, v, base, memory).transpose(1, 2)

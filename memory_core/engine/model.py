@@ -65,6 +65,9 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
         # The class-token attention and heads of an inference pass: "torch", "triton" or "auto"
         # (Triton on CUDA). Both compute the same numbers (routing/planned.py); tests run Triton on CPU too.
         self.kernels = "auto"
+        # The linear layers of an inference pass: "joined" (one product over the base and class-token
+        # rows) or "apart" (the base rows' on the base pass's own shape; block/apart.py).
+        self.row_gemms = "joined"
         # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (routing/graphs.py).
         self.cuda_graphs = True
         self._slots: AdapterSlots | None = None  # built for the device and dtype on first use

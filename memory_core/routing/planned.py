@@ -21,14 +21,16 @@ applies each output's head found by its slot (one gathered product, or the Trito
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor
 
+from ..block.apart import apart_block, apart_supported
 from ..block.attention import LayerMemory, _finish, base_attention, project_qkv, split_block
-from ..block.merged import merged_block
+from ..block.merged import class_rows_attention, merged_block
 from . import triton_kernels
 from .plan import PlanShape, PlanTensors
 from .slots import SlotPools
@@ -43,13 +45,18 @@ def planned_forward(
     *,
     kernels: str = "torch",
     path: str = "merged",
+    gemms: str = "joined",
 ) -> tuple[Tensor, Tensor]:
     """Embedded base tokens (B, T, D) -> base logits (B, C_0) and adapter logits: (N, C) for a routed
     plan, (R * B, C) row-major over (row, image) for a shared one; C is the pools' padded class count.
 
-    ``path``: "merged" (inference: base and class-token rows share each linear layer) or "split"
-    (torch kernels only: the rows apart, as training computes them)."""
-    T = x.shape[1]
+    ``path``: "merged" (inference: base and class-token rows share each block's per-token modules) or
+    "split" (torch kernels only: the rows apart, as training computes them). ``gemms``, for "merged":
+    "joined" (one product per linear layer over every row) or "apart" (the base rows' products on the
+    base pass's own shape, block/apart.py; where a block is not timm's plain one, "joined")."""
+    if gemms not in ("joined", "apart"):
+        raise ValueError(f"gemms must be 'joined' or 'apart', got {gemms!r}")
+    B, T, D = x.shape
     c = base.norm_pre(rows_of(pools.cls, plan, shape))  # (B, R, D)
     lineage = lineage_of(plan, shape, x.dtype)
     bias = rows_of(pools.memory_bias, plan, shape, expand=False)  # (R, P) shared, (B, R, P) routed
@@ -59,6 +66,18 @@ def planned_forward(
         for i, block in enumerate(base.blocks):
             x, c = split_block(block, x, c, layer_memory(pools, i, plan, shape, bias, lineage))
         x, c = base.norm(x), base.norm(c)
+    elif path == "merged" and gemms == "apart" and all(apart_supported(b) for b in base.blocks):
+        n = B * T
+        z = torch.cat([x.reshape(n, D), c.reshape(-1, D)])  # (B*T + B*R, D): base rows, then the rest
+        for i, block in enumerate(base.blocks):
+            if kernels == "triton":
+                rows = SlotAttention(pools, i, plan, shape).apart
+            else:
+                memory = layer_memory(pools, i, plan, shape, bias, lineage)
+                rows = partial(class_rows_attention, memory=memory)
+            z = apart_block(block, z, B, T, rows)
+        z = base.norm(z)
+        x, c = z[:n].view(B, T, D), z[n:].view(B, -1, D)
     elif path == "merged":
         z = torch.cat([x, c], dim=1)  # (B, T+R, D)
         for i, block in enumerate(base.blocks):
@@ -125,6 +144,13 @@ class SlotAttention:
         """Write the rows' attention into ``o[:, T:]`` (B, T+R, H, d); q, k, v (B, H, T+R, d)."""
         T = num_base
         self.rows(o[:, T:], attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k[:, :, :T], v[:, :, :T])
+
+    def apart(self, attn: Attention, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor, v_x: Tensor) -> Tensor:
+        """The rows' attention, their q, k, v (B, H, R, d) apart from the base's: (B, R, H, d)."""
+        B, H, R, d = q.shape
+        o = q.new_empty(B, R, H, d)
+        self.rows(o, attn, q, k, v, k_x, v_x)
+        return o
 
     def rows(
         self, o: Tensor, attn: Attention, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor, v_x: Tensor
