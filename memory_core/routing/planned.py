@@ -58,8 +58,9 @@ def planned_forward(
         raise ValueError(f"gemms must be 'joined' or 'apart', got {gemms!r}")
     B, T, D = x.shape
     c = base.norm_pre(rows_of(pools.cls, plan, shape))  # (B, R, D)
-    lineage = lineage_of(plan, shape, x.dtype)
-    bias = rows_of(pools.memory_bias, plan, shape, expand=False)  # (R, P) shared, (B, R, P) routed
+    if kernels == "torch":  # what the torch attention reads; the Triton kernel reads the plan itself
+        lineage = lineage_of(plan, shape, x.dtype)
+        bias = rows_of(pools.memory_bias, plan, shape, expand=False)  # (R, P) shared, (B, R, P) routed
     if path == "split":
         if kernels != "torch":
             raise ValueError("the split path runs on the torch kernels")
