@@ -45,7 +45,10 @@ class BaseSummary:
     def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
         dtype = torch.promote_types(self.logsumexp.dtype, softmax_dtype(q.dtype))
         scores = torch.cat([self.logsumexp.unsqueeze(-1).to(dtype), other.to(dtype)], dim=-1)
-        probs = scores.softmax(dim=-1).to(q.dtype)  # (B, H, K, 1 + S)
+        # The softmax of a few scores per row, spelt out: torch's softmax kernel splits even a tensor
+        # this small across threads, and a parallel region waits for a busy core; these don't.
+        e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+        probs = (e / e.sum(dim=-1, keepdim=True)).to(q.dtype)  # (B, H, K, 1 + S)
         return probs[..., :1] * self.output, probs[..., 1:]
 
 
