@@ -73,7 +73,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", help="comma-separated batch sizes")
     parser.add_argument("--ks", help="comma-separated adapter counts for the engine step")
     parser.add_argument("--rounds", type=int)
-    parser.add_argument("--tries", help="engine variants to try: sdpa,graphs,kernels ('' for none)")
+    parser.add_argument("--tries", help="engine variants to try: sdpa,graphs,kernels,gemms ('' for none)")
     return parser.parse_args(argv)
 
 

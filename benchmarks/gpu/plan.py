@@ -56,8 +56,9 @@ class Plan:
     server_models: tuple[str, ...] = ("deit_tiny_patch16_224", "vit_base_patch16_224")
     server_variants: int = 4  # of server.VARIANTS, for the first model (the others get the first)
     # Engine variants tried against the default, each reported: SDPA backends of the base path, CUDA
-    # graphs on vs off, Triton vs torch kernels (engine.py); on these shapes, at the smallest batch.
-    tries: tuple[str, ...] = ("sdpa", "graphs", "kernels")
+    # graphs on vs off, Triton vs torch kernels, the rows' products joined vs apart (tries.py); on
+    # these shapes, at the smallest batch.
+    tries: tuple[str, ...] = ("sdpa", "graphs", "kernels", "gemms")
     tries_on: tuple[str, ...] = ("deit_tiny_patch16_224", "vit_base_patch16_224")
     profiled: int = 3  # passes recorded per profile row (profiling.py)
     pytest_s: float = 240.0  # the longest ``pytest -m cuda`` may run (exactness.py)
@@ -87,7 +88,7 @@ class Plan:
             server_clients=(4,),
             server_models=("tiny",),
             server_variants=1,
-            tries=("sdpa", "graphs", "kernels"),
+            tries=("sdpa", "graphs", "kernels", "gemms"),
             tries_on=("tiny",),
             profiled=1,
         )

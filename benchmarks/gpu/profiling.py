@@ -73,7 +73,7 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
                         "CUDA graphs": e.graphed,
                         "pass": name,
                     }
-                    report.attempt(TABLE, what, _profiled, fn, plan, keep)
+                    report.attempt(TABLE, what, profiled_pass, fn, plan, keep)
     return "done"
 
 
@@ -98,7 +98,8 @@ def _passes(e: MemoryViT, x: torch.Tensor, plan: Plan) -> dict[str, Callable[[],
     }
 
 
-def _profiled(fn: Callable[[], object], plan: Plan, keep: Path | None) -> dict:
+def profiled_pass(fn: Callable[[], object], plan: Plan, keep: Path | None) -> dict:
+    """One pass's row of the table: timed, then ``plan.profiled`` passes recorded (kept at ``keep``)."""
     cuda = plan.device.type == "cuda"
     times = timed_rounds({"pass": fn}, plan.device, plan.rounds)  # warms up (and captures) first
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]

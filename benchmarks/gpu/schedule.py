@@ -40,8 +40,9 @@ ALL: tuple[Part, ...] = (
     Part("exactness", {"archs": BOTH, "dtypes": ("fp32", "bf16"), "pytest_s": 60.0}, 75, 30),
     # 2 shapes x bf16 x batch 64, 256: base vs timm, fused K = 8, 64, 1000 (m = 1), dense K = 64
     # (20 rows, 0.2-3 s each on the H200, a capture per shape and K: ~45 s with the engines and
-    # 1,000 adapters per shape); tries at batch 64, ~15 s a shape: 4 SDPA backends, graphs on/off and
-    # Triton/torch for fused K = 64 and routed 1 of 1,000.
+    # 1,000 adapters per shape); tries at batch 64, ~19 s a shape: 4 SDPA backends, graphs on/off and
+    # Triton/torch for fused K = 64 and routed 1 of 1,000, the rows' products joined/apart for fused
+    # K = 8 and routed 8 of 1,000 (timed and profiled: ~4 s a shape, est.).
     Part(
         "engine",
         {
@@ -53,7 +54,7 @@ ALL: tuple[Part, ...] = (
             "ms": (1,),
             "tries_on": BOTH,
         },
-        40,
+        48,
         40,
     ),
     # 2 shapes x batch 64, 256, 1,000 resident, 1 and 8 tasks per image (2-4 s a row on the H200);

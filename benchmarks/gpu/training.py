@@ -30,7 +30,7 @@ from memvit.adapters.training.variant import Variant
 
 from . import training_regime
 from .plan import Plan, engine, images, rate, ratio, timed_rounds
-from .profiling import _profiled
+from .profiling import profiled_pass
 from .report import Budget, StepReport, goal
 from .step_ops import step_ops
 
@@ -165,7 +165,8 @@ def _profiled_calls(arch: str, plan: Plan) -> dict[str, dict]:
     calls, _ = _calls(arch, "fp32", plan.train_batches[0], plan)
     keep = ("wall ms", "launch calls", "graph launches", "host syncs", "kernels", "aten ops", "GPU busy ms")
     return {
-        name: {k: v for k, v in _profiled(fn, plan, None).items() if k in keep} for name, fn in calls.items()
+        name: {k: v for k, v in profiled_pass(fn, plan, None).items() if k in keep}
+        for name, fn in calls.items()
     }
 
 

@@ -5,12 +5,17 @@
 - ``graphs``: what CUDA graphs gain, ``engine.cuda_graphs`` on against off, for the fused pass at
   K = 64 and a routed pass (1 task per image of ``Plan.loaded`` resident);
 - ``kernels``: the Triton kernels against the torch ones for the same two passes, graphed as served,
-  and the largest difference between their logits.
+  and the largest difference between their logits;
+- ``gemms``: the linear layers' products over the base and class-token rows joined (the default) or
+  apart (``engine.row_gemms``: the base rows' on the base pass's own shape, so the GEMM library picks
+  the base's tiles), for fused K = 8 and routed 8 of ``Plan.loaded`` per image: wall (graphed) and
+  GPU-busy ms of each and of the base alone, the top kernels, and whether the base stays timm's.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +25,7 @@ import torch
 from memvit.memory_core import AdapterSet, FusedOutput, LiveAdapters, MemoryViT, TaskIndex
 
 from .plan import Plan, rate, ratio, timed_rounds
+from .profiling import profiled_pass
 from .report import Budget, StepReport
 
 FUSED_K = 64
@@ -46,13 +52,17 @@ def run(
             for backend in _sdpa_backends(plan.device):
                 row = {**what, "backend": backend.name}
                 report.attempt("try: SDPA backend, base path", row, _sdpa, e, x, backend, plan)
+        elif name == "gemms":
+            for label, fn in _eight_passes(e, x, loaded, rng).items():
+                row = {**what, "pass": label}
+                report.attempt("try: row products joined vs apart", row, _gemms, e, fn, x, plan)
         elif name in ("graphs", "kernels"):
             table = "try: CUDA graphs on vs off" if name == "graphs" else "try: Triton vs torch kernels"
             measure = _graphs if name == "graphs" else _kernels
             for label, fn in passes.items():
                 report.attempt(table, {**what, "pass": label}, measure, e, fn, len(x), plan)
         else:
-            report.note(f"unknown try {name!r}: known are sdpa, graphs, kernels")
+            report.note(f"unknown try {name!r}: known are sdpa, graphs, kernels, gemms")
 
 
 @contextmanager
@@ -140,3 +150,49 @@ def _kernels(e: MemoryViT, fn: Callable[[], FusedOutput], batch: int, plan: Plan
         "torch/triton time": ratio(times, "torch", "triton"),
         "max diff": diff,
     }
+
+
+def _eight_passes(
+    e: MemoryViT, x: torch.Tensor, loaded: AdapterSet, rng: random.Random
+) -> dict[str, Callable[[], FusedOutput]]:
+    """Fused K = 8 and routed 8 of ``loaded`` per image: where the rows' products cost most."""
+    eight = TaskIndex.from_names(
+        loaded, [rng.sample(loaded.names, min(8, len(loaded))) for _ in range(len(x))]
+    )
+    fused = AdapterSet(loaded.adapters[:8])
+    return {
+        f"fused K={len(fused)}": lambda: e(x, fused),
+        f"routed 8 of {len(loaded)}": lambda: e(x, loaded, tasks=eight),
+    }
+
+
+def _gemms(e: MemoryViT, fn: Callable[[], FusedOutput], x: torch.Tensor, plan: Plan) -> dict:
+    last: dict[str, FusedOutput] = {}
+
+    def kept(gemms: str) -> Callable[[], None]:
+        run = _with(e, fn, row_gemms=gemms)
+
+        def call() -> None:
+            last[gemms] = run()
+
+        return call
+
+    calls = {"base": lambda: e(x), "joined": kept("joined"), "apart": kept("apart")}
+    times = timed_rounds(calls, plan.device, plan.rounds)
+    busy = {name: profiled_pass(call, plan, None) for name, call in calls.items()}
+    a, b = last["joined"], last["apart"]
+    diff = max((a.adapters[n].float() - b.adapters[n].float()).abs().max().item() for n in a.adapters)
+    timm = e.base(x)
+    row: dict = {"graphed": e.graphed}
+    for name in calls:
+        row[f"{name} ms"] = statistics.median(times[name]) * 1e3
+    for name in calls:
+        row[f"{name} busy ms"] = busy[name]["GPU busy ms"]
+    row["apart/joined time"] = ratio(times, "apart", "joined")
+    if busy["joined"]["GPU busy ms"]:  # None on CPU
+        row["apart/joined busy"] = busy["apart"]["GPU busy ms"] / busy["joined"]["GPU busy ms"]
+    row["copies joined, apart"] = f"{busy['joined']['copies']}, {busy['apart']['copies']}"
+    row["base bitwise timm: joined, apart"] = f"{torch.equal(a.base, timm)}, {torch.equal(b.base, timm)}"
+    row["max diff"] = diff
+    row["top kernels apart"] = busy["apart"]["top kernels (us/pass)"]
+    return row

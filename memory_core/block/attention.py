@@ -7,9 +7,9 @@ attends over the shared base keys, the class tokens of its own lineage (itself, 
 in extension mode) and its memory, whose keys and values are constants (docs/design.md §2.2).
 
 Nothing here allocates a (T+K) x (T+K) mask, and the base path never sees adapter tokens, which is
-what keeps the base logits timm's: in the merged inference path the base rows share each linear
-layer's GEMM with the class-token rows, which can change float rounding but not the result beyond it
-(the tests hold base logits to timm's within 1e-5 in float32; docs/design.md §2.6).
+what keeps the base logits timm's: in the merged inference path (block/merged.py) the base rows
+share each linear layer's GEMM with the class-token rows, which can change float rounding but not
+the result beyond it (the tests hold base logits to timm's within 1e-5 in float32; docs/design.md §2.6).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def class_token_attention(
     shared = memory.lineage.ndim == 2  # else routed: rows differ per image
     k_l, v_l = lineage_keys_values(k_c, v_c, memory)  # (B, H, K, A, d)
     if A == 1:  # concatenation mode: each row's lineage is itself alone, never padding
-        lineage_bias = 0.0
+        lineage_bias = None
     elif shared:
         lineage_bias = memory.lineage_bias  # (K, A)
     else:
@@ -160,7 +160,10 @@ def class_token_attention(
         m_scores = torch.einsum("bhkd,khpd->bhkp", q, memory.keys) + memory.bias  # bias (K, P)
     else:
         m_scores = torch.einsum("bhkd,bkhpd->bhkp", q, memory.keys) + memory.bias[:, None]  # (B, 1, K, P)
-    other = torch.cat([(q.unsqueeze(3) * k_l).sum(-1) + lineage_bias, m_scores], dim=-1)  # (B, H, K, A+P)
+    l_scores = (q.unsqueeze(3) * k_l).sum(-1)  # (B, H, K, A)
+    if lineage_bias is not None:
+        l_scores = l_scores + lineage_bias
+    other = torch.cat([l_scores, m_scores], dim=-1)  # (B, H, K, A+P)
     # Every class token reads its image's base tokens; one softmax over those and the others.
     o_x, p_other = base.attend(attn, q, other)
     p_l, p_m = p_other[..., :A], p_other[..., A:]
@@ -191,27 +194,6 @@ def _merge_heads(o: Tensor) -> Tensor:
     """(B, H, N, d) -> (B, N, H*d)."""
     B, _, N, _ = o.shape
     return o.transpose(1, 2).reshape(B, N, -1)
-
-
-def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) -> Tensor:
-    """Base tokens and adapter class tokens, z = [X ; C] (B, T+K, D), through one block.
-
-    The inference path. Every per-token module runs once over all T+K rows (one GEMM per linear
-    layer instead of a large one and a thin one); only attention is split. Row i of a GEMM does not
-    depend on the other rows, so the base rows are still computed as ``block(x)`` computes them.
-    """
-    T = num_base
-    h = block.norm1(z)
-    q, k, v = project_qkv(block.attn, h)  # (B, H, T+K, d) each
-    k_x, v_x = k[:, :, :T], v[:, :, :T]
-    o_x = base_attention(block.attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
-    o_c = class_token_attention(
-        block.attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory
-    )  # (B, H, K, d)
-    del q, k, v, k_x, v_x  # drop this layer's keys and values before the MLP allocates its hidden layer
-    o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1).flatten(2)  # (B, T+K, H*d)
-    del o_x, o_c
-    return _finish(block, z, h, o)
 
 
 def base_block(block: Block, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -23,7 +23,8 @@ import torch
 from timm.data import resolve_data_config
 from torch import Tensor, nn
 
-from ..block.attention import merged_block, split_block
+from ..block.attention import split_block
+from ..block.merged import merged_block
 from ..errors import AdapterShapeError, InputError
 from ..invariant import mode as invariant
 from ..invariant.blocks import InvariantBlocks
@@ -64,6 +65,9 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
         # The class-token attention and heads of an inference pass: "torch", "triton" or "auto"
         # (Triton on CUDA). Both compute the same numbers (routing/planned.py); tests run Triton on CPU too.
         self.kernels = "auto"
+        # The linear layers of an inference pass: "joined" (one product over the base and class-token
+        # rows) or "apart" (the base rows' on the base pass's own shape; block/apart.py).
+        self.row_gemms = "joined"
         # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (routing/graphs.py).
         self.cuda_graphs = True
         self._slots: AdapterSlots | None = None  # built for the device and dtype on first use
@@ -218,7 +222,8 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
             z = torch.cat([x, c], dim=1)  # (B, T+K, D)
             for block, memory in zip(base.blocks, stack.layers, strict=True):
                 z = merged_block(block, z, T, memory)
-            x, c = z[:, :T], z[:, T:]
+            z = base.norm(z)  # one norm over every row: a norm of each slice would copy it first
+            return z[:, :T], z[:, T:]
         else:
             raise ValueError(f"path must be 'auto', 'merged' or 'split', got {path!r}")
         return base.norm(x), base.norm(c)

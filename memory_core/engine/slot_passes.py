@@ -36,6 +36,7 @@ class SlotPasses:
     dtype: torch.dtype
     batch_invariant: bool
     kernels: str
+    row_gemms: str
     cuda_graphs: bool
     _slots: AdapterSlots | None
     _graphed_passes: GraphedPasses | None
@@ -57,7 +58,7 @@ class SlotPasses:
             return self._device_pass(images, tensors, plan, path)
 
         if self.graphed:
-            key = (self.resolved_kernels, path, self.batch_invariant)
+            key = (self.resolved_kernels, path, self.batch_invariant, self.row_gemms)
             return self._graphs().run(x, plan, key, device_pass)
         tensors = None if plan is None else plan.tensors(self.device, self._host_buffers)
         return device_pass(x, tensors, plan)
@@ -78,8 +79,9 @@ class SlotPasses:
             return invariant_planned.planned(
                 base, x, tensors, plan.shape, plan.pools, blocks, kernels=kernels
             )
+        x = self.embed(x)
         return planned_forward(
-            base, self.embed(x), tensors, plan.shape, plan.pools, kernels=kernels, path=path
+            base, x, tensors, plan.shape, plan.pools, kernels=kernels, path=path, gemms=self.row_gemms
         )
 
     @property

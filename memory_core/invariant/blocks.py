@@ -24,6 +24,10 @@ class InvariantBlocks:
     # of a head group's batched product. None: any count (on CPU a batched product's per-matrix
     # result was measured not to depend on the number of matrices).
     batches: int | None = None
+    # Class-token rows per program of the Triton attention kernel. One: each row's sums its own, in a
+    # fixed order. 16: a tile of rows scored on the tensor cores, fixed whatever the plan's row count,
+    # invariant if the device's matrix units round a row independently of the tile's other rows.
+    kernel_rows: int = 1
 
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype | None = None) -> InvariantBlocks:

@@ -113,17 +113,19 @@ def invariant_block(
     q, k, v = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)  # (B, H, N, d); per-head norms work row by row
     k_x, v_x = k[:, :, :T], v[:, :, :T]
-    o = in_blocks(lambda *t: base_attention(attn, *t), blocks.images, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
+    o_x = in_blocks(lambda *t: base_attention(attn, *t), blocks.images, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
+    # Every row's output in the block's (B, N, H, d) layout, written once (a copy moves no bits).
+    o = z.new_empty(B, N, attn.num_heads, attn.head_dim)
+    o[:, :T] = o_x.transpose(1, 2)
+    del o_x
     if N > T and isinstance(memory, SlotAttention):  # the Triton kernel: a row's result is its own
-        rows = z.new_empty(B, N, attn.num_heads, attn.head_dim)
-        memory.into(rows, attn, q, k, v, T)
-        o = torch.cat([o, rows[:, T:].transpose(1, 2)], dim=2)
+        memory.into(o, attn, q, k, v, T)
     elif N > T:
         o_c = invariant_class_token_attention(
             attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k_x, v_x, memory, blocks
         )
-        o = torch.cat([o, o_c], dim=2)
-    o = o.transpose(1, 2).reshape(B * N, D)
+        o[:, T:] = o_c.transpose(1, 2)
+    o = o.view(B * N, D)
 
     def finish(rows: Tensor, o_rows: Tensor, h_rows: Tensor | None = None) -> Tensor:
         return _finish(block, rows, h_rows, o_rows)

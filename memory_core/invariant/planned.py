@@ -18,10 +18,6 @@ from ..routing.slots import SlotPools
 from .blocks import InvariantBlocks, in_blocks, pad_up
 from .mode import PlannedRows, features, head
 
-# The Triton kernel's rows per program: one, so that each row's sums are its own, in a fixed order,
-# wherever the row sits among the pass's (a tile's matrix product need not round rows alike).
-ROWS_PER_PROGRAM = 1
-
 
 def planned(
     base: VisionTransformer,
@@ -37,7 +33,8 @@ def planned(
     and the plan's adapter logits, in the same layout."""
     depth = len(base.blocks)
     if kernels == "triton":
-        layers = tuple(SlotAttention(pools, i, plan, shape, ROWS_PER_PROGRAM) for i in range(depth))
+        # Rows per program fixed (InvariantBlocks.kernel_rows), never picked by the plan's row count.
+        layers = tuple(SlotAttention(pools, i, plan, shape, blocks.kernel_rows) for i in range(depth))
     else:
         bias = rows_of(pools.memory_bias, plan, shape, expand=False)
         lineage = lineage_of(plan, shape, x.dtype)

@@ -21,13 +21,16 @@ applies each output's head found by its slot (one gathered product, or the Trito
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import Tensor
 
-from ..block.attention import LayerMemory, _finish, base_attention, merged_block, project_qkv, split_block
+from ..block.apart import apart_block, apart_supported
+from ..block.attention import LayerMemory, _finish, base_attention, project_qkv, split_block
+from ..block.merged import class_rows_attention, merged_block
 from . import triton_kernels
 from .plan import PlanShape, PlanTensors
 from .slots import SlotPools
@@ -42,21 +45,40 @@ def planned_forward(
     *,
     kernels: str = "torch",
     path: str = "merged",
+    gemms: str = "joined",
 ) -> tuple[Tensor, Tensor]:
     """Embedded base tokens (B, T, D) -> base logits (B, C_0) and adapter logits: (N, C) for a routed
     plan, (R * B, C) row-major over (row, image) for a shared one; C is the pools' padded class count.
 
-    ``path``: "merged" (inference: base and class-token rows share each linear layer) or "split"
-    (torch kernels only: the rows apart, as training computes them)."""
-    T = x.shape[1]
+    ``path``: "merged" (inference: base and class-token rows share each block's per-token modules) or
+    "split" (torch kernels only: the rows apart, as training computes them). ``gemms``, for "merged":
+    "joined" (one product per linear layer over every row) or "apart" (the base rows' products on the
+    base pass's own shape, block/apart.py; where a block is not timm's plain one, "joined")."""
+    if gemms not in ("joined", "apart"):
+        raise ValueError(f"gemms must be 'joined' or 'apart', got {gemms!r}")
+    B, T, D = x.shape
     c = base.norm_pre(rows_of(pools.cls, plan, shape))  # (B, R, D)
-    lineage = lineage_of(plan, shape, x.dtype)
-    bias = rows_of(pools.memory_bias, plan, shape, expand=False)  # (R, P) shared, (B, R, P) routed
+    if kernels == "torch":  # what the torch attention reads; the Triton kernel reads the plan itself
+        lineage = lineage_of(plan, shape, x.dtype)
+        bias = rows_of(pools.memory_bias, plan, shape, expand=False)  # (R, P) shared, (B, R, P) routed
     if path == "split":
         if kernels != "torch":
             raise ValueError("the split path runs on the torch kernels")
         for i, block in enumerate(base.blocks):
             x, c = split_block(block, x, c, layer_memory(pools, i, plan, shape, bias, lineage))
+        x, c = base.norm(x), base.norm(c)
+    elif path == "merged" and gemms == "apart" and all(apart_supported(b) for b in base.blocks):
+        n = B * T
+        z = torch.cat([x.reshape(n, D), c.reshape(-1, D)])  # (B*T + B*R, D): base rows, then the rest
+        for i, block in enumerate(base.blocks):
+            if kernels == "triton":
+                rows = SlotAttention(pools, i, plan, shape).apart
+            else:
+                memory = layer_memory(pools, i, plan, shape, bias, lineage)
+                rows = partial(class_rows_attention, memory=memory)
+            z = apart_block(block, z, B, T, rows)
+        z = base.norm(z)
+        x, c = z[:n].view(B, T, D), z[n:].view(B, -1, D)
     elif path == "merged":
         z = torch.cat([x, c], dim=1)  # (B, T+R, D)
         for i, block in enumerate(base.blocks):
@@ -64,10 +86,10 @@ def planned_forward(
                 z = triton_block(block, z, T, SlotAttention(pools, i, plan, shape))
             else:
                 z = merged_block(block, z, T, layer_memory(pools, i, plan, shape, bias, lineage))
+        z = base.norm(z)  # one norm over every row: a norm of each slice would copy it first
         x, c = z[:, :T], z[:, T:]
     else:
         raise ValueError(f"path must be 'merged' or 'split', got {path!r}")
-    x, c = base.norm(x), base.norm(c)
     return base.forward_head(x), heads(c, pools, plan, shape, kernels=kernels)
 
 
@@ -121,6 +143,21 @@ class SlotAttention:
 
     def into(self, o: Tensor, attn: Attention, q: Tensor, k: Tensor, v: Tensor, num_base: int) -> None:
         """Write the rows' attention into ``o[:, T:]`` (B, T+R, H, d); q, k, v (B, H, T+R, d)."""
+        T = num_base
+        self.rows(o[:, T:], attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], k[:, :, :T], v[:, :, :T])
+
+    def apart(self, attn: Attention, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor, v_x: Tensor) -> Tensor:
+        """The rows' attention, their q, k, v (B, H, R, d) apart from the base's: (B, R, H, d)."""
+        B, H, R, d = q.shape
+        o = q.new_empty(B, R, H, d)
+        self.rows(o, attn, q, k, v, k_x, v_x)
+        return o
+
+    def rows(
+        self, o: Tensor, attn: Attention, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor, v_x: Tensor
+    ) -> None:
+        """Write the rows' attention into ``o`` (B, R, H, d): their q, k, v (B, H, R, d), the base
+        keys and values k_x, v_x (B, H, T, d)."""
         B = q.shape[0]
         plan, shape = self.plan, self.shape
         row_slots = plan.row_slots.expand(B, -1) if shape.shared else plan.row_slots  # stride 0 if shared
@@ -130,7 +167,7 @@ class SlotAttention:
         pools = self.pools
         keys, values = pools.keys[self.layer], pools.values[self.layer]
         triton_kernels.class_token_attention_kernel(
-            o, q, k, v, num_base, keys, values, pools.memory_length, row_slots, lineage, attn.scale,
+            o, q, k, v, k_x, v_x, keys, values, pools.memory_length, row_slots, lineage, attn.scale,
             block_rows=self.block_rows,
         )  # fmt: skip
 

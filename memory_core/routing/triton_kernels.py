@@ -2,10 +2,11 @@
 
 ``class_token_attention_kernel`` is the class-token rows' attention of one block in one kernel: each row of
 image b reads that image's T base keys and values, its lineage's class-token keys (itself, plus its
-ancestors' in extension mode) and its slot's memory keys and values from the pool, with one online
-softmax over all of them (flash attention's running max and sum, in float32). One program handles a
-tile of rows of one image and head, so the image's base keys are read once per tile, through the
-tensor cores; rows tile by 16 or more, so a pass with one row per image wastes MMA lanes, not loads.
+ancestors' in extension mode) and its slot's memory keys and values from the pool, wherever each lies
+(beside the base rows in one projection, or apart), with one online softmax over all of them (flash
+attention's running max and sum, in float32). One program handles a tile of rows of one image and
+head, so the image's base keys are read once per tile, through the tensor cores; rows tile by 16 or
+more, so a pass with one row per image wastes MMA lanes, not loads.
 Memory is read only up to the longest real memory in the tile (``memory_length``), so a long memory
 elsewhere in the pool costs the other rows nothing.
 
@@ -47,11 +48,13 @@ if triton is not None:
 
     @triton.jit
     def _class_token_attention_jit(
-        q_ptr, k_ptr, v_ptr, o_ptr,  # q, k, v: (B, H, N, d); o: (B, N, H, d)
+        q_ptr, kc_ptr, vc_ptr, o_ptr,  # the rows' q, k, v: (B, H, R, d); o: (B, R, H, d)
+        k_ptr, v_ptr,  # the base keys and values: (B, H, T, d)
         mk_ptr, mv_ptr, mlen_ptr,  # memory pools (S, H, P, d) and lengths (S,)
         slot_ptr, lin_ptr,  # row slots (B, R), lineage (B, R, A)
         T, R, d, scale,
-        sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, son, soh, sod,
+        sqb, sqh, sqn, sqd, skcb, skch, skcn, skcd, svcb, svch, svcn, svcd, sob, son, soh, sod,
+        skb, skh, skn, skd, svb, svh, svn, svd,
         sms, smh, smp, smd, svs, svmh, svp, svmd, ssb, ssr, slb, slr, sla,
         A: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -63,7 +66,7 @@ if triton is not None:
         dd = tl.arange(0, BLOCK_D)
         rmask = r < R
         dmask = dd < d
-        q_rows = q_ptr + b * sqb + h * sqh + (T + r)[:, None] * sqn + dd[None, :] * sqd
+        q_rows = q_ptr + b * sqb + h * sqh + r[:, None] * sqn + dd[None, :] * sqd
         q = tl.load(q_rows, mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32) * scale
         m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -101,14 +104,14 @@ if triton is not None:
                 pos = tl.load(lin_ptr + b * slb + r * slr + a * sla, mask=rmask, other=-1)
             valid = rmask & (pos >= 0)
             own_mask = valid[:, None] & dmask[None, :]
-            k_a = tl.load(k_ptr + b * skb + h * skh + (T + pos)[:, None] * skn + dd[None, :] * skd,
+            k_a = tl.load(kc_ptr + b * skcb + h * skch + pos[:, None] * skcn + dd[None, :] * skcd,
                           mask=own_mask, other=0.0).to(tl.float32)  # fmt: skip
             s_a = tl.where(valid, tl.sum(q * k_a, 1), float("-inf"))
             m_new = tl.maximum(m_i, s_a)
             alpha = tl.exp(m_i - m_new)
             p_a = tl.exp(s_a - m_new)
             l_i = l_i * alpha + p_a
-            v_a = tl.load(v_ptr + b * svb + h * svh + (T + pos)[:, None] * svn + dd[None, :] * svd,
+            v_a = tl.load(vc_ptr + b * svcb + h * svch + pos[:, None] * svcn + dd[None, :] * svcd,
                           mask=own_mask, other=0.0).to(tl.float32)  # fmt: skip
             acc = acc * alpha[:, None] + p_a[:, None] * v_a
             m_i = m_new
@@ -131,7 +134,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.sum(p_m[:, :, None] * v_m, 1)
             m_i = m_new
         out = acc / l_i[:, None]
-        o_rows = o_ptr + b * sob + (T + r)[:, None] * son + h * soh + dd[None, :] * sod
+        o_rows = o_ptr + b * sob + r[:, None] * son + h * soh + dd[None, :] * sod
         tl.store(o_rows, out.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
     @triton.jit
@@ -200,7 +203,8 @@ def class_token_attention_kernel(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    num_base: int,
+    base_keys: Tensor,
+    base_values: Tensor,
     memory_keys: Tensor,
     memory_values: Tensor,
     memory_length: Tensor,
@@ -210,19 +214,18 @@ def class_token_attention_kernel(
     *,
     block_rows: int | None = None,
 ) -> None:
-    """Write the class-token rows' attention output into ``o[:, T:]``.
+    """Write the R class-token rows' attention output into ``o`` (B, R, H, d).
 
-    q, k, v: (B, H, T + R, d), any strides (views of the block's qkv projection); o: (B, T + R, H, d);
-    memory_keys/values: one layer's pools (S, H, P, d); memory_length (S,); row_slots (B, R), a
-    stride-0 view when every image has the same rows; lineage (B, R, A) row positions, -1 on padding,
-    or None for concatenation mode (each row's own key alone). ``block_rows``: rows per program, 1
-    or 16 to 64; None picks by R. A tile of 16 or more scores its rows on the tensor cores, whose
-    rounding of a row need not be independent of its place in the tile; one row per program sums
-    every score in a fixed order of its own, which the batch-invariant mode relies on.
+    q, k, v: the rows' (B, H, R, d); base_keys/values: the base rows' (B, H, T, d); any strides (views
+    of a block's qkv projection); memory_keys/values: one layer's pools (S, H, P, d); memory_length
+    (S,); row_slots (B, R), a stride-0 view when every image has the same rows; lineage (B, R, A) row
+    positions, -1 on padding, or None for concatenation mode (each row's own key alone). ``block_rows``:
+    rows per program, 1 or 16 to 64; None picks by R. A tile of 16 or more scores its rows on the
+    tensor cores, whose rounding of a row need not be independent of its place in the tile; one row
+    per program sums every score in a fixed order of its own, which the batch-invariant mode relies on.
     """
-    B, H, N, d = q.shape
-    T = num_base
-    R = N - T
+    B, H, R, d = q.shape
+    T = base_keys.shape[2]
     if R == 0:
         return
     A = 1 if lineage is None else lineage.shape[-1]
@@ -233,9 +236,9 @@ def class_token_attention_kernel(
     BLOCK_T = 64 if BLOCK_R >= 16 else 32  # one row without tensor cores: (BLOCK_T, BLOCK_D) products
     grid = (triton.cdiv(R, BLOCK_R), H, B)
     _launcher(_class_token_attention_jit, q.device)[grid](
-        q, k, v, o, memory_keys, memory_values, memory_length, row_slots, lin,
+        q, k, v, o, base_keys, base_values, memory_keys, memory_values, memory_length, row_slots, lin,
         T, R, d, scale,
-        *q.stride(), *k.stride(), *v.stride(), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *base_keys.stride(), *base_values.stride(),
         *memory_keys.stride(), *memory_values.stride(), *row_slots.stride(), *lin.stride(),
         A=A, BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D,
     )  # fmt: skip

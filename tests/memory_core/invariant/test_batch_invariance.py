@@ -110,12 +110,14 @@ def test_routed_logits_do_not_depend_on_the_companions_tasks() -> None:
         assert_same(alone, engine(batch, loaded, tasks=tasks), at)
 
 
-def test_the_triton_kernels_hold_it_too() -> None:
+@pytest.mark.parametrize("kernel_rows", [1, 16])  # one row per program, or a tile on the matrix units
+def test_the_triton_kernels_hold_it_too(kernel_rows: int) -> None:
     """The invariant mode on the Triton kernels (the GPU's: here through Triton's interpreter): the
     same bits alone, in batches with other tasks, and with more and longer adapters resident; and
     the dense reference's logits."""
     engine = invariant_engine()
     engine.kernels = "triton"
+    engine.invariant_blocks = dataclasses.replace(engine._blocks(), kernel_rows=kernel_rows)
     adapters = mixed_adapters(engine)
     others = [random_adapter("o0", engine, m=17), random_adapter("o1", engine, m=4, classes=9)]
     few, many = engine.prepare_set(adapters), engine.prepare_set([others[0], *adapters, others[1]])

@@ -68,7 +68,8 @@ def test_adapter_attention_kernel_equals_the_torch_attention(R: int) -> None:
     q, k, v, keys, values, length, slots = _attention_inputs(B, H, T, R, d, S, P)
     scale = d**-0.5
     o = torch.zeros(B, T + R, H, d)
-    triton_kernels.class_token_attention_kernel(o, q, k, v, T, keys, values, length, slots, None, scale)
+    rows = (q[:, :, T:], k[:, :, T:], v[:, :, T:], k[:, :, :T], v[:, :, :T])
+    triton_kernels.class_token_attention_kernel(o[:, T:], *rows, keys, values, length, slots, None, scale)
     bias = torch.where(torch.arange(P)[None, :] < length[:, None].long(), 0.0, float("-inf"))
 
     class Attn:  # what class_token_attention reads of timm's Attention
@@ -88,11 +89,12 @@ def test_shared_rows_read_through_a_stride_zero_view() -> None:
     q, k, v, keys, values, length, _ = _attention_inputs(B, H, T, R, d, S, P, seed=1)
     row = torch.tensor([3, 1, 0, 4])
     shared, full = torch.zeros(B, T + R, H, d), torch.zeros(B, T + R, H, d)
+    rows = (q[:, :, T:], k[:, :, T:], v[:, :, T:], k[:, :, :T], v[:, :, :T])
     triton_kernels.class_token_attention_kernel(
-        shared, q, k, v, T, keys, values, length, row.expand(B, R), None, 0.25
+        shared[:, T:], *rows, keys, values, length, row.expand(B, R), None, 0.25
     )
     triton_kernels.class_token_attention_kernel(
-        full, q, k, v, T, keys, values, length, row.repeat(B, 1), None, 0.25
+        full[:, T:], *rows, keys, values, length, row.repeat(B, 1), None, 0.25
     )
     assert torch.equal(shared, full)
 

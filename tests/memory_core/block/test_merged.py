@@ -1,0 +1,77 @@
+"""The merged block's two routes for the class-token rows' attention: on the CPU, the base's own
+attention kernel over every row with its log-sum-exp (``BaseSummary``); elsewhere, or without fused
+attention, the base keys and values read directly (``KeysValues``). Both against the dense oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memvit.memory_core.block import merged
+from memvit.memory_core.oracle.reference import DenseMemoryViT
+from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
+
+
+def _adapters(engine):
+    return [
+        random_adapter("m0", engine, m=0),
+        random_adapter("m1", engine, m=1, memory_norm="none"),
+        random_adapter("m5", engine, m=5, classes=11),
+        random_adapter("child", engine, m=2, parent="m1"),  # extension mode: lineage of 2
+    ]
+
+
+@pytest.mark.parametrize("summarised", [True, False])
+@pytest.mark.parametrize("variant", ["plain", "registers", "qknorm_layerscale_prenorm"])
+def test_both_routes_equal_the_dense_oracle(variant: str, summarised: bool, monkeypatch) -> None:
+    engine = tiny_engine(variant)
+    adapters = _adapters(engine)
+    x = images(engine, batch=4)
+    calls = []
+    route = merged.summarised
+
+    def chosen(attn, z):
+        calls.append(route(attn, z))
+        return summarised and calls[-1]
+
+    monkeypatch.setattr(merged, "summarised", chosen)
+    loaded = engine.prepare_set(adapters)
+    tasks = [["m0", "child"], ["m5"], [], ["m1", "m0", "m5"]]
+    with torch.no_grad():
+        every = engine(x, loaded)
+        routed = engine(x, loaded, tasks=tasks)
+    assert calls and all(calls)  # the merged block ran, and the CPU route was open to it
+    base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
+    assert max_diff(every.base, base_ref) <= TOL and max_diff(routed.base, base_ref) <= TOL
+    for a in adapters:
+        assert max_diff(every.adapters[a.name], adapter_ref[a.name]) <= TOL
+    for name, logits in routed.adapters.items():
+        who = routed.images[name].tolist()
+        assert who == [b for b, asked in enumerate(tasks) if name in asked]
+        assert max_diff(logits, adapter_ref[name][who]) <= TOL
+
+
+def test_the_cpu_route_is_taken_only_where_it_holds() -> None:
+    engine = tiny_engine()
+    attn = engine.base.blocks[0].attn
+    z = torch.zeros(2, 5, engine.spec.width)
+    with torch.no_grad():
+        assert merged.summarised(attn, z)
+    assert not merged.summarised(attn, z.requires_grad_())  # its log-sum-exp carries no gradient
+    attn.fused_attn = False
+    assert not merged.summarised(attn, z.detach())  # timm's explicit softmax: the keys read directly
+
+
+def test_bfloat16_routes_agree(monkeypatch) -> None:
+    # bfloat16 scores lose bits over ~200 keys: both routes soft-max in float32, and stay close.
+    engine = tiny_engine().to(dtype=torch.bfloat16)
+    adapters = _adapters(engine)
+    x = images(engine)
+    loaded = engine.prepare_set(adapters)
+    with torch.no_grad():
+        summary = engine(x, loaded)
+        monkeypatch.setattr(merged, "summarised", lambda attn, z: False)
+        direct = engine(x, loaded)
+    scale = max(direct.adapters[a.name].abs().max().item() for a in adapters)
+    for a in adapters:
+        assert max_diff(summary.adapters[a.name], direct.adapters[a.name]) <= 0.05 * scale
