@@ -26,6 +26,11 @@ do. The rounds alternate the configurations' order; the medians are reported:
 - group: every process of the server (the supervisor too),
 - and the group's CPU per request over the one process's, for each configuration.
 
+``--pass-threads N`` starts the servers with ``OMP_NUM_THREADS=N``: the pass's intra-op threads. On
+two shared cores torch's default (two) spin-waits at every parallel region of even this tiny pass,
+and that CPU is the pass's, not the front end's: with ``1`` the pass is as negligible as it can be
+made, and the figures are what the request path itself costs.
+
 ``--against DIR`` runs every configuration a second time on another checkout's code (`` then``):
 ``git archive <commit> server adapters memory_core | tar -x -C DIR``. Its processes may not carry the
 role names (older code): their CPU is then all in ``group``.
@@ -104,12 +109,19 @@ def against(checkout: Path, root: Path) -> Path:
 
 
 def start(
-    name: str, weights: Path, root: Path, bundles: dict[str, bytes], then: Path | None
+    name: str,
+    weights: Path,
+    root: Path,
+    bundles: dict[str, bytes],
+    then: Path | None,
+    threads: int | None = None,
 ) -> ServerProcess:
     """``name``: "<config> <decode>", e.g. "2 device", and " then" for ``then``'s code (see the
     module's doc)."""
     config, decode, *was = name.split()
     extra = {"PYTHONPATH": str(then)} if was and then is not None else {}
+    if threads is not None:
+        extra["OMP_NUM_THREADS"] = str(threads)
     processes, _, mode = config.partition("/")
     store = root / f"store-{name.replace('/', '-').replace(' ', '-')}"
     store.mkdir()
@@ -140,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=10.0, help="per load phase")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pass-threads", type=int, help="OMP_NUM_THREADS of the servers (default: torch's)")
     parser.add_argument("--smoke", action="store_true", help="one short round (CI)")
     parser.add_argument(
         "--against",
@@ -158,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     shape = "one block of width 32, 32x32 inputs"
     print(environment(shape, "8 adapters", f"{len(upload)}-byte JPEG", malloc))
-    print(f"{args.clients} clients, {args.seconds:g} s per phase, {args.rounds} rounds\n", flush=True)
+    threads = "torch's default" if args.pass_threads is None else args.pass_threads
+    print(f"{args.clients} clients, {args.seconds:g} s per phase, {args.rounds} rounds, "
+          f"intra-op threads: {threads}\n", flush=True)  # fmt: skip
     names = [
         f"{c} {d}{w}"
         for d in args.decode
@@ -171,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         weights = root / "base.safetensors"
         save_base(engine.base, weights, arch="vit_tiny_patch16_224", model_kwargs=BASE)
         then = against(args.against, root) if args.against else None
-        servers = {n: start(n, weights, root, bundles, then) for n in names}
+        servers = {n: start(n, weights, root, bundles, then, args.pass_threads) for n in names}
         try:
             requests = {n: classify_requests("127.0.0.1", s.port, [upload]) for n, s in servers.items()}
             for n, s in servers.items():  # warm-up: connections, allocator, the first passes
