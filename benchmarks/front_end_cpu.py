@@ -31,6 +31,10 @@ two shared cores torch's default (two) spin-waits at every parallel region of ev
 and that CPU is the pass's, not the front end's: with ``1`` the pass is as negligible as it can be
 made, and the figures are what the request path itself costs.
 
+``--stub-pass`` replaces the pass itself with zeros of its shapes in every server process
+(benchmarks/stub_pass.py): what is left is the request path alone, HTTP to answer, the batcher and
+the decoding included.
+
 ``--against DIR`` runs every configuration a second time on another checkout's code (`` then``):
 ``git archive <commit> server adapters memory_core | tar -x -C DIR``. Its processes may not carry the
 role names (older code): their CPU is then all in ``group``.
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -50,6 +55,7 @@ from PIL import Image
 from benchmarks.common import argument_parser, environment, pin_malloc
 from benchmarks.loadgen import classify_requests, load
 from benchmarks.processes import RoleClock
+from benchmarks.stub_pass import site_dir
 from memvit.adapters import bundle_for
 from memvit.memory_core import MemoryViT, save_base
 from tests.factories import random_adapter
@@ -115,11 +121,13 @@ def start(
     bundles: dict[str, bytes],
     then: Path | None,
     threads: int | None = None,
+    stub: Path | None = None,
 ) -> ServerProcess:
     """``name``: "<config> <decode>", e.g. "2 device", and " then" for ``then``'s code (see the
     module's doc)."""
     config, decode, *was = name.split()
-    extra = {"PYTHONPATH": str(then)} if was and then is not None else {}
+    paths = [str(p) for p in (then if was else None, stub) if p is not None]
+    extra = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
     if threads is not None:
         extra["OMP_NUM_THREADS"] = str(threads)
     processes, _, mode = config.partition("/")
@@ -153,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="per load phase")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pass-threads", type=int, help="OMP_NUM_THREADS of the servers (default: torch's)")
+    parser.add_argument("--stub-pass", action="store_true", help="the pass replaced by zeros of its shapes")
     parser.add_argument("--smoke", action="store_true", help="one short round (CI)")
     parser.add_argument(
         "--against",
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = "one block of width 32, 32x32 inputs"
     print(environment(shape, "8 adapters", f"{len(upload)}-byte JPEG", malloc))
     threads = "torch's default" if args.pass_threads is None else args.pass_threads
+    threads = f"{threads}, the pass stubbed" if args.stub_pass else threads
     print(f"{args.clients} clients, {args.seconds:g} s per phase, {args.rounds} rounds, "
           f"intra-op threads: {threads}\n", flush=True)  # fmt: skip
     names = [
@@ -186,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         weights = root / "base.safetensors"
         save_base(engine.base, weights, arch="vit_tiny_patch16_224", model_kwargs=BASE)
         then = against(args.against, root) if args.against else None
-        servers = {n: start(n, weights, root, bundles, then, args.pass_threads) for n in names}
+        stub = site_dir(root) if args.stub_pass else None
+        servers = {n: start(n, weights, root, bundles, then, args.pass_threads, stub) for n in names}
         try:
             requests = {n: classify_requests("127.0.0.1", s.port, [upload]) for n, s in servers.items()}
             for n, s in servers.items():  # warm-up: connections, allocator, the first passes

@@ -35,6 +35,7 @@ from pathlib import Path
 from PIL import Image
 
 from benchmarks.common import argument_parser, environment
+from benchmarks.stub_pass import stubbed_forward
 from memvit.adapters import bundle_for
 from memvit.memory_core import MemoryViT, save_base
 from tests.factories import random_adapter
@@ -54,32 +55,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _stubbed_forward(self, x, adapter_set=None, *, tasks=None, path="auto"):
-    """The pass's outputs, zeros, in their shapes: every adapter for every image (``tasks`` None), or
-    each image's own (a ``TaskIndex``, or names per image)."""
-    import numpy as np
-    import torch
-
-    from memvit.memory_core import AdapterSet, FusedOutput, TaskIndex
-
-    adapter_set = adapter_set if adapter_set is not None else AdapterSet()
-    B = x.shape[0]
-    base = torch.zeros(B, self.base.num_classes)
-    if tasks is None:
-        adapters = {a.name: torch.zeros(B, a.head_weight.shape[0]) for a in adapter_set}
-        return FusedOutput.every_image(base, adapters, adapter_set)
-    if not isinstance(tasks, TaskIndex):
-        tasks = TaskIndex.from_names(adapter_set, tasks)
-    image = np.repeat(np.arange(B), tasks.counts)
-    adapters, images = {}, {}
-    for position in np.unique(tasks.tasks).tolist():
-        adapter = adapter_set.adapters[position]
-        who = torch.from_numpy(image[tasks.tasks == position])
-        adapters[adapter.name] = torch.zeros(len(who), adapter.head_weight.shape[0])
-        images[adapter.name] = who
-    return FusedOutput.of_tasks(base, adapters, images, adapter_set)
-
-
 def _model(settings, directory: str, ready, stub: bool, profile: bool) -> None:
     """The model process, as the supervisor starts it, its pass stubbed (``stub``); ``profile``: its
     functions' CPU time, every thread's, printed when it stops (yappi, not a dependency)."""
@@ -90,7 +65,7 @@ def _model(settings, directory: str, ready, stub: bool, profile: bool) -> None:
 
     logging.basicConfig(level="WARNING")
     if stub:
-        MemoryViT.forward = _stubbed_forward
+        MemoryViT.forward = stubbed_forward
     if profile:
         import yappi
 
