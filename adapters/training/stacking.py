@@ -20,7 +20,7 @@ from torch import Tensor
 
 from memvit.memory_core import PreparedAdapter
 from memvit.memory_core.block.attention import LayerMemory
-from memvit.memory_core.sets.stack import AdapterStack, stack_adapters
+from memvit.memory_core.sets.stack import AdapterStack, lineage_chains, stack_adapters
 
 
 def _key(adapters: tuple[PreparedAdapter, ...]) -> tuple:
@@ -51,13 +51,7 @@ class StackLayout:
         """The layout of ``adapters``, its constants taken from memory_core's own stack of them."""
         stack = stack_adapters(adapters)
         layer = stack.layers[0]
-        by_name = {a.name: i for i, a in enumerate(adapters)}
-        lineages = []
-        for a in adapters:
-            chain = [by_name[a.name]]
-            while (parent := adapters[chain[-1]].parent) is not None:
-                chain.append(by_name[parent])
-            lineages.append(tuple(chain))
+        lineages = [tuple(chain) for chain in lineage_chains(adapters)]
         visible = tuple(sum(adapters[j].memory_keys.shape[2] for j in chain) for chain in lineages)
         return cls(
             key=_key(adapters),

@@ -109,6 +109,14 @@ def stack_adapters(adapters: tuple[PreparedAdapter, ...], *, group_heads: bool =
 
     ``group_heads`` also stacks their heads by class count (``AdapterStack.apply_heads``): worth it
     for a stack that serves many passes, not for one built per pass."""
+    stack = _build_stack(adapters, lineage_chains(adapters))
+    if not group_heads:
+        return stack
+    return replace(stack, head_groups=_group_heads(adapters))
+
+
+def lineage_chains(adapters: tuple[PreparedAdapter, ...]) -> list[list[int]]:
+    """Per adapter, its stack position and then its ancestors' (parent first), all among ``adapters``."""
     by_name = {a.name: i for i, a in enumerate(adapters)}
     lineages = []
     for a in adapters:
@@ -116,10 +124,7 @@ def stack_adapters(adapters: tuple[PreparedAdapter, ...], *, group_heads: bool =
         while (parent := adapters[chain[-1]].parent) is not None:
             chain.append(by_name[parent])
         lineages.append(chain)
-    stack = _build_stack(adapters, lineages)
-    if not group_heads:
-        return stack
-    return replace(stack, head_groups=_group_heads(adapters))
+    return lineages
 
 
 def _group_heads(adapters: tuple[PreparedAdapter, ...]) -> tuple[HeadGroup, ...]:
