@@ -37,6 +37,18 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def assert_tasks_match(every, routed, tasks: list[list[str]], ref: dict[str, torch.Tensor]) -> None:
+    """An all-tasks pass (``every``) and a routed one (``routed``, ``tasks`` per image) against the
+    dense oracle's adapter logits ``ref``: every adapter for every image, and each routed task for
+    exactly the images that asked for it."""
+    for name, expected in ref.items():
+        assert max_diff(every.adapters[name], expected) <= TOL
+    for name, logits in routed.adapters.items():
+        who = routed.images[name].tolist()
+        assert who == [b for b, asked in enumerate(tasks) if name in asked]
+        assert max_diff(logits, ref[name][who]) <= TOL
+
+
 @pytest.fixture
 def engine() -> MemoryViT:
     return tiny_engine()

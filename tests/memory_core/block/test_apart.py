@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memvit.memory_core import LiveAdapters
 from memvit.memory_core.block.apart import apart_supported, products_apart
 from memvit.memory_core.oracle.reference import DenseMemoryViT
-from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
+from tests.conftest import TOL, assert_tasks_match, images, max_diff, random_adapter, tiny_engine
 
 
 def _adapters(engine):
@@ -47,12 +47,7 @@ def test_base_is_timm_bit_for_bit_and_adapters_the_oracle(variant: str, kernels:
         routed = engine(x, loaded, tasks=tasks)
     assert torch.equal(every.base, timm_logits) and torch.equal(routed.base, timm_logits)
     _, ref = DenseMemoryViT(engine.base, adapters)(x)
-    for a in adapters:
-        assert max_diff(every.adapters[a.name], ref[a.name]) <= TOL
-    for name, logits in routed.adapters.items():
-        who = routed.images[name].tolist()
-        assert who == [b for b, asked in enumerate(tasks) if name in asked]
-        assert max_diff(logits, ref[name][who]) <= TOL
+    assert_tasks_match(every, routed, tasks, ref)
 
 
 def test_joined_products_round_the_base_otherwise_but_within_tolerance() -> None:

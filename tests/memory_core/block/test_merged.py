@@ -9,7 +9,7 @@ import torch
 
 from memvit.memory_core.block import merged
 from memvit.memory_core.oracle.reference import DenseMemoryViT
-from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
+from tests.conftest import TOL, assert_tasks_match, images, max_diff, random_adapter, tiny_engine
 
 
 def _adapters(engine):
@@ -43,12 +43,7 @@ def test_both_routes_equal_the_dense_oracle(variant: str, summarised: bool, monk
     assert calls and all(calls)  # the merged block ran, and the CPU route was open to it
     base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
     assert max_diff(every.base, base_ref) <= TOL and max_diff(routed.base, base_ref) <= TOL
-    for a in adapters:
-        assert max_diff(every.adapters[a.name], adapter_ref[a.name]) <= TOL
-    for name, logits in routed.adapters.items():
-        who = routed.images[name].tolist()
-        assert who == [b for b, asked in enumerate(tasks) if name in asked]
-        assert max_diff(logits, adapter_ref[name][who]) <= TOL
+    assert_tasks_match(every, routed, tasks, adapter_ref)
 
 
 def test_the_cpu_route_is_taken_only_where_it_holds() -> None:
