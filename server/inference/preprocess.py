@@ -13,7 +13,9 @@ batch:
   (``torch._chunk_cat``: one call for any number of images of any sizes);
 - the centre crop, and the EXIF orientation (flips, transposes), are one gather from that buffer:
   pixel (y, x) of image b's crop lies at ``row[b, y] + col[b, x]``, two small tables computed on the
-  host for the batch (numpy) and added on the device;
+  host for the batch (numpy) and added on the device; when the images are all of one size and
+  upright (one camera, a client's thumbnails, a single image), the crop is a window of the resized
+  batch instead (two slices, no copy): the same pixels, without the tables or the gather;
 - the normalisation ``(x / 255 - mean) / std`` is one multiply-add, ``x * a + b``, whose output is
   float32 whatever the input's dtype.
 
@@ -100,15 +102,21 @@ class BatchPreprocess:
         if self.mode is None or any(place is None for place in places):
             return torch.stack([self._one(p, o) for p, o in zip(pictures, orientations, strict=True)])
         if _same_size(pictures, places):  # one resize for the batch (each image's alone, as one)
-            flat, sizes = self._resized_together(pictures, places[0].size)
+            batch = self._resized_together(pictures, places[0].size)  # (n, 3, h, w)
+            if all(o == 1 for o in orientations):  # upright, one placement: the crop is a window
+                x = _cropped(batch, places[0], self.crop_size)
+            else:
+                flat = batch.transpose(0, 1).reshape(1, 3, -1)  # channel by channel, as _chunk_cat's
+                rows, cols = self._tables_for(places, [batch.shape[-2] * batch.shape[-1]] * len(places))
+                x = flat.take(rows + cols)  # (n, 3, H, W), cropped and oriented: one gather
         else:
             if not self.on_uint8:
                 pictures = torch._foreach_add(list(pictures), 0.0)  # one cast for the batch
             resized = [self._resized(p, place.size) for p, place in zip(pictures, places, strict=True)]
             flat = torch._chunk_cat(resized, dim=1, num_chunks=3)  # (1, 3, P): every image, per channel
             sizes = [r.shape[-2] * r.shape[-1] for r in resized]
-        rows, cols = self._tables_for(places, sizes)
-        x = flat.take(rows + cols)  # (n, 3, H, W), cropped and oriented: one gather (flat as 1-D)
+            rows, cols = self._tables_for(places, sizes)
+            x = flat.take(rows + cols)  # (n, 3, H, W), cropped and oriented: one gather (flat as 1-D)
         if not self.on_uint8:  # as torchvision does after a float resize of uint8 pixels
             x = x.clamp_(0, 255).round_()
         return torch.addcmul(self.shift, x, self.scale)  # float32 whatever x's dtype
@@ -138,19 +146,17 @@ class BatchPreprocess:
             return batch
         return F.interpolate(batch, size=list(size), mode=self.mode, align_corners=False, antialias=True)
 
-    def _resized_together(
-        self, pictures: Sequence[Tensor], size: tuple[int, int]
-    ) -> tuple[Tensor, list[int]]:
-        """Pictures of one size (3, h, w) resized to ``size`` in one call -> the flat buffer (1, 3, P)
-        ``_chunk_cat`` makes of them one by one, and each image's share of P. The filter reads each
-        image's own pixels only, so the batch's resize is each image's, bit for bit."""
+    def _resized_together(self, pictures: Sequence[Tensor], size: tuple[int, int]) -> Tensor:
+        """Pictures of one size (3, h, w) resized to ``size`` in one call -> (n, 3, *size). The filter
+        reads each image's own pixels only, so the batch's resize is each image's, bit for bit. Its
+        flat buffer (``batch.transpose(0, 1)``, channel by channel) is the one ``_chunk_cat`` makes of
+        the images one by one."""
         batch = torch.stack(list(pictures))  # (n, 3, h, w)
         if not self.on_uint8:
             batch = batch.float()
         if tuple(batch.shape[-2:]) != size:
             batch = F.interpolate(batch, size=list(size), mode=self.mode, align_corners=False, antialias=True)
-        n = batch.shape[0]
-        return batch.transpose(0, 1).reshape(1, 3, -1), [size[0] * size[1]] * n  # (1, 3, n * H * W)
+        return batch
 
     def _tables_for(self, places: list[_Placement], sizes: list[int]) -> tuple[Tensor, Tensor]:
         """(n, 3, H, 1) rows and (n, 1, 1, W) columns whose sums index the flat buffer as one
@@ -197,10 +203,16 @@ class BatchPreprocess:
 
 def _same_size(pictures: Sequence[Tensor], places: list) -> bool:
     """Whether every picture has one shape and one resize (a batch of one camera's photos, or a
-    client's thumbnails): then they are resized together."""
+    client's thumbnails, or a single image): then they are resized together."""
     first, size = pictures[0].shape, places[0].size
-    same = all(p.shape == first for p in pictures) and all(q.size == size for q in places)
-    return len(pictures) > 1 and same
+    return all(p.shape == first for p in pictures) and all(q.size == size for q in places)
+
+
+def _cropped(batch: Tensor, place: _Placement, crop: tuple[int, int]) -> Tensor:
+    """The centre crop of an upright resized batch (n, 3, h, w): a window of it (two slices, no copy),
+    the very pixels the gather's tables would pick, read by the normalisation's multiply-add."""
+    top, left = divmod(place.r0 + place.c0, place.size[1])  # upright: r0 = top * w, c0 = left
+    return batch[:, :, top : top + crop[0], left : left + crop[1]]
 
 
 def orient(picture: Tensor, orientation: int) -> Tensor:

@@ -134,3 +134,23 @@ def test_pictures_of_one_size_are_resized_in_one_call_bit_for_bit(decoders, on_u
         assert more.aten == ops.aten < PER_IMAGE * len(pictures), (ops.ops, more.ops)
     finally:
         prep.on_uint8 = True
+
+
+@pytest.mark.parametrize("on_uint8", [True, False], ids=["uint8 (CPU)", "float (as on CUDA)"])
+def test_upright_pictures_of_one_size_are_cropped_as_the_gather_crops_them(decoders, on_uint8: bool) -> None:
+    """One size, upright: the crop is a window of the resized batch, no gather, the gather's result
+    bit for bit (the same pictures beside one of another size take the gather)."""
+    _, device = decoders
+    prep = device.preprocess
+    prep.on_uint8 = on_uint8
+    try:
+        pictures = [TF.pil_to_tensor(photo(i, (180, 140))) for i in range(5)]
+        other = TF.pil_to_tensor(photo(9, (150, 200)))
+        with Ops() as ops:
+            window = prep(pictures, [1] * 5)
+        gathered = prep([*pictures, other], [1] * 6)[:5]
+        assert torch.equal(window, gathered) and window.is_contiguous()
+        assert "aten.take" not in ops.ops and ops.aten <= 8, ops.ops
+        assert torch.equal(prep(pictures[:1], [1]), gathered[:1])  # one image: a window too
+    finally:
+        prep.on_uint8 = True
