@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +122,9 @@ class DeviceDecoder:
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             if self.cuda and self.barrier:
                 self.stream.synchronize()  # nothing queued here still reads what the decoder is given
-            raw = [torch.frombuffer(_writable(item.data), dtype=torch.uint8) for item in items]
+            raw = [_FROM_BUFFER(item.data, dtype=_UINT8) for item in items]  # the bytes, not copied
             try:
-                pictures: list[Tensor | None] = list(decode_jpeg(raw, mode=READ_RGB, device=self.device))
+                pictures: list[Tensor | None] = self._decoded(raw)
             except RuntimeError:  # one bad file fails the call: find it, decode the rest
                 pictures = [self._one(r) for r in raw]
             decoded = [i for i, p in enumerate(pictures) if p is not None]
@@ -131,6 +132,14 @@ class DeviceDecoder:
             if len(decoded) == len(items):
                 return x, {}
             return self._with_refused(items, decoded, x)
+
+    def _decoded(self, raw: list[Tensor]) -> list[Tensor | None]:
+        """The batch's pictures (3, h, w) uint8: nvJPEG's one call for the batch on CUDA. On a CPU,
+        torchvision's ``decode_jpeg`` of a list is this loop over its operator, after checks and a
+        deprecation warning per call (a few microseconds a batch, and the mode's enum read per image)."""
+        if self.cuda:
+            return list(decode_jpeg(raw, mode=READ_RGB, device=self.device))
+        return [_DECODE_ON_CPU(r, _RGB, False) for r in raw]  # (data, mode, apply_exif_orientation)
 
     def _with_refused(
         self, items: list[Encoded], decoded: list[int], x: Tensor
@@ -168,10 +177,19 @@ class DeviceDecoder:
             return exc
 
 
-def _writable(data: bytes | bytearray) -> bytearray:
-    """The bytes as ``torch.frombuffer`` takes them without a warning: a bytearray (copied from
-    bytes once; one read out of the link's shared memory already is one)."""
-    return data if isinstance(data, bytearray) else bytearray(data)
+def _quiet_read_only_once() -> None:
+    """``torch.frombuffer`` of ``bytes`` (an upload, read-only) warns, once per process, that the tensor
+    could write to it. The decoder only reads it, so the bytes are not copied to make them writable
+    (a photo's 100 KiB per image): that one warning is taken here, where the reason is known, not in
+    a request's log."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+
+
+_quiet_read_only_once()
+_FROM_BUFFER, _UINT8, _RGB = torch.frombuffer, torch.uint8, READ_RGB.value
+_DECODE_ON_CPU = torch.ops.image.decode_jpeg.default  # what torchvision's decode_jpeg calls per image
 
 
 def _complete(data: bytes) -> bool:
