@@ -104,22 +104,25 @@ class BatchAnswers:
         width = max(base.shape[1], 0 if flat is None else flat.shape[1])
         k = min(max((w.top_k for w in wants), default=0), width)
         cuda = base.device.type == "cuda"
-        table = _pad(base.float(), width)
+        table = _pad(_float(base), width)
         if flat is not None:
-            table = torch.cat([_pad(flat.float(), width), table])
+            table = torch.cat([_pad(_float(flat), width), table])
         host: dict[str, Tensor] = {}
         if k > 0:
-            row_classes = torch.from_numpy(classes)
-            if cuda:  # through pinned memory: a pageable copy would wait for the pass
-                row_classes = row_classes.pin_memory().to(base.device, non_blocking=True)
-            padding = torch.arange(width, device=base.device) >= row_classes[:, None]
-            masked = table.masked_fill(padding, -torch.inf)
+            masked = table
+            if classes.min() < width:  # some rows padded: their padding masked out (else nothing to mask)
+                row_classes = torch.from_numpy(classes)
+                if cuda:  # through pinned memory: a pageable copy would wait for the pass
+                    row_classes = row_classes.pin_memory().to(base.device, non_blocking=True)
+                padding = torch.arange(width, device=base.device) >= row_classes[:, None]
+                masked = table.masked_fill(padding, -torch.inf)
             top = masked.softmax(-1).topk(k, dim=-1)
             host["probs"], host["index"] = top.values, top.indices
         host["finite"] = torch.isfinite(table).all(-1)
         if any(w.logits for w in wants):
             host["logits"] = table
-        self._host = {name: t.to("cpu", non_blocking=cuda) for name, t in host.items()}
+        # On a CPU the tensors are on the host already (``to`` would be one more call each).
+        self._host = {name: t.to("cpu", non_blocking=True) for name, t in host.items()} if cuda else host
         self.ready = None
         if cuda:
             self.ready = torch.cuda.Event()
@@ -170,6 +173,10 @@ class BatchAnswers:
             )
             found = self._asked[key] = (names, columns, labels, self.column_classes[columns])
         return found
+
+
+def _float(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def _pad(t: Tensor, width: int) -> Tensor:

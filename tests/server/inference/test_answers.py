@@ -98,3 +98,21 @@ def test_a_non_finite_logit_is_refused_naming_its_task(setup) -> None:
     batch.cut(Want(1, 2, 3, False), ["a", "c"], 1, 3)  # and the other tasks of the image too
     with pytest.raises(NonFiniteOutputError, match="task 'b' produced non-finite logits"):
         batch.cut(Want(1, 2, 3, False), ["a", "b"], 1, 3)
+
+
+def test_a_batch_without_padding_is_each_tasks_own_softmax_and_top_k_bit_for_bit() -> None:
+    """Every task as wide as the base: no row is padded, so no mask is built (a mask of nothing
+    leaves the table as it is); each answer is its task's own softmax and top-k, bit for bit."""
+    engine = tiny_engine()
+    live = LiveAdapters(engine)
+    live.replace_all([random_adapter(n, engine, m=2, classes=engine.base.num_classes) for n in ("a", "b")])
+    out = engine(torch.randn(4, 3, 32, 32), live.current)
+    wants = [Want(0, 2, 3, True), Want(2, 4, 5, False)]
+    batch = BatchAnswers(out, engine.labels, wants)
+    batch.wait()
+    for want in wants:
+        answer = batch.cut(want, None, 1, 2)
+        for t, task in enumerate(answer.tasks):
+            probs, index = reference(out.logits()[task][want.lo : want.hi], want.top_k)
+            assert torch.equal(torch.from_numpy(answer.probs[:, t]), probs)
+            assert torch.equal(torch.from_numpy(answer.index[:, t]), index)
