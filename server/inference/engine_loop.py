@@ -5,7 +5,7 @@ every one on a thread of its own, with no event loop anywhere on the way.
 
 - The *batcher* takes the first waiting request, then more, until ``max_batch`` images or
   ``max_wait`` seconds. It waits only for requests that are on their way (``announce``d while their
-  images decode) or, while requests arrive densely, for the next (server/inference/arrivals.py): a lone
+  images decode) or, optionally, while they arrive densely, for the next (inference/arrivals.py): a lone
   request runs at once instead of sitting out ``max_wait`` for nobody. Which
   request is next is the fair queue's choice (server/inference/fair_queue.py): the key that has received the
   least service, by weight. Each batch reads the live adapter set once, so every request in it is
