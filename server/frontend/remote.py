@@ -94,8 +94,7 @@ class ModelLink:
         return await client.call(method, *args, **kwargs)
 
     def send(self, method: str, *args: Any) -> tuple[asyncio.Future, list]:
-        """A call whose frame leaves with this loop turn's, before any made after it; its answer, and
-        its message (``LinkClient.amend``)."""
+        """A call leaving with this loop turn's frames; its answer, and its message (``amend``)."""
         client = self.client
         if client is None or not client.connected:
             raise LinkDownError("the model process is not reachable; retry shortly")
@@ -250,12 +249,11 @@ class RemoteRunner:
         the images this process decodes meanwhile."""
         number = next(self._numbers)
         tenant = ask.tenant
-        message = None
         try:  # the frame leaves with this turn's others; no task per request
             call, message = self.link.send("run", number, ask.count, ask.tasks, tenant.id, tenant.weight,
                                            ask.top_k, ask.logits)  # fmt: skip
         except LinkDownError as exc:  # raised when awaited: after the images, as a call's would be
-            call = asyncio.get_running_loop().create_future()
+            call, message = asyncio.get_running_loop().create_future(), None
             call.set_exception(exc)
         tickets: list = []
 
