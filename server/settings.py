@@ -53,6 +53,10 @@ class Settings(BaseSettings):
 
     max_batch: int = Field(32, ge=1, description="images per fused pass")
     max_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits for more requests")
+    # A batch whose queue is empty waits this many mean gaps between requests for the next one (within
+    # max_wait; off by default: it costs a client sending one request after another up to two gaps
+    # each, RESULTS §3.14); 0: only for those announced (inference/arrivals.py).
+    batch_linger: float = Field(0.0, ge=0, description="mean arrival gaps a batch waits for the next request")
     max_queue: int = Field(256, ge=1, description="images waiting before requests get 503")
     # None: one per core this process may run on (Pillow releases the GIL while it decodes and resizes).
     decode_workers: int | None = Field(None, ge=1, description="threads decoding images (default: cores)")

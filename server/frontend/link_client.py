@@ -4,7 +4,8 @@ Frames and errors as link.py defines them; any number of calls in flight, each a
 call id in whatever order the model process answers. A link that closes fails every call still
 waiting with ``LinkDownError`` (503, Retry-After). The frames written during one turn of the event
 loop leave in one write at its end (every request's call and delivery of that turn: one system
-call and one wake-up of the model process's reader for all of them), in the order they were made.
+call and one wake-up of the model process's reader for all of them), in the order they were made;
+until then a call can still be amended (``amend``: a request's images joining its ``run``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class LinkClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
-        self._out: list[bytes] = []  # this turn's frames, written at its end (``_flush``)
+        self._out: list[list] = []  # this turn's messages, framed and written at its end (``_flush``)
 
     @property
     def connected(self) -> bool:
@@ -50,32 +51,48 @@ class LinkClient:
         return await future
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
-        """The call's frame written now (so calls and notifications leave in the order they are made);
-        the future of its answer."""
+        """The call queued now (so calls and notifications leave in the order they are made); the
+        future of its answer."""
+        return self.open_call(method, *args, **kwargs)[0]
+
+    def open_call(self, method: str, *args: Any, **kwargs: Any) -> tuple[asyncio.Future, list]:
+        """``send``, and the call's message: until this turn's frames leave, ``amend`` adds to it."""
         if not self.connected:
             raise LinkDownError("the model process is not reachable yet; retry shortly")
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
         future.add_done_callback(lambda _: self._pending.pop(call_id, None))
-        self._write(_frame((call_id, method, args, kwargs)))
-        return future
+        message = [call_id, method, args, kwargs, False]  # the last: written
+        self._write(message)
+        return future, message
+
+    @staticmethod
+    def amend(message: list, *args: Any) -> bool:
+        """``args`` added to a call not yet written (one frame, one read and one dispatch in the model
+        process instead of two); False when it has left (send them in a call of their own)."""
+        if message[4]:
+            return False
+        message[2] = (*message[2], *args)
+        return True
 
     def notify(self, method: str, *args: Any) -> None:
         """A call nobody waits for (its answer is never sent): a delivery, a release."""
         if not self.connected:
             raise LinkDownError("the model process is not reachable; retry shortly")
-        self._write(_frame((NOTIFY, method, args, {})))
+        self._write([NOTIFY, method, args, {}, False])
 
-    def _write(self, frame: bytes) -> None:
+    def _write(self, message: list) -> None:
         if not self._out:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._out.append(frame)
+        self._out.append(message)
 
     def _flush(self) -> None:
         out, self._out = self._out, []
+        for message in out:
+            message[4] = True
         if out and self._writer is not None and not self._writer.is_closing():
-            self._writer.write(out[0] if len(out) == 1 else b"".join(out))
+            self._writer.write(b"".join([_frame(tuple(m[:4])) for m in out]))
 
     async def wait_closed(self) -> None:
         """Until the link closes (the model process went away, or ``close``)."""

@@ -3,7 +3,7 @@ and the keys' limits, behind a Unix socket that the API processes call (server/f
 
 It is the single-process server's service (``service.start_service``) without HTTP, and it only
 forms batches: no event loop stands between a request and its pass. A request is two frames from an
-API process, read by that connection's thread:
+API process (or one: ``run`` carrying the images), read by that connection's thread:
 
 - ``run``: the runner's work starts at once (as ``LocalRunner``'s does in one process): the adapters
   asked for pinned (loaded first, on the loader's threads, if they are not resident) and the images
@@ -141,13 +141,17 @@ class ModelHandlers(ControlCalls):
 
     # -- the data path (reader threads, then the engine's threads) ---------------------------------------
     def run(self, connection: Connection, call_id: int, number: int, count: int, tasks: list[str] | None,
-            tenant: str, weight: float, top_k: int, logits: bool) -> None:  # fmt: skip
+            tenant: str, weight: float, top_k: int, logits: bool,
+            images: Any = _WAITING) -> None:  # fmt: skip
+        """``images``: the payload, when the API process had it before the call left (else a
+        ``deliver`` brings it)."""
         adapters = None if tasks is None else tuple(t for t in tasks if t != BASE_TASK)
         pending = Pending(connection, call_id, count, adapters, tasks, tenant, weight, top_k, logits)
         key = (connection.peer, number)
         with self._lock:
             self._pending[key] = pending
-            pending.images = self._early.pop(key, _WAITING)  # a deliver read first (never, in order)
+            # or a deliver read first (never, in order)
+            pending.images = images if images is not _WAITING else self._early.pop(key, _WAITING)
         self.engine.announce(count)
         # Unfiltered (a small registry): every adapter, less any deleted meanwhile or invalid here.
         wanted = self.service.registry.every_name() if adapters is None else adapters

@@ -93,12 +93,12 @@ class ModelLink:
             raise LinkDownError("the model process is not reachable; retry shortly")
         return await client.call(method, *args, **kwargs)
 
-    def send(self, method: str, *args: Any) -> asyncio.Future:
-        """A call whose frame leaves with this loop turn's, before any made after it; its answer."""
+    def send(self, method: str, *args: Any) -> tuple[asyncio.Future, list]:
+        """A call leaving with this loop turn's frames; its answer, and its message (``amend``)."""
         client = self.client
         if client is None or not client.connected:
             raise LinkDownError("the model process is not reachable; retry shortly")
-        return client.send(method, *args)
+        return client.open_call(method, *args)
 
     def call_soon(self, method: str, *args: Any) -> None:
         """A call nobody waits for (a delivery, a release); dropped while the link is down."""
@@ -250,10 +250,10 @@ class RemoteRunner:
         number = next(self._numbers)
         tenant = ask.tenant
         try:  # the frame leaves with this turn's others; no task per request
-            call = self.link.send("run", number, ask.count, ask.tasks, tenant.id, tenant.weight, ask.top_k,
-                                  ask.logits)  # fmt: skip
+            call, message = self.link.send("run", number, ask.count, ask.tasks, tenant.id, tenant.weight,
+                                           ask.top_k, ask.logits)  # fmt: skip
         except LinkDownError as exc:  # raised when awaited: after the images, as a call's would be
-            call = asyncio.get_running_loop().create_future()
+            call, message = asyncio.get_running_loop().create_future(), None
             call.set_exception(exc)
         tickets: list = []
 
@@ -271,7 +271,9 @@ class RemoteRunner:
             payload, tickets[:] = pack(decoded, self.arena)
             if call.done():
                 free()
-            self.link.call_soon("deliver", number, payload)  # after "run" on the one socket
+            # checked in the same turn (the device path's JPEGs): in "run"'s frame; else a "deliver"
+            if message is None or not LinkClient.amend(message, payload):
+                self.link.call_soon("deliver", number, payload)
             delivered = True
             wire = await asyncio.shield(call)
         finally:

@@ -171,6 +171,7 @@ def _load(settings: Settings, metrics: Metrics) -> tuple[MemoryViT, AdapterRegis
         DeviceRunner(engine, device_decoder),
         max_batch=settings.max_batch,
         max_wait=settings.max_wait_ms / 1000,
+        linger=settings.batch_linger,
         max_queue=settings.max_queue,
         metrics=metrics,
         fair=settings.fair_batching,

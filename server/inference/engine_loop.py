@@ -5,7 +5,8 @@ every one on a thread of its own, with no event loop anywhere on the way.
 
 - The *batcher* takes the first waiting request, then more, until ``max_batch`` images or
   ``max_wait`` seconds. It waits only for requests that are on their way (``announce``d while their
-  images decode): a lone request runs at once instead of sitting out ``max_wait`` for nobody. Which
+  images decode) or, optionally, while they arrive densely, for the next (inference/arrivals.py): a lone
+  request runs at once instead of sitting out ``max_wait`` for nobody. Which
   request is next is the fair queue's choice (server/inference/fair_queue.py): the key that has received the
   least service, by weight. Each batch reads the live adapter set once, so every request in it is
   answered by that one snapshot; a request asking for an adapter the snapshot no longer has fails
@@ -36,6 +37,7 @@ from memvit.memory_core import AdapterSet, LiveAdapters
 from ..errors import OverloadedError, RetryLaterError
 from ..telemetry.metrics import Metrics
 from .answers import Answer
+from .arrivals import ArrivalGap
 from .device_runner import DeviceRunner
 from .fair_queue import ONE_FLOW, FairQueue
 from .jobs import Batch, Job, Result, deliver, place, refuse_missing
@@ -61,6 +63,7 @@ class EngineLoop:
         registered: Callable[[int], int] = lambda version: 0,
         warm: Callable[[AdapterSet], int] | None = None,
         count: Callable[[list[tuple[Job, Answer]]], None] | None = None,
+        linger: float = 0.0,
     ) -> None:
         self.live, self.runner = live, runner
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
@@ -70,6 +73,7 @@ class EngineLoop:
         self.count = count  # what a batch answered, counted for the keys that asked (usage, metrics)
         self.depth = depth if depth is not None else (3 if runner.cuda else 1)
         self._queue: FairQueue[Job] = FairQueue()
+        self._gap = ArrivalGap(linger)  # a batch's wait for requests not announced (arrivals.py)
         self._lock = threading.Condition()
         self._waiting = 0  # images queued or in a batch not yet answered
         self._expected = 0  # images still decoding that will be queued soon
@@ -136,6 +140,7 @@ class EngineLoop:
                 )
             self._waiting += n
             job.queued = time.perf_counter()
+            self._gap.arrived(job.queued)
             self._queue.put(flow, job, n, job.weight)
             self._lock.notify_all()
 
@@ -189,9 +194,12 @@ class EngineLoop:
                 head = queue_.peek()
                 if head is None:
                     remaining = deadline - time.monotonic()
-                    if remaining <= 0 or self._expected <= 0:  # nothing is on its way
+                    if self._expected > 0 and remaining > 0:  # announced: on its way
+                        self._lock.wait(remaining)
+                        continue
+                    linger = self._gap.wait(remaining)  # none announced; one may come (arrivals.py)
+                    if linger <= 0 or not self._lock.wait(linger) or queue_.peek() is None:
                         break
-                    self._lock.wait(remaining)
                     continue
                 if size + head > self.max_batch:  # it starts a later batch (the next, unless another
                     break  # key is owed more by then)

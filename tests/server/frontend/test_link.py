@@ -124,3 +124,30 @@ def test_inline_calls_are_answered_from_any_thread_without_the_event_loop(tmp_pa
 
     assert asyncio.run(scenario()) == [1, 2, 3]
     assert answered_on and answered_on[0] != "MainThread"
+
+
+def test_a_call_amended_before_its_turn_ends_leaves_as_one_frame(tmp_path) -> None:
+    """``amend`` adds arguments to a call still unwritten (a request's images joining its "run");
+    once the turn's frames have left it says so, and the caller sends them apart."""
+    got: list[tuple] = []
+
+    def run(connection, call_id, *args) -> None:
+        got.append(args)
+        connection.answer(call_id, True, len(args))
+
+    async def scenario() -> tuple:
+        server, client = await _linked(tmp_path, {}, inline={"run": run})
+        joined, message = client.open_call("run", 1)
+        assert client.amend(message, "images")
+        assert await joined == 2
+        alone, message = client.open_call("run", 2)
+        await asyncio.sleep(0)  # the turn ends: its frames leave
+        await asyncio.sleep(0)
+        late = client.amend(message, "images")
+        assert await alone == 1
+        await client.close()
+        await server.close()
+        return late
+
+    assert asyncio.run(scenario()) is False
+    assert got == [(1, "images"), (2,)]
