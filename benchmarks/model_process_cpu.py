@@ -7,10 +7,11 @@
 The model process of a group only forms batches (docs/design.md §5): what it spends per request,
 apart from the model's work, is its own overhead: reading the link, pinning the adapters, queueing,
 routing, forming and cutting batches, answering. The goal is 0.1 ms. Here the model process is the
-real one (``serve_model``, spawned as the supervisor spawns it), its pass stubbed: ``MemoryViT.
-forward`` returns zeros of the pass's shapes (the base's classes and each asked adapter's), so what
-is measured is everything but the model. 8 adapters resident, every request unfiltered (the base
-and all 8 answered, each with its top label, as the GPU suite's server step asks), one image each.
+real one (``serve_model``, spawned as the supervisor spawns it), its pass stubbed
+(benchmarks/stub_pass.py): the network's part of the pass returns zeros of its shapes, the plan and
+the output are the real ones, so what is measured is everything but the model. 8 adapters
+resident, every request unfiltered (the base and all 8 answered, each with its top label, as the GPU
+suite's server step asks), one image each.
 
 Two paths: ``cpu`` (the images cross as decoded tensors, as when API processes decode) and
 ``device`` (each crosses as a JPEG for the model process's device decoder: a 32x32 JPEG, so the
@@ -35,7 +36,7 @@ from pathlib import Path
 from PIL import Image
 
 from benchmarks.common import argument_parser, environment
-from benchmarks.stub_pass import stubbed_forward
+from benchmarks.stub_pass import install as stub_the_pass
 from memvit.adapters import bundle_for
 from memvit.memory_core import MemoryViT, save_base
 from tests.factories import random_adapter
@@ -60,12 +61,11 @@ def _model(settings, directory: str, ready, stub: bool, profile: bool) -> None:
     functions' CPU time, every thread's, printed when it stops (yappi, not a dependency)."""
     import logging
 
-    from memvit.memory_core import MemoryViT
     from memvit.server.frontend.model_process import serve_model
 
     logging.basicConfig(level="WARNING")
     if stub:
-        MemoryViT.forward = stubbed_forward
+        stub_the_pass()
     if profile:
         import yappi
 

@@ -1,10 +1,20 @@
-"""The model's pass stubbed out, for benchmarks that measure everything around it.
+"""The model's device work stubbed out, for benchmarks that measure everything around it.
 
-``stubbed_forward`` stands in for ``MemoryViT.forward``: it returns zeros in the pass's shapes (the
-base's classes, and each asked adapter's, for every image or for each image's own tasks), so a
-server or a model process does all of its work but the model's. ``install`` patches it in;
-``site_dir`` writes a ``sitecustomize`` that installs it in every Python process started with that
-directory on its ``PYTHONPATH`` (a server and the processes it spawns).
+``stubbed_device_pass`` stands in for the engine's ``_device_pass`` (memory_core/engine/
+slot_passes.py), the part of a pass that runs the network: it returns zeros in the shapes that part
+returns (the base's logits (B, C_0), and the plan's output rows of adapter logits, flat). Everything
+else a pass does on the host runs as it does for real: the plan (routing/planner.py), the output
+index, the lazy ``FusedOutput`` the server cuts its answers from. So a server or a model process does
+all of its work but the network's (tests/benchmarks/test_stub_pass.py holds the stub's output to the
+real pass's form).
+
+(Until 2026-11-27 the stub replaced ``MemoryViT.forward`` and built its output per task, the dense
+form; a real pass returns the flat form, so the server then padded and joined every task's zeros per
+batch, work a real pass never causes, and skipped the plan, which a real pass always makes: RESULTS
+§3.14 has both stubs' figures.)
+
+``install`` patches it in; ``site_dir`` writes a ``sitecustomize`` that installs it in every Python
+process started with that directory on its ``PYTHONPATH`` (a server and the processes it spawns).
 """
 
 from __future__ import annotations
@@ -14,36 +24,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def stubbed_forward(self, x, adapter_set=None, *, tasks=None, path="auto"):
-    """The pass's outputs, zeros, in their shapes: every adapter for every image (``tasks`` None), or
-    each image's own (a ``TaskIndex``, or names per image)."""
-    import numpy as np
+def stubbed_device_pass(self, x, tensors, plan, path):
+    """The base's logits and the plan's adapter logits, zeros, in the engine's shapes and dtype: the
+    output rows of a routed plan (N, C), every row of a shared one (R * B, C)."""
     import torch
 
-    from memvit.memory_core import AdapterSet, FusedOutput, TaskIndex
-
-    adapter_set = adapter_set if adapter_set is not None else AdapterSet()
-    B = x.shape[0]
-    base = torch.zeros(B, self.base.num_classes)
-    if tasks is None:
-        adapters = {a.name: torch.zeros(B, a.head_weight.shape[0]) for a in adapter_set}
-        return FusedOutput.every_image(base, adapters, adapter_set)
-    if not isinstance(tasks, TaskIndex):
-        tasks = TaskIndex.from_names(adapter_set, tasks)
-    image = np.repeat(np.arange(B), tasks.counts)
-    adapters, images = {}, {}
-    for position in np.unique(tasks.tasks).tolist():
-        adapter = adapter_set.adapters[position]
-        who = torch.from_numpy(image[tasks.tasks == position])
-        adapters[adapter.name] = torch.zeros(len(who), adapter.head_weight.shape[0])
-        images[adapter.name] = who
-    return FusedOutput.of_tasks(base, adapters, images, adapter_set)
+    base = torch.zeros(x.shape[0], self.base.num_classes, dtype=self.dtype)
+    if plan is None:
+        return base, None
+    shape = plan.shape
+    rows = shape.rows * shape.images if shape.shared else shape.outputs
+    return base, torch.zeros(rows, shape.classes, dtype=self.dtype)
 
 
 def install() -> None:
     from memvit.memory_core import MemoryViT
 
-    MemoryViT.forward = stubbed_forward
+    MemoryViT._device_pass = stubbed_device_pass
 
 
 def site_dir(root: Path) -> Path:
