@@ -14,8 +14,6 @@ at width 192). Elsewhere the rows' attention reads the base keys and values dire
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from timm.layers import Attention
 from timm.models.vision_transformer import Block
@@ -27,29 +25,55 @@ from .attention import (
     _finish,
     base_attention,
     class_token_attention,
+    lineage_keys_values,
     project_qkv,
     softmax_dtype,
 )
 
 
-@dataclass(frozen=True)
-class BaseSummary:
-    """The base tokens as each class-token row sees them, summarised by the base's attention kernel:
-    the row's attention output over the base keys alone (normalised) and the log of that softmax's
-    denominator. One softmax over [log-sum-exp ; other scores] then weighs the base part and the
-    other keys exactly as one softmax over [base keys ; other keys] would."""
+def summary_attention(
+    attn: Attention, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, memory: LayerMemory
+) -> None:
+    """The class-token rows' attention from the base kernel's summary of them, written into ``o``.
 
-    output: Tensor  # (B, H, K, d)
-    logsumexp: Tensor  # (B, H, K), float32 for 16-bit engines
-
-    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
-        dtype = torch.promote_types(self.logsumexp.dtype, softmax_dtype(q.dtype))
-        scores = torch.cat([self.logsumexp.unsqueeze(-1).to(dtype), other.to(dtype)], dim=-1)
-        # The softmax of a few scores per row, spelt out: torch's softmax kernel splits even a tensor
-        # this small across threads, and a parallel region waits for a busy core; these don't.
-        e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
-        probs = (e / e.sum(dim=-1, keepdim=True)).to(q.dtype)  # (B, H, K, 1 + S)
-        return probs[..., :1] * self.output, probs[..., 1:]
+    q, k, v: the rows' (B, H, R, d); ``o`` (B, R, H, d): on entry each row's attention output over
+    the base keys alone (normalised), on return the row's whole attention output; ``lse`` (B, H, R):
+    the log of that softmax's denominator. One softmax over [lse ; lineage scores ; memory scores]
+    weighs the base part and the other keys exactly as one softmax over [base keys ; other keys]
+    would. Written for the CPU's two threads: every operation over (B, H, R, d) elements opens a
+    parallel region, which on a shared machine waits for the other core, so the rows' values are
+    accumulated into ``o`` in place (scale, then add) and nothing is concatenated at that size; only
+    the few scores per row are.
+    """
+    A = memory.lineage.shape[-1]
+    shared = memory.lineage.ndim == 2  # else routed: (B, R, ...) rows
+    dtype = torch.promote_types(lse.dtype, softmax_dtype(q.dtype))
+    if A == 1:  # concatenation mode: each row's lineage is itself
+        v_l = None
+        l_scores = (q * k).sum(-1, keepdim=True)  # (B, H, R, 1)
+    else:
+        k_l, v_l = lineage_keys_values(k, v, memory)  # (B, H, R, A, d)
+        l_scores = (q.unsqueeze(3) * k_l).sum(-1)  # (B, H, R, A)
+    m_scores = torch.einsum("bhkd,khpd->bhkp" if shared else "bhkd,bkhpd->bhkp", q, memory.keys)
+    bias = torch.cat([memory.lineage_bias, memory.bias], dim=-1)  # (R, A+P), routed (B, R, A+P)
+    other = torch.cat([l_scores, m_scores], dim=-1).to(dtype) * attn.scale  # (B, H, R, A+P)
+    other = other + (bias if shared else bias.unsqueeze(1))
+    scores = torch.cat([lse.unsqueeze(-1).to(dtype), other], dim=-1)  # (B, H, R, 1+A+P)
+    # The softmax of a few scores per row, spelt out: torch's softmax kernel splits even a tensor
+    # this small across threads; these don't.
+    e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    p = (e / e.sum(dim=-1, keepdim=True)).to(q.dtype).transpose(1, 2)  # (B, R, H, 1+A+P), as o
+    o.mul_(p[..., :1])  # the base part
+    if v_l is None:
+        o.addcmul_(p[..., 1:2], v.transpose(1, 2))
+    else:
+        o.add_((p[..., 1 : 1 + A].unsqueeze(-1) * v_l.transpose(1, 2)).sum(3))
+    values = memory.values  # (R, H, P, d) shared, (B, R, H, P, d) routed
+    p_m = p[..., 1 + A :]  # (B, R, H, P)
+    if values.shape[-2] == 1:  # one memory entry: a scaled add, no product
+        o.addcmul_(p_m, values[..., 0, :])
+    else:
+        o.add_(torch.einsum("bkhp,khpd->bkhd" if shared else "bkhp,bkhpd->bkhd", p_m, values))
 
 
 def summarised(attn: Attention, z: Tensor) -> bool:
@@ -77,10 +101,9 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
         o = o.transpose(1, 2)  # (B, N, H, d)
         if not o.is_contiguous():
             o = o.contiguous()
-        base = BaseSummary(o[:, T:].transpose(1, 2), lse[:, :, T:])
-        o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], base, memory)
-        o[:, T:] = o_c.transpose(1, 2)  # the class-token rows, in place: (B, K, H, d)
-        del q, k, v, k_x, v_x, o_c, base
+        # The class-token rows' output, in place over their base part: (B, K, H, d).
+        summary_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], o[:, T:], lse[:, :, T:], memory)
+        del q, k, v, k_x, v_x
         return _finish(block, z, h, o.view(B, N, H * d))
     o_x = base_attention(attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
     o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory)
@@ -98,7 +121,7 @@ def class_rows_attention(
     summary of the rows; else the base keys read directly. Returns (B, R, H, d)."""
     if summarised(attn, q):
         o_x, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_x, v_x, scale=attn.scale)
-        base = BaseSummary(o_x, lse)
-    else:
-        base = KeysValues(k_x, v_x)
-    return class_token_attention(attn, q, k, v, base, memory).transpose(1, 2)
+        o = o_x.transpose(1, 2)  # (B, R, H, d)
+        summary_attention(attn, q, k, v, o, lse, memory)
+        return o
+    return class_token_attention(attn, q, k, v, KeysValues(k_x, v_x), memory).transpose(1, 2)

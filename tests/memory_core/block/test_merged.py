@@ -1,5 +1,5 @@
 """The merged block's two routes for the class-token rows' attention: on the CPU, the base's own
-attention kernel over every row with its log-sum-exp (``BaseSummary``); elsewhere, or without fused
+attention kernel over every row with its log-sum-exp (``summary_attention``); elsewhere, or without fused
 attention, the base keys and values read directly (``KeysValues``). Both against the dense oracle."""
 
 from __future__ import annotations
