@@ -76,6 +76,12 @@ def summary_attention(
         o.add_(torch.einsum("bkhp,khpd->bkhd" if shared else "bkhp,bkhpd->bkhd", p_m, values))
 
 
+def base_summary(attn: Attention, q: Tensor, k_x: Tensor, v_x: Tensor) -> tuple[Tensor, Tensor]:
+    """Queries (B, H, N, d) over the base keys and values (B, H, T, d) in the CPU's flash kernel:
+    the output (B, H, N, d), laid out as (B, N, H, d), and each row's log-sum-exp (B, H, N)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_x, v_x, scale=attn.scale)
+
+
 def summarised(attn: Attention, z: Tensor) -> bool:
     """Whether this block's rows take the CPU's one-kernel route: timm's fused attention on the CPU,
     and nothing to differentiate (the kernel's log-sum-exp carries no gradient) nor drop."""
@@ -97,7 +103,7 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
     k_x, v_x = k[:, :, :T], v[:, :, :T]
     if summarised(attn, z):
         # Every row over the base keys in one kernel, the output in the block's (B, N, H, d) layout.
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_x, v_x, scale=attn.scale)
+        o, lse = base_summary(attn, q, k_x, v_x)
         o = o.transpose(1, 2)  # (B, N, H, d)
         if not o.is_contiguous():
             o = o.contiguous()
@@ -113,6 +119,41 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
     return _finish(block, z, h, o)
 
 
+def merged_last_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory, read: int) -> Tensor:
+    """``merged_block`` for the last block when only the first ``read`` base rows are read after it
+    (timm's token pooling reads the class token, a distilled DeiT its distillation token too): every
+    row's keys and values, but queries, attention output, projection and MLP for [X[:, :read] ; C]
+    alone. Returns those rows, (B, read + K, D).
+
+    Row i of each operation does not depend on the other rows, so the rows kept come out as the
+    whole block computes them, up to the rounding of differently shaped products; the other base
+    rows' outputs, which nothing reads, are never computed (for ViT-B/32, 49 of 50 base rows of the
+    last block's projection and MLP: about 5% of the pass).
+    """
+    T = num_base
+    attn = block.attn
+    h = block.norm1(z)
+    q, k, v = project_qkv(attn, h)  # (B, H, T+K, d) each
+    B, H, _, d = q.shape
+    rows = torch.cat([z[:, :read], z[:, T:]], dim=1)  # (B, read + K, D)
+    gated = getattr(attn, "gate", None) is not None  # only a gate reads the normed rows after attention
+    h_rows = torch.cat([h[:, :read], h[:, T:]], dim=1) if gated else None
+    q_rows = torch.cat([q[:, :, :read], q[:, :, T:]], dim=2)  # (B, H, read + K, d)
+    k_x, v_x = k[:, :, :T], v[:, :, :T]
+    if summarised(attn, z):
+        o, lse = base_summary(attn, q_rows, k_x, v_x)
+        o = o.transpose(1, 2)  # (B, read + K, H, d)
+        if not o.is_contiguous():
+            o = o.contiguous()
+        summary_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], o[:, read:], lse[:, :, read:], memory)
+    else:
+        o_x = base_attention(attn, q_rows[:, :, :read], k_x, v_x)  # (B, H, read, d)
+        o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory)
+        o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1)  # (B, read + K, H, d)
+    del q, k, v, k_x, v_x, q_rows
+    return _finish(block, rows, h_rows, o.reshape(B, rows.shape[1], H * d))
+
+
 def class_rows_attention(
     attn: Attention, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor, v_x: Tensor, memory: LayerMemory
 ) -> Tensor:
@@ -120,7 +161,7 @@ def class_rows_attention(
     and values k_x, v_x (B, H, T, d) (block/apart.py): on the CPU's route above, the base kernel's
     summary of the rows; else the base keys read directly. Returns (B, R, H, d)."""
     if summarised(attn, q):
-        o_x, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_x, v_x, scale=attn.scale)
+        o_x, lse = base_summary(attn, q, k_x, v_x)
         o = o_x.transpose(1, 2)  # (B, R, H, d)
         summary_attention(attn, q, k, v, o, lse, memory)
         return o
