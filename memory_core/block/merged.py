@@ -14,8 +14,6 @@ at width 192). Elsewhere the rows' attention reads the base keys and values dire
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from timm.layers import Attention
 from timm.models.vision_transformer import Block
@@ -27,29 +25,61 @@ from .attention import (
     _finish,
     base_attention,
     class_token_attention,
+    lineage_keys_values,
     project_qkv,
     softmax_dtype,
 )
 
 
-@dataclass(frozen=True)
-class BaseSummary:
-    """The base tokens as each class-token row sees them, summarised by the base's attention kernel:
-    the row's attention output over the base keys alone (normalised) and the log of that softmax's
-    denominator. One softmax over [log-sum-exp ; other scores] then weighs the base part and the
-    other keys exactly as one softmax over [base keys ; other keys] would."""
+def summary_attention(
+    attn: Attention, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, memory: LayerMemory
+) -> None:
+    """The class-token rows' attention from the base kernel's summary of them, written into ``o``.
 
-    output: Tensor  # (B, H, K, d)
-    logsumexp: Tensor  # (B, H, K), float32 for 16-bit engines
+    q, k, v: the rows' (B, H, R, d); ``o`` (B, R, H, d): on entry each row's attention output over
+    the base keys alone (normalised), on return the row's whole attention output; ``lse`` (B, H, R):
+    the log of that softmax's denominator. One softmax over [lse ; lineage scores ; memory scores]
+    weighs the base part and the other keys exactly as one softmax over [base keys ; other keys]
+    would. Written for the CPU's two threads: every operation over (B, H, R, d) elements opens a
+    parallel region, which on a shared machine waits for the other core, so the rows' values are
+    accumulated into ``o`` in place (scale, then add) and nothing is concatenated at that size; only
+    the few scores per row are.
+    """
+    A = memory.lineage.shape[-1]
+    shared = memory.lineage.ndim == 2  # else routed: (B, R, ...) rows
+    dtype = torch.promote_types(lse.dtype, softmax_dtype(q.dtype))
+    if A == 1:  # concatenation mode: each row's lineage is itself
+        v_l = None
+        l_scores = (q * k).sum(-1, keepdim=True)  # (B, H, R, 1)
+    else:
+        k_l, v_l = lineage_keys_values(k, v, memory)  # (B, H, R, A, d)
+        l_scores = (q.unsqueeze(3) * k_l).sum(-1)  # (B, H, R, A)
+    m_scores = torch.einsum("bhkd,khpd->bhkp" if shared else "bhkd,bkhpd->bhkp", q, memory.keys)
+    bias = torch.cat([memory.lineage_bias, memory.bias], dim=-1)  # (R, A+P), routed (B, R, A+P)
+    other = torch.cat([l_scores, m_scores], dim=-1).to(dtype) * attn.scale  # (B, H, R, A+P)
+    other = other + (bias if shared else bias.unsqueeze(1))
+    scores = torch.cat([lse.unsqueeze(-1).to(dtype), other], dim=-1)  # (B, H, R, 1+A+P)
+    # The softmax of a few scores per row, spelt out: torch's softmax kernel splits even a tensor
+    # this small across threads; these don't.
+    e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    p = (e / e.sum(dim=-1, keepdim=True)).to(q.dtype).transpose(1, 2)  # (B, R, H, 1+A+P), as o
+    o.mul_(p[..., :1])  # the base part
+    if v_l is None:
+        o.addcmul_(p[..., 1:2], v.transpose(1, 2))
+    else:
+        o.add_((p[..., 1 : 1 + A].unsqueeze(-1) * v_l.transpose(1, 2)).sum(3))
+    values = memory.values  # (R, H, P, d) shared, (B, R, H, P, d) routed
+    p_m = p[..., 1 + A :]  # (B, R, H, P)
+    if values.shape[-2] == 1:  # one memory entry: a scaled add, no product
+        o.addcmul_(p_m, values[..., 0, :])
+    else:
+        o.add_(torch.einsum("bkhp,khpd->bkhd" if shared else "bkhp,bkhpd->bkhd", p_m, values))
 
-    def attend(self, attn: Attention, q: Tensor, other: Tensor) -> tuple[Tensor, Tensor]:
-        dtype = torch.promote_types(self.logsumexp.dtype, softmax_dtype(q.dtype))
-        scores = torch.cat([self.logsumexp.unsqueeze(-1).to(dtype), other.to(dtype)], dim=-1)
-        # The softmax of a few scores per row, spelt out: torch's softmax kernel splits even a tensor
-        # this small across threads, and a parallel region waits for a busy core; these don't.
-        e = (scores - scores.amax(dim=-1, keepdim=True)).exp()
-        probs = (e / e.sum(dim=-1, keepdim=True)).to(q.dtype)  # (B, H, K, 1 + S)
-        return probs[..., :1] * self.output, probs[..., 1:]
+
+def base_summary(attn: Attention, q: Tensor, k_x: Tensor, v_x: Tensor) -> tuple[Tensor, Tensor]:
+    """Queries (B, H, N, d) over the base keys and values (B, H, T, d) in the CPU's flash kernel:
+    the output (B, H, N, d), laid out as (B, N, H, d), and each row's log-sum-exp (B, H, N)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_x, v_x, scale=attn.scale)
 
 
 def summarised(attn: Attention, z: Tensor) -> bool:
@@ -73,14 +103,13 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
     k_x, v_x = k[:, :, :T], v[:, :, :T]
     if summarised(attn, z):
         # Every row over the base keys in one kernel, the output in the block's (B, N, H, d) layout.
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_x, v_x, scale=attn.scale)
+        o, lse = base_summary(attn, q, k_x, v_x)
         o = o.transpose(1, 2)  # (B, N, H, d)
         if not o.is_contiguous():
             o = o.contiguous()
-        base = BaseSummary(o[:, T:].transpose(1, 2), lse[:, :, T:])
-        o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], base, memory)
-        o[:, T:] = o_c.transpose(1, 2)  # the class-token rows, in place: (B, K, H, d)
-        del q, k, v, k_x, v_x, o_c, base
+        # The class-token rows' output, in place over their base part: (B, K, H, d).
+        summary_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], o[:, T:], lse[:, :, T:], memory)
+        del q, k, v, k_x, v_x
         return _finish(block, z, h, o.view(B, N, H * d))
     o_x = base_attention(attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
     o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory)
@@ -90,6 +119,41 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
     return _finish(block, z, h, o)
 
 
+def merged_last_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory, read: int) -> Tensor:
+    """``merged_block`` for the last block when only the first ``read`` base rows are read after it
+    (timm's token pooling reads the class token, a distilled DeiT its distillation token too): every
+    row's keys and values, but queries, attention output, projection and MLP for [X[:, :read] ; C]
+    alone. Returns those rows, (B, read + K, D).
+
+    Row i of each operation does not depend on the other rows, so the rows kept come out as the
+    whole block computes them, up to the rounding of differently shaped products; the other base
+    rows' outputs, which nothing reads, are never computed (for ViT-B/32, 49 of 50 base rows of the
+    last block's projection and MLP: about 5% of the pass).
+    """
+    T = num_base
+    attn = block.attn
+    h = block.norm1(z)
+    q, k, v = project_qkv(attn, h)  # (B, H, T+K, d) each
+    B, H, _, d = q.shape
+    rows = torch.cat([z[:, :read], z[:, T:]], dim=1)  # (B, read + K, D)
+    gated = getattr(attn, "gate", None) is not None  # only a gate reads the normed rows after attention
+    h_rows = torch.cat([h[:, :read], h[:, T:]], dim=1) if gated else None
+    q_rows = torch.cat([q[:, :, :read], q[:, :, T:]], dim=2)  # (B, H, read + K, d)
+    k_x, v_x = k[:, :, :T], v[:, :, :T]
+    if summarised(attn, z):
+        o, lse = base_summary(attn, q_rows, k_x, v_x)
+        o = o.transpose(1, 2)  # (B, read + K, H, d)
+        if not o.is_contiguous():
+            o = o.contiguous()
+        summary_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], o[:, read:], lse[:, :, read:], memory)
+    else:
+        o_x = base_attention(attn, q_rows[:, :, :read], k_x, v_x)  # (B, H, read, d)
+        o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory)
+        o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1)  # (B, read + K, H, d)
+    del q, k, v, k_x, v_x, q_rows
+    return _finish(block, rows, h_rows, o.reshape(B, rows.shape[1], H * d))
+
+
 def class_rows_attention(
     attn: Attention, q: Tensor, k: Tensor, v: Tensor, k_x: Tensor, v_x: Tensor, memory: LayerMemory
 ) -> Tensor:
@@ -97,8 +161,8 @@ def class_rows_attention(
     and values k_x, v_x (B, H, T, d) (block/apart.py): on the CPU's route above, the base kernel's
     summary of the rows; else the base keys read directly. Returns (B, R, H, d)."""
     if summarised(attn, q):
-        o_x, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k_x, v_x, scale=attn.scale)
-        base = BaseSummary(o_x, lse)
-    else:
-        base = KeysValues(k_x, v_x)
-    return class_token_attention(attn, q, k, v, base, memory).transpose(1, 2)
+        o_x, lse = base_summary(attn, q, k_x, v_x)
+        o = o_x.transpose(1, 2)  # (B, R, H, d)
+        summary_attention(attn, q, k, v, o, lse, memory)
+        return o
+    return class_token_attention(attn, q, k, v, KeysValues(k_x, v_x), memory).transpose(1, 2)

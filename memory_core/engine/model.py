@@ -68,6 +68,9 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
         # The linear layers of an inference pass: "joined" (one product over the base and class-token
         # rows) or "apart" (the base rows' on the base pass's own shape; block/apart.py).
         self.row_gemms = "joined"
+        # The torch kernels' joined pass: the last block computes only the rows a head reads (the base
+        # head's class token and the class-token rows; block/merged.py ``merged_last_block``).
+        self.trim_last_block = True
         # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (routing/graphs.py).
         self.cuda_graphs = True
         self._slots: AdapterSlots | None = None  # built for the device and dtype on first use

@@ -37,6 +37,7 @@ class SlotPasses:
     batch_invariant: bool
     kernels: str
     row_gemms: str
+    trim_last_block: bool
     cuda_graphs: bool
     _slots: AdapterSlots | None
     _graphed_passes: GraphedPasses | None
@@ -58,7 +59,7 @@ class SlotPasses:
             return self._device_pass(images, tensors, plan, path)
 
         if self.graphed:
-            key = (self.resolved_kernels, path, self.batch_invariant, self.row_gemms)
+            key = (self.resolved_kernels, path, self.batch_invariant, self.row_gemms, self.trim_last_block)
             return self._graphs().run(x, plan, key, device_pass)
         tensors = None if plan is None else plan.tensors(self.device, self._host_buffers)
         return device_pass(x, tensors, plan)
@@ -81,7 +82,15 @@ class SlotPasses:
             )
         x = self.embed(x)
         return planned_forward(
-            base, x, tensors, plan.shape, plan.pools, kernels=kernels, path=path, gemms=self.row_gemms
+            base,
+            x,
+            tensors,
+            plan.shape,
+            plan.pools,
+            kernels=kernels,
+            path=path,
+            gemms=self.row_gemms,
+            trim=self.trim_last_block,
         )
 
     @property

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..block.apart import apart_block, apart_supported
 from ..block.attention import LayerMemory, _finish, base_attention, project_qkv, split_block
-from ..block.merged import class_rows_attention, merged_block
+from ..block.merged import class_rows_attention, merged_block, merged_last_block
 from . import triton_kernels
 from .plan import PlanShape, PlanTensors
 from .slots import SlotPools
@@ -46,6 +46,7 @@ def planned_forward(
     kernels: str = "torch",
     path: str = "merged",
     gemms: str = "joined",
+    trim: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Embedded base tokens (B, T, D) -> base logits (B, C_0) and adapter logits: (N, C) for a routed
     plan, (R * B, C) row-major over (row, image) for a shared one; C is the pools' padded class count.
@@ -53,7 +54,9 @@ def planned_forward(
     ``path``: "merged" (inference: base and class-token rows share each block's per-token modules) or
     "split" (torch kernels only: the rows apart, as training computes them). ``gemms``, for "merged":
     "joined" (one product per linear layer over every row) or "apart" (the base rows' products on the
-    base pass's own shape, block/apart.py; where a block is not timm's plain one, "joined")."""
+    base pass's own shape, block/apart.py; where a block is not timm's plain one, "joined"). ``trim``,
+    for "merged", "joined" and the torch kernels: the last block computes only the base rows the base
+    head reads and the class-token rows (``merged_last_block``), where the head reads a prefix."""
     if gemms not in ("joined", "apart"):
         raise ValueError(f"gemms must be 'joined' or 'apart', got {gemms!r}")
     B, T, D = x.shape
@@ -81,16 +84,32 @@ def planned_forward(
         x, c = z[:n].view(B, T, D), z[n:].view(B, -1, D)
     elif path == "merged":
         z = torch.cat([x, c], dim=1)  # (B, T+R, D)
+        last = len(base.blocks) - 1
         for i, block in enumerate(base.blocks):
             if kernels == "triton":
                 z = triton_block(block, z, T, SlotAttention(pools, i, plan, shape))
+                continue
+            memory = layer_memory(pools, i, plan, shape, bias, lineage)
+            if i == last and trim and read_by_head(base) is not None:
+                z = merged_last_block(block, z, T, memory, read_by_head(base))  # (B, read + R, D)
+                T = read_by_head(base)
             else:
-                z = merged_block(block, z, T, layer_memory(pools, i, plan, shape, bias, lineage))
+                z = merged_block(block, z, T, memory)
         z = base.norm(z)  # one norm over every row: a norm of each slice would copy it first
         x, c = z[:, :T], z[:, T:]
     else:
         raise ValueError(f"path must be 'merged' or 'split', got {path!r}")
     return base.forward_head(x), heads(c, pools, plan, shape, kernels=kernels)
+
+
+def read_by_head(base: VisionTransformer) -> int | None:
+    """How many leading base rows the base head may read after the last block: with timm's token
+    pooling (the only pooling the engine serves, weights/spec.py) the prefix tokens (the class token,
+    a distilled DeiT's distillation token, registers, which nobody reads but are few); None where it
+    would read every row (average or attention pooling)."""
+    if getattr(base, "attn_pool", None) is None and getattr(base, "global_pool", None) == "token":
+        return base.num_prefix_tokens
+    return None
 
 
 def rows_of(pool: Tensor, plan: PlanTensors, shape: PlanShape, *, expand: bool = True) -> Tensor:

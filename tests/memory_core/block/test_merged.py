@@ -1,5 +1,5 @@
 """The merged block's two routes for the class-token rows' attention: on the CPU, the base's own
-attention kernel over every row with its log-sum-exp (``BaseSummary``); elsewhere, or without fused
+attention kernel over every row with its log-sum-exp (``summary_attention``); elsewhere, or without fused
 attention, the base keys and values read directly (``KeysValues``). Both against the dense oracle."""
 
 from __future__ import annotations
@@ -70,3 +70,37 @@ def test_bfloat16_routes_agree(monkeypatch) -> None:
     scale = max(direct.adapters[a.name].abs().max().item() for a in adapters)
     for a in adapters:
         assert max_diff(summary.adapters[a.name], direct.adapters[a.name]) <= 0.05 * scale
+
+
+@pytest.mark.parametrize("summarised", [True, False])
+@pytest.mark.parametrize("variant", ["plain", "registers"])
+def test_the_last_block_computes_only_the_rows_read(variant: str, summarised: bool, monkeypatch) -> None:
+    """The base head reads row 0 (token pooling, the only one the engine serves: weights/spec.py), so
+    the last block runs the prefix rows and the class-token rows alone (``merged_last_block``), and
+    every logit stays the dense oracle's."""
+    from memvit.memory_core.routing import planned
+
+    engine = tiny_engine(variant)
+    adapters = _adapters(engine)
+    x = images(engine, batch=4)
+    if not summarised:
+        monkeypatch.setattr(merged, "summarised", lambda attn, z: False)
+    trimmed = []
+    last_block = planned.merged_last_block
+
+    def spy(block, z, num_base, memory, read):
+        out = last_block(block, z, num_base, memory, read)
+        trimmed.append((z.shape[1], out.shape[1], read))
+        return out
+
+    monkeypatch.setattr(planned, "merged_last_block", spy)
+    loaded = engine.prepare_set(adapters)
+    tasks = [["m0", "child"], ["m5"], [], ["m1", "m0", "m5"]]
+    with torch.no_grad():
+        every = engine(x, loaded)
+        routed = engine(x, loaded, tasks=tasks)
+    T, read = engine.spec.num_tokens, engine.base.num_prefix_tokens  # registers: 5 prefix tokens
+    assert trimmed == [(T + 4, read + 4, read), (T + 3, read + 3, read)]  # 4 rows shared, 3 routed
+    base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
+    assert max_diff(every.base, base_ref) <= TOL and max_diff(routed.base, base_ref) <= TOL
+    assert_tasks_match(every, routed, tasks, adapter_ref)

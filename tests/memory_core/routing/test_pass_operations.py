@@ -44,9 +44,10 @@ VIEWS = {
 }  # fmt: skip
 # Per block, the kernels the class-token rows may add to timm's own, and what a pass may add once:
 # Triton adds its kernel, the output buffer and the copy of the base rows' attention into it; with
-# the products apart, each linear layer's second product and the output they share.
-PER_BLOCK = {("torch", "joined"): 24, ("triton", "joined"): 3, ("torch", "apart"): 32, ("triton", "apart"): 9}
-PER_PASS = 12
+# the products apart, each linear layer's second product and the output they share; per pass, the
+# torch path's trimmed last block gathers the rows it keeps (block/merged.py ``merged_last_block``).
+PER_BLOCK = {("torch", "joined"): 22, ("triton", "joined"): 3, ("torch", "apart"): 31, ("triton", "apart"): 9}
+PER_PASS = 14
 
 
 class Recorder(TorchDispatchMode):
