@@ -2,16 +2,14 @@
 service, with the interfaces the routes already use (server/http/deps.py, routers/, oip/), so the routes,
 the guard and the error bodies are the single-process server's own code.
 
-- ``ModelLink``: the link to the model process (server/frontend/link.py), replaced when the model process is
-  restarted; a call while it is down is a 503 with ``Retry-After`` (``LinkDownError``).
-- ``EngineInfo``: what the routes read of the engine (labels, input shape, preprocessing), sent
-  once by the model process; the decoder is built from it, so an API process holds no weights.
+- ``ModelLink``: the link to the model process (link.py), replaced when it restarts; a call while it
+  is down is a 503 with ``Retry-After`` (``LinkDownError``). ``EngineInfo``: what the routes read of
+  the engine (labels, input shape, preprocessing), sent once; an API process holds no weights.
 - ``RemoteRegistry``: a replica of the catalog that follows the store's journal (polled every
   ``MEMVIT_STORE_POLL_SECONDS``, and refreshed for a name not found, exactly as another replica's
   would be), for checking tasks, listing and describing; changes are parsed and checked against the
   caller's key here, then made by the model process, after which this replica refreshes at once.
-  Each journal entry is applied whole (server/registry/catalog.py), so a change is seen by every
-  process within one poll and never half.
+  Each journal entry is applied whole (registry/catalog.py): seen by every process within a poll.
 - ``RemoteRunner``: the request side's ``Runner`` (server/inference/runner.py) across the link: the model
   process's runner starts (pinning the adapters and announcing the images to its engine loop) while
   this process decodes, then the decoded images follow through shared memory (``wire.py``); the

@@ -5,16 +5,15 @@ every one on a thread of its own, with no event loop anywhere on the way.
 
 - The *batcher* takes the first waiting request, then more, until ``max_batch`` images or
   ``max_wait`` seconds. It waits only for requests that are on their way (``announce``d while their
-  images decode) or, optionally, while they arrive densely, for the next (inference/arrivals.py): a lone
-  request runs at once instead of sitting out ``max_wait`` for nobody. Which
-  request is next is the fair queue's choice (server/inference/fair_queue.py): the key that has received the
-  least service, by weight. Each batch reads the live adapter set once, so every request in it is
-  answered by that one snapshot; a request asking for an adapter the snapshot no longer has fails
-  alone. Routing costs each request what it asks for, never what else is resident.
-- *decode*, *pass* and *collector* are the device runner's three stages (server/inference/device_runner.py),
-  each batch handed from one to the next: on a GPU, ``depth`` batches (3) are in flight at once, one
-  being decoded, one computing, one read back; on a CPU one, since a second would only hold images
-  back from a batch still forming.
+  images decode) or, optionally, while they arrive densely, for the next (inference/arrivals.py): a
+  lone request runs at once instead of sitting out ``max_wait`` for nobody. Which request is next is
+  the fair queue's choice (inference/fair_queue.py): the key served least, by weight. Each batch
+  reads the live adapter set once, so every request in it is answered by that one snapshot; a
+  request asking for an adapter the snapshot no longer has fails alone. Routing costs each request
+  what it asks for, never what else is resident.
+- *decode*, *pass* and *collector* are the device runner's three stages (inference/device_runner.py),
+  each batch handed from one to the next: on a GPU, ``depth`` batches (3) in flight, one decoded, one
+  computing, one read back; on a CPU one (a second would hold images back from a batch forming).
 - The collector cuts each request's answer (server/inference/answers.py) and hands the batch's answers to
   their *sinks*, one call per sink per batch: an event loop's (one wake-up for all its requests), or
   an API process's connection (one write for all its answers, server/frontend/model_process.py).
