@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import torch
 
@@ -24,7 +23,7 @@ from memvit.memory_core.routing.planned import layer_memory, lineage_of, rows_of
 from memvit.memory_core.routing.planner import plan_pass
 from tests.factories import random_adapter
 
-from .common import argument_parser, environment, pin_malloc
+from .common import argument_parser, environment, interleaved, median_ratio, pin_malloc
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,18 +65,11 @@ def main(argv: list[str] | None = None) -> None:
         "CPU route": merged_block(True),
         "keys read": merged_block(False),
     }
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for rep in range(args.reps):
-        for name in list(fns) if rep % 2 == 0 else reversed(list(fns)):
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
+    times = interleaved(fns, args.reps, alternate=True)
     print(f"| {args.arch}, T = {T}, rows {args.rows} | median ms | / timm's block (median of reps) |")
     print("|---|--:|--:|")
     for name, ts in times.items():
-        ratio = statistics.median(a / b for a, b in zip(ts, times["timm's block"], strict=True))
+        ratio = median_ratio(times, name, "timm's block")
         print(f"| {name} | {statistics.median(ts) * 1e3:.2f} | {ratio:.4f} |")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 

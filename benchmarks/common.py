@@ -81,22 +81,32 @@ def environment(*details: str) -> str:
     )
 
 
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds one call of ``fn`` takes."""
-    start = time.perf_counter()
+def timed(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds one call of ``fn`` takes (on ``clock``: wall by default, ``time.thread_time`` for this
+    thread's CPU)."""
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def interleaved(fns: Mapping[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+def interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    rounds: int,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    alternate: bool = False,
+) -> dict[str, list[float]]:
     """Seconds per call of each of ``fns``, after one warm-up call each, in ``rounds`` rounds that call
-    them one after the other, so that a slow minute of a shared machine hits every one alike."""
+    them one after the other, so that a slow minute of a shared machine hits every one alike.
+    ``alternate``: every other round in the reverse order, so that none always runs after the same
+    one (whose cache it inherits)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(timed(fn))
+    names = list(fns)
+    for r in range(rounds):
+        for name in reversed(names) if alternate and r % 2 else names:
+            times[name].append(timed(fns[name], clock))
     return times
 
 

@@ -23,7 +23,7 @@ import torch
 from memvit.memory_core import MemoryViT, flop_ratio, uniform_adapters
 from tests.factories import random_adapter
 
-from .common import argument_parser, environment, pin_malloc
+from .common import argument_parser, environment, interleaved, median_ratio, pin_malloc
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,19 +56,12 @@ def main(argv: list[str] | None = None) -> None:
         return run
 
     fns = {"base": lambda: engine.base(x), "fused": fused(True), "fused, --no-trim": fused(False)}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for rep in range(args.reps):
-        for name in list(fns) if rep % 2 == 0 else reversed(list(fns)):
-            start = time.thread_time()
-            fns[name]()
-            times[name].append(time.thread_time() - start)
+    times = interleaved(fns, args.reps, clock=time.thread_time, alternate=True)
     what = f"routed {args.routed} of {args.k}" if args.routed else f"all {args.k} tasks"
     print(f"| {args.arch}, {what}, R = {r:.3f} | median ms | / base (median of reps) | over R |")
     print("|---|--:|--:|--:|")
     for name, ts in times.items():
-        ratio = statistics.median(a / b for a, b in zip(ts, times["base"], strict=True))
+        ratio = median_ratio(times, name, "base")
         over = "-" if name == "base" else f"{ratio / r - 1:+.2%}"
         print(f"| {name} | {statistics.median(ts) * 1e3:.0f} | {ratio:.4f} | {over} |")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
