@@ -75,7 +75,7 @@ def peak_mb(fn: Callable[[], object]) -> float:
 
 def bench_arch(arch: str, ks: list[int], ms: list[int], args: argparse.Namespace) -> list[Row]:
     engine = MemoryViT.from_timm(arch)
-    engine.trim_last_block = not args.no_trim
+    engine.trim_last_block = args.trim
     base = engine.base
     x = torch.randn(args.batch, 3, *engine.spec.img_size)
     rows: list[Row] = []
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-dense", action="store_true", help="skip the dense-mask oracle")
     parser.add_argument(
-        "--no-trim",
+        "--trim",
         action="store_true",
-        help="the last block over every row (engine.trim_last_block off): the like-for-like overhead",
+        help="the last block over the rows a head reads only (engine.trim_last_block, an option)",
     )
     parser.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds alone")
     args = parser.parse_args(argv)

@@ -6,8 +6,8 @@
 One intra-op thread, so a pass's CPU time is its own thread's (``time.thread_time``): time the
 process spends descheduled by other work does not count, which wall-clock ratios on a shared 2-core
 machine cannot say (benchmarks/RESULTS.md §1.0). Three passes in interleaved repetitions: timm's base
-pass, the fused pass as served (the last block trimmed to the rows a head reads) and the fused
-pass with ``trim_last_block`` off (the like-for-like overhead over R). Prints each one's median and
+pass, the fused pass as served (the like-for-like overhead over R) and the fused pass with the
+``trim_last_block`` option (its last block over the rows a head reads only). Prints each one's median and
 the median of per-repetition ratios to the base, against the analytic R. Memory stalls from other
 processes' cache traffic still count: compare runs of one sitting, not across evenings.
 """
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
         return run
 
-    fns = {"base": lambda: engine.base(x), "fused": fused(True), "fused, --no-trim": fused(False)}
+    fns = {"base": lambda: engine.base(x), "fused": fused(False), "fused, --trim": fused(True)}
     times = interleaved(fns, args.reps, clock=time.thread_time, alternate=True)
     what = f"routed {args.routed} of {args.k}" if args.routed else f"all {args.k} tasks"
     print(f"| {args.arch}, {what}, R = {r:.3f} | median ms | / base (median of reps) | over R |")

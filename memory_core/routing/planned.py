@@ -46,7 +46,7 @@ def planned_forward(
     kernels: str = "torch",
     path: str = "merged",
     gemms: str = "joined",
-    trim: bool = True,
+    trim: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Embedded base tokens (B, T, D) -> base logits (B, C_0) and adapter logits: (N, C) for a routed
     plan, (R * B, C) row-major over (row, image) for a shared one; C is the pools' padded class count.

@@ -81,6 +81,7 @@ def test_the_last_block_computes_only_the_rows_read(variant: str, summarised: bo
     from memvit.memory_core.routing import planned
 
     engine = tiny_engine(variant)
+    engine.trim_last_block = True  # an option (off by default: model.py)
     adapters = _adapters(engine)
     x = images(engine, batch=4)
     if not summarised:
