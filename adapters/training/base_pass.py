@@ -25,12 +25,21 @@ from .device import PRECISIONS, autocast
 log = logging.getLogger(__name__)
 
 STORE = "inputs"  # what the written-out class-token block reads (memory_core/stored/cached_block.py)
-# Only the capturing thread is held to capture's rules: while a graph is captured, the DataLoader's
-# pin-memory thread allocates pinned buffers and the cache's reader thread gathers batches, and in
-# the default "global" mode either would invalidate the capture (and poison that thread). What a
-# graph holds follows the stream it is captured on, not the thread: the backward pass's kernels,
-# launched by autograd's device thread on that stream, are captured all the same.
+# Only the capturing thread is held to capture's rules: while a graph is captured, the cache's reader
+# thread gathers batches (and a caller's own threads may do CUDA work), and in the default "global"
+# mode that would invalidate the capture (and poison that thread). What a graph holds follows the
+# stream it is captured on, not the thread: the backward pass's kernels, launched by autograd's
+# device thread on that stream, are captured all the same.
 CAPTURE_MODE = "thread_local"
+
+
+def after_failed_capture(device: torch.device, failed: str) -> None:
+    """Wait for the device after a capture failed (``failed``: why), before running eagerly. A
+    device that fails even this is broken, not uncapturable: raise, naming both failures."""
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError as exc:  # torch.AcceleratorError is a RuntimeError
+        raise RuntimeError(f"a CUDA graph capture failed ({failed}), then the device: {exc}") from exc
 
 
 class _Graph:
@@ -91,10 +100,10 @@ class BasePass:
     def _capture(self, key: tuple, x: Tensor) -> _Graph | None:
         try:
             graph = self._graphs[key] = _Graph(self._eager, x)
-        except RuntimeError as exc:  # a base whose pass cannot be captured: run it eagerly, say so once
+        except RuntimeError as exc:  # (AcceleratorError too) uncapturable: run it eagerly, say so once
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("the base pass runs eagerly: capturing it as a CUDA graph failed (%s)", self.failed)
-            torch.cuda.synchronize(x.device)
+            after_failed_capture(x.device, self.failed)
             return None
         log.info("captured the base pass for batch shape %s as a CUDA graph", tuple(x.shape))
         return graph
