@@ -2,8 +2,9 @@
 
 ``memory_core.stored.cached.capture`` is the pass that fills an activation cache: every layer's normed
 input and the base logits, as one ``CachedBatch``; the class-token path then runs from it as from a
-cache (``forward_cached``). ``BasePass`` runs it in a precision (device.py: bfloat16 under autocast,
-its layers kept in bfloat16 as a bfloat16 cache keeps them) and, on CUDA, as a CUDA graph captured
+cache (``forward_cached``). ``BasePass`` runs it in a precision (device.py: in bfloat16, through the
+base held in bfloat16 as a training step's base rows run, mixed_pass.py, its layers bfloat16 as a
+bfloat16 cache keeps them) and, on CUDA, as a CUDA graph captured
 once per batch shape and replayed: one launch instead of about 15 per block. Evaluation in bfloat16
 scores through it (metrics.py): the base in bfloat16, the class-token path in float32 over its
 activations. The graph's output tensors are reused by every replay, so a ``CachedBatch`` from here
@@ -20,7 +21,8 @@ from torch import Tensor
 from memvit.memory_core import MemoryViT
 from memvit.memory_core.stored.cached import CachedBatch, capture
 
-from .device import PRECISIONS, autocast
+from .device import PRECISIONS
+from .mixed_pass import HeldBase
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class BasePass:
 
     def __init__(self, engine: MemoryViT, precision: str = "float32", *, graphs: bool = True) -> None:
         self.engine, self.precision = engine, precision
+        self.base = engine if precision == "float32" else HeldBase(engine, precision)
         self.graphs = graphs
         self._graphs: dict[tuple, _Graph] = {}
         self.failed: str | None = None  # why capturing failed, if it did (then the pass runs eagerly)
@@ -79,10 +82,10 @@ class BasePass:
         return self.graphs and self.failed is None and self.engine.device.type == "cuda"
 
     def _eager(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        with torch.no_grad(), autocast(self.engine.device, self.precision):
-            logits, layers = capture(self.engine, x, STORE)
-        # The normed inputs come out of autocast's LayerNorm in float32: kept in the pass's precision,
-        # as a cache in that dtype keeps them (the class-token path widens them where it reads them).
+        with torch.no_grad():
+            logits, layers = capture(self.base, x, STORE)
+        # In the pass's precision, as a cache in that dtype keeps them (the class-token path widens
+        # them where it reads them).
         return logits, layers.to(PRECISIONS[self.precision])
 
     def __call__(self, x: Tensor) -> CachedBatch:

@@ -4,11 +4,13 @@
 "cpu" ask for one (a CUDA device on a machine without one is refused before any data is read).
 
 ``precision``: "float32" is exact; "bfloat16" is mixed precision as timm's ``--amp`` and Lightning's
-``"bf16-mixed"`` have it: the forward pass runs under ``torch.autocast`` (bfloat16 matmuls and
-attention, float32 reductions and norms), while the adapters' parameters, their gradients and the
-optimiser stay float32. A pass that reads the base's activations (an activation cache, and
-evaluation in bfloat16: base_pass.py) gets them from a base pass under autocast and runs the
-class-token path in float32 over them, as it reads a bfloat16 cache. Bundles hold float32 tensors
+``"bf16-mixed"`` have it, except that the frozen base is held in bfloat16 once, as a bfloat16
+engine holds it, rather than cast on every call (mixed_pass.py): its rows run in bfloat16, the
+adapters' class-token rows under ``torch.autocast`` (bfloat16 matmuls and attention, float32
+reductions and norms), while the adapters' parameters, their gradients and the optimiser stay
+float32. A pass that reads the base's activations (an activation cache, and evaluation in
+bfloat16: base_pass.py) gets them from the same bfloat16 base and runs the class-token path in
+float32 over them, as it reads a bfloat16 cache. Bundles hold float32 tensors
 whatever the precision, and load on any device.
 
 Batches reach a CUDA device from page-locked (pinned) host memory, copied without blocking the
@@ -63,10 +65,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The base pass's autocast for ``precision`` on ``device`` (a no-op for float32).
+    """The class-token rows' autocast for ``precision`` on ``device`` (a no-op for float32).
 
     ``cache_enabled=False``: autocast's cache of cast weights cannot outlive a CUDA graph capture
-    (base_pass.py captures this pass), and the frozen weights are cast once per pass either way."""
+    (the step's graph holds these rows); the weights they read are held in bfloat16 already
+    (mixed_pass.py), so nothing is left to cache."""
     check_precision(precision)
     if precision == "float32":
         return contextlib.nullcontext()
