@@ -16,8 +16,9 @@ made once per run (half the float32 base's memory), without autocast: no weight 
 the residual stream stays bfloat16 (the norms keep float32 scales and shifts: ``held_in``). The
 class-token rows, which carry the gradients, run under autocast as before, reading the copy's
 weights: autocast casts a float32 weight to the same bfloat16 values the copy holds and computes
-norms in float32 from the same float32 scales, so those rows compute what they did; only the base
-keys and values they read now come from a bfloat16 base, as a bfloat16 engine serves them. Now
+norms in float32 from the same float32 scales, so those rows compute what they did, but for the
+base keys and values they read, now from a bfloat16 base as a bfloat16 engine serves them (and a
+LayerScale's scales, which autocast leaves alone, now read rounded to bfloat16). Now
 per step: 311 casts, all in the class-token rows (1.7 M elements at DeiT-Tiny batch 8, the images'
 own cast included), and 1.2-1.3x an inference pass's bytes read. The adapters' parameters,
 gradients and optimiser stay float32. Float32 runs never come here: they run the engine's own

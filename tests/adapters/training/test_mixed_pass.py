@@ -14,7 +14,7 @@ from memvit.adapters.training.mixed_pass import MixedPass, held_in
 from memvit.adapters.training.step import TrainStep
 from memvit.adapters.training.step_graph import WARM_UP
 from tests.adapters.training.test_step import _variants
-from tests.conftest import images, max_diff, tiny_engine
+from tests.conftest import VARIANTS, images, max_diff, tiny_engine
 
 B = 6
 
@@ -59,10 +59,11 @@ def test_the_base_is_held_in_bfloat16_once_and_the_engine_is_untouched() -> None
         MixedPass(engine, "float32")
 
 
-def test_the_mixed_pass_computes_what_autocast_over_the_float32_base_did() -> None:
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_mixed_pass_computes_what_autocast_over_the_float32_base_did(variant: str) -> None:
     """Same class-token arithmetic (the same bfloat16 weights, float32 norms); only the base rows
     now round as a bfloat16 engine rounds them: logits and gradients agree to bfloat16's precision."""
-    engine = tiny_engine().train()
+    engine = tiny_engine(variant).train()
     x = images(engine, batch=B)
     variants = _variants(engine, x)
     params = [p for v in variants for p in v.adapter.parameters() if p.requires_grad]
