@@ -46,14 +46,19 @@ def held_in(engine: MemoryViT, dtype: torch.dtype) -> nn.Module:
     returns bfloat16 (the base rows), and under autocast the class-token rows' norms compute in
     float32 from exactly the float32 values they read before. Eval mode (no dropout, as
     ``MemoryViT.train`` keeps the base), no gradients."""
-    base = copy.deepcopy(engine.base).eval().requires_grad_(False)
-    for module in base.modules():
+    # The converted tensors go in deepcopy's memo, so they are the copy's: no float32 copy of the
+    # whole base is made first (at ViT-L on a full GPU, that one could be the allocation too many).
+    converted: dict[int, Tensor] = {}
+    for module in engine.base.modules():
         if isinstance(module, NORMS):
             continue
-        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            if t.is_floating_point():
-                t.data = t.data.to(dtype)  # in place of the copy's own tensor: the module holds it
-    return base
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point():
+                converted[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        for b in module.buffers(recurse=False):
+            if b.is_floating_point():
+                converted[id(b)] = b.detach().to(dtype)
+    return copy.deepcopy(engine.base, converted).eval().requires_grad_(False)
 
 
 class HeldBase:
