@@ -2,8 +2,9 @@
 
 ``memory_core.stored.cached.capture`` is the pass that fills an activation cache: every layer's normed
 input and the base logits, as one ``CachedBatch``; the class-token path then runs from it as from a
-cache (``forward_cached``). ``BasePass`` runs it in a precision (device.py: bfloat16 under autocast,
-its layers kept in bfloat16 as a bfloat16 cache keeps them) and, on CUDA, as a CUDA graph captured
+cache (``forward_cached``). ``BasePass`` runs it in a precision (device.py: in bfloat16, through the
+base held in bfloat16 as a training step's base rows run, mixed_pass.py, its layers bfloat16 as a
+bfloat16 cache keeps them) and, on CUDA, as a CUDA graph captured
 once per batch shape and replayed: one launch instead of about 15 per block. Evaluation in bfloat16
 scores through it (metrics.py): the base in bfloat16, the class-token path in float32 over its
 activations. The graph's output tensors are reused by every replay, so a ``CachedBatch`` from here
@@ -20,17 +21,27 @@ from torch import Tensor
 from memvit.memory_core import MemoryViT
 from memvit.memory_core.stored.cached import CachedBatch, capture
 
-from .device import PRECISIONS, autocast
+from .device import PRECISIONS
+from .mixed_pass import HeldBase
 
 log = logging.getLogger(__name__)
 
 STORE = "inputs"  # what the written-out class-token block reads (memory_core/stored/cached_block.py)
-# Only the capturing thread is held to capture's rules: while a graph is captured, the DataLoader's
-# pin-memory thread allocates pinned buffers and the cache's reader thread gathers batches, and in
-# the default "global" mode either would invalidate the capture (and poison that thread). What a
-# graph holds follows the stream it is captured on, not the thread: the backward pass's kernels,
-# launched by autograd's device thread on that stream, are captured all the same.
+# Only the capturing thread is held to capture's rules: while a graph is captured, the cache's reader
+# thread gathers batches (and a caller's own threads may do CUDA work), and in the default "global"
+# mode that would invalidate the capture (and poison that thread). What a graph holds follows the
+# stream it is captured on, not the thread: the backward pass's kernels, launched by autograd's
+# device thread on that stream, are captured all the same.
 CAPTURE_MODE = "thread_local"
+
+
+def after_failed_capture(device: torch.device, failed: str) -> None:
+    """Wait for the device after a capture failed (``failed``: why), before running eagerly. A
+    device that fails even this is broken, not uncapturable: raise, naming both failures."""
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError as exc:  # torch.AcceleratorError is a RuntimeError
+        raise RuntimeError(f"a CUDA graph capture failed ({failed}), then the device: {exc}") from exc
 
 
 class _Graph:
@@ -61,6 +72,7 @@ class BasePass:
 
     def __init__(self, engine: MemoryViT, precision: str = "float32", *, graphs: bool = True) -> None:
         self.engine, self.precision = engine, precision
+        self.base = engine if precision == "float32" else HeldBase(engine, precision)
         self.graphs = graphs
         self._graphs: dict[tuple, _Graph] = {}
         self.failed: str | None = None  # why capturing failed, if it did (then the pass runs eagerly)
@@ -70,10 +82,10 @@ class BasePass:
         return self.graphs and self.failed is None and self.engine.device.type == "cuda"
 
     def _eager(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        with torch.no_grad(), autocast(self.engine.device, self.precision):
-            logits, layers = capture(self.engine, x, STORE)
-        # The normed inputs come out of autocast's LayerNorm in float32: kept in the pass's precision,
-        # as a cache in that dtype keeps them (the class-token path widens them where it reads them).
+        with torch.no_grad():
+            logits, layers = capture(self.base, x, STORE)
+        # In the pass's precision, as a cache in that dtype keeps them (the class-token path widens
+        # them where it reads them).
         return logits, layers.to(PRECISIONS[self.precision])
 
     def __call__(self, x: Tensor) -> CachedBatch:
@@ -91,10 +103,10 @@ class BasePass:
     def _capture(self, key: tuple, x: Tensor) -> _Graph | None:
         try:
             graph = self._graphs[key] = _Graph(self._eager, x)
-        except RuntimeError as exc:  # a base whose pass cannot be captured: run it eagerly, say so once
+        except RuntimeError as exc:  # (AcceleratorError too) uncapturable: run it eagerly, say so once
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("the base pass runs eagerly: capturing it as a CUDA graph failed (%s)", self.failed)
-            torch.cuda.synchronize(x.device)
+            after_failed_capture(x.device, self.failed)
             return None
         log.info("captured the base pass for batch shape %s as a CUDA graph", tuple(x.shape))
         return graph

@@ -1,7 +1,7 @@
 """A run's training batches, on its device, and how long the step waited for each (``Feed``).
 
-From images: decoded, cropped and flipped in worker processes (``DataLoader``), collated into pinned
-memory when the device is CUDA, and copied without blocking the host. From an activation cache:
+From images: decoded, cropped and flipped in worker processes (``device.image_loader``), pinned by
+this thread when the device is CUDA, and copied without blocking the host. From an activation cache:
 gathered on a reader thread where the cache is placed (cache_placement.py), copied likewise.
 Either way the batches run from the current step to the end: a resumed run skips what it has
 seen without loading any of it.
@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from memvit.memory_core import MemoryViT
 from memvit.memory_core.stored.cached import CachedBatch
@@ -24,7 +23,7 @@ from .cache_placement import PlacedCache
 from .cache_stream import CachedStream
 from .config import TrainConfig
 from .data import ImageDataset, Samples, StreamSampler
-from .device import pinning, to_device
+from .device import image_loader, to_device
 
 Batch = tuple[Tensor | CachedBatch, Tensor]
 
@@ -39,7 +38,8 @@ def batches(
     start: int,
     workers: int,
 ) -> Iterable[Batch]:
-    """Steps ``start`` to ``total``'s (batch, labels) on the host (pinned for CUDA)."""
+    """Steps ``start`` to ``total``'s (batch, labels) on the host (a cache's pinned for CUDA; images
+    are pinned by ``Feed``)."""
     draws, first = total * config.batch_size, start * config.batch_size
     if cache is not None:
         return CachedStream(
@@ -54,18 +54,15 @@ def batches(
     transform = train_transform(engine, scale=config.crop_scale, hflip=config.hflip)
     dataset = ImageDataset(samples, transform, seed=config.seed)
     sampler = StreamSampler(len(dataset), config.seed, draws, start=first)
-    return DataLoader(
-        dataset,
-        batch_size=config.batch_size,
-        sampler=sampler,
-        num_workers=workers,
-        pin_memory=pinning(engine.device),
-        prefetch_factor=4 if workers else None,  # a few batches ahead per worker: decode times vary
+    # A few batches ahead per worker: decode times vary.
+    return image_loader(
+        dataset, batch_size=config.batch_size, workers=workers, sampler=sampler, prefetch_factor=4
     )
 
 
 class Feed:
-    """``batches`` moved to ``device``, with the seconds the caller waited for each (``waited``)."""
+    """``batches`` moved to ``device``, with the seconds the caller waited for each (``waited``: the
+    loader, and pinning a batch of images for a CUDA device, which is loading too)."""
 
     def __init__(self, source: Iterable[Batch], device: torch.device) -> None:
         self._batches: Iterator[Batch] = iter(source)
@@ -75,8 +72,9 @@ class Feed:
     def __next__(self) -> Batch:
         tick = time.perf_counter()
         batch, labels = next(self._batches)
+        moved = to_device(batch, self.device), to_device(labels, self.device)
         self.waited += time.perf_counter() - tick
-        return to_device(batch, self.device), to_device(labels, self.device)
+        return moved
 
     def __iter__(self) -> Feed:
         return self

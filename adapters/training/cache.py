@@ -38,7 +38,8 @@ from ..files import fsync_dir
 from ..preprocess import decode_target, eval_transform
 from .cache_key import DTYPES, CacheError, CacheSpec, cache_key, check_key, files, read_manifest
 from .data import ImageDataset, Samples
-from .device import autocast, pinning, to_device
+from .device import pinning, to_device
+from .mixed_pass import HeldBase
 from .residency import all_resident
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,8 @@ def _fill(
     # decoded in worker processes and copied from pinned memory, as training reads them.
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, pin_memory=pinning(device))
     views = len(key["views"])
+    precision = key.get("precision", "float32")  # bfloat16: the base held in it, as training runs it
+    base = engine if precision == "float32" else HeldBase(engine, precision)
     start = 0
     # disable=None: a bar on a terminal only, never in captured or piped output.
     with tqdm(
@@ -226,8 +229,8 @@ def _fill(
             x = to_device(images, device)
             if views == 2:
                 x = torch.cat([x, x.flip(-1)])  # the mirror image of the eval crop
-            with torch.no_grad(), autocast(device, key.get("precision", "float32")):
-                base_logits, layers = capture(engine, x, key["store"])
+            with torch.no_grad():
+                base_logits, layers = capture(base, x, key["store"])
             n = len(images)
             layers = _per_image(layers.to(dtype), views)  # (n, V, ...)
             stored = layers.view(torch.uint16) if dtype == torch.bfloat16 else layers

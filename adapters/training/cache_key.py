@@ -61,7 +61,11 @@ def cache_key(engine: MemoryViT, samples: Samples, spec: CacheSpec, decode: str)
     """Everything a cache's numbers depend on; a cache serves only a request with an equal key."""
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in engine.data_config().items()}
     # The base's pass in another precision computes other numbers; float32 keys as before precisions.
-    precision = {} if spec.precision == "float32" else {"precision": spec.precision}
+    # ``base``: that pass runs the base held in the precision's dtype (mixed_pass.held_in), not under
+    # autocast over its float32 weights as caches built before it did, which are refused.
+    precision = {}
+    if spec.precision != "float32":
+        precision = {"precision": spec.precision, "base": f"held in {spec.precision}"}
     return {
         "format": FORMAT,
         "base_model": engine.spec.arch,
@@ -119,6 +123,7 @@ _WHAT = {
     "dtype": "the storage dtype",
     "store": "the store",
     "precision": "the precision of the base's pass",
+    "base": "how that pass held the base",
 }
 
 

@@ -4,15 +4,19 @@
 "cpu" ask for one (a CUDA device on a machine without one is refused before any data is read).
 
 ``precision``: "float32" is exact; "bfloat16" is mixed precision as timm's ``--amp`` and Lightning's
-``"bf16-mixed"`` have it: the forward pass runs under ``torch.autocast`` (bfloat16 matmuls and
-attention, float32 reductions and norms), while the adapters' parameters, their gradients and the
-optimiser stay float32. A pass that reads the base's activations (an activation cache, and
-evaluation in bfloat16: base_pass.py) gets them from a base pass under autocast and runs the
-class-token path in float32 over them, as it reads a bfloat16 cache. Bundles hold float32 tensors
+``"bf16-mixed"`` have it, except that the frozen base is held in bfloat16 once, as a bfloat16
+engine holds it, rather than cast on every call (mixed_pass.py): its rows run in bfloat16, the
+adapters' class-token rows under ``torch.autocast`` (bfloat16 matmuls and attention, float32
+reductions and norms), while the adapters' parameters, their gradients and the optimiser stay
+float32. A pass that reads the base's activations (an activation cache, and evaluation in
+bfloat16: base_pass.py) gets them from the same bfloat16 base and runs the class-token path in
+float32 over them, as it reads a bfloat16 cache. Bundles hold float32 tensors
 whatever the precision, and load on any device.
 
 Batches reach a CUDA device from page-locked (pinned) host memory, copied without blocking the
-host (``to_device``); pinning needs a CUDA device, so on the CPU nothing is pinned.
+host (``to_device``); pinning needs a CUDA device, so on the CPU nothing is pinned. Decoded images
+are pinned by the thread that takes them from the loader (``image_loader``), not by a DataLoader
+pin-memory thread: see there why.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import re
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from memvit.memory_core.stored.cached import CachedBatch
 
@@ -60,10 +65,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The base pass's autocast for ``precision`` on ``device`` (a no-op for float32).
+    """The class-token rows' autocast for ``precision`` on ``device`` (a no-op for float32).
 
     ``cache_enabled=False``: autocast's cache of cast weights cannot outlive a CUDA graph capture
-    (base_pass.py captures this pass), and the frozen weights are cast once per pass either way."""
+    (the step's graph holds these rows); the weights they read are held in bfloat16 already
+    (mixed_pass.py), so nothing is left to cache."""
     check_precision(precision)
     if precision == "float32":
         return contextlib.nullcontext()
@@ -83,6 +89,35 @@ def default_workers(device: torch.device) -> int:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(8, cores - 1))
+
+
+def image_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    workers: int,
+    sampler: Sampler | None = None,
+    prefetch_factor: int | None = None,
+) -> DataLoader:
+    """Batches of ``dataset`` decoded in ``workers`` processes, left in (shared) pageable memory:
+    ``to_device`` pins each batch on the thread that takes it, just before its copy.
+
+    Why not the DataLoader's pin-memory thread: it allocates pinned memory (``cudaHostAlloc``) and
+    queries the host allocator's events while the consuming thread may be capturing a CUDA graph,
+    and a graph captured in CUDA's default "global" mode (the inference engine's own,
+    memory_core/routing/graphs.py, which float32 evaluation replays) is invalidated by such a call
+    from any thread: "operation failed due to a previous error during capture" on the first
+    evaluation of a run with workers (an H200, the regime's float32 run). Pinned here, no thread of
+    a run but the one that runs the passes makes a CUDA call while images load. What it costs: one
+    host copy per batch on that thread, while the device works through the step it has queued."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=False,  # to_device pins (above)
+        prefetch_factor=prefetch_factor if workers else None,
+    )
 
 
 def to_device(batch: Tensor | CachedBatch, device: torch.device) -> Tensor | CachedBatch:

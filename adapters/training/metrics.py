@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.data import DataLoader
 
 from memvit.memory_core import BASE_TASK, AdapterSet, AdapterWeights, LiveAdapters, MemoryViT, PreparedAdapter
 from memvit.memory_core.stored.cached import CachedBatch
@@ -29,7 +28,7 @@ from .cache import ActivationCache
 from .cache_key import CacheSpec
 from .cache_stream import in_order
 from .data import DataError, ImageDataset, Samples, scan_folder
-from .device import pinning, to_device
+from .device import image_loader, to_device
 
 if TYPE_CHECKING:
     from .cache_placement import PlacedCache
@@ -89,7 +88,7 @@ def _batches(
         source: Iterable = in_order(cache, samples, batch_size)
     else:
         dataset = ImageDataset(samples, transform, shrink_to=shrink_to)
-        source = DataLoader(dataset, batch_size=batch_size, num_workers=workers, pin_memory=pinning(device))
+        source = image_loader(dataset, batch_size=batch_size, workers=workers)  # pinned by to_device
     base_pass = None if cache is not None or precision == "float32" else BasePass(engine, precision)
     for batch, labels in source:
         batch = to_device(batch, device)

@@ -7,9 +7,10 @@
 A step is one function of the batch (``_step``), all of it on the device: the adapters prepared and
 stacked from their live parameters (``MemoryViT.prepare_many``, what serving runs; the stack's
 constant parts made once per run, stacking.py), the pass forward (from images: the base rows
-without autograd and the class-token rows with it, under the run's precision; from a cache: the
-class-token rows alone), the losses, ``autograd.grad`` of their sum back to the parameters and the
-joint update of every variant (update.py). On CUDA that function is one CUDA graph (step_graph.py):
+without autograd and the class-token rows with it; in bfloat16 the base held in bfloat16 and the
+class-token rows under autocast, mixed_pass.py; from a cache: the class-token rows alone), the
+losses, ``autograd.grad`` of their sum back to the parameters and the joint update of every variant
+(update.py). On CUDA that function is one CUDA graph (step_graph.py):
 a step is the batch copied in, the learning rates copied in (the schedules set them on the host),
 one replay and one small clone, however many variants train. No value comes back to the host
 during a step: each step's losses and hits stay on the device (``pending``) until ``flush`` reads
@@ -31,7 +32,7 @@ from torch import Tensor
 from memvit.memory_core import AdapterSet, MemoryViT, PreparedAdapter
 from memvit.memory_core.stored.cached import CachedBatch
 
-from .device import autocast
+from .mixed_pass import MixedPass
 from .stacking import StackLayout
 from .step_graph import StepGraph
 from .update import JointUpdate
@@ -63,6 +64,7 @@ class TrainStep:
         self.layout: StackLayout | None = None  # the stack's constants, made on the first step
         self.store: str | None = None  # the cached batches' store, or None for images
         self.pending: list[Tensor] = []  # per step: losses and hits (2, K), on the device
+        self.mixed: MixedPass | None = None  # the pass from images in bfloat16, made on its first step
 
     def __call__(self, batch: Tensor | CachedBatch, labels: Tensor) -> None:
         """One step for every variant on ``batch`` (images or cached activations, on the engine's
@@ -87,11 +89,14 @@ class TrainStep:
         adapter_set = AdapterSet(adapters)
         adapter_set._stack = self.layout.stack(adapters)
         if self.store is not None:
-            out = self.engine(CachedBatch(self.store, *batch), adapter_set)
-        else:
-            with autocast(labels.device, self.precision):
-                out = self.engine(batch[0], adapter_set)
-        z = torch.stack([out.adapters[v.name] for v in self.variants]).float()  # (K, B, C)
+            logits = self.engine(CachedBatch(self.store, *batch), adapter_set).adapters
+        elif self.precision == "float32":
+            logits = self.engine(batch[0], adapter_set).adapters
+        else:  # the base held in the run's dtype, the class-token rows under autocast (mixed_pass.py)
+            if self.mixed is None:
+                self.mixed = MixedPass(self.engine, self.precision)  # once: on an eager step
+            logits = self.mixed(batch[0], adapter_set)
+        z = torch.stack([logits[v.name] for v in self.variants]).float()  # (K, B, C)
         K, B, C = z.shape
         losses = F.cross_entropy(z.view(K * B, C), labels.repeat(K), reduction="none").view(K, B).mean(1)
         # Each loss depends on its own adapter's parameters only (rows never attend to each other),

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from .base_pass import CAPTURE_MODE
+from .base_pass import CAPTURE_MODE, after_failed_capture
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,8 @@ class StepGraph:
                     self._output = self.fn(self._inputs)
             self._graph = graph
             log.info("captured the training step as a CUDA graph")
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # torch.AcceleratorError (a failed capture's) is one too
             self.failed = f"{type(exc).__name__}: {exc}"
             self._drop()
-            torch.cuda.synchronize(self.device)
+            after_failed_capture(self.device, self.failed)
             log.warning("the training step runs eagerly: capturing it failed (%s)", self.failed)

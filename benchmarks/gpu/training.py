@@ -9,10 +9,13 @@
   the CPU the graph's route rehearsed). Goals: step <= 1.5 x an inference pass; 8 variants <= 1.3 x
   one.
 - ``training step, profiled`` (``--steps training``): what each call launches and waits for, per call
-  (benchmarks/gpu/trace.py): launch calls, graph launches, host syncs, aten ops.
+  and precision (benchmarks/gpu/trace.py): kernels, launch calls, graph launches, host syncs, aten
+  ops, GPU busy time.
 - ``same numbers`` (``--steps training``): the end-to-end regime of benchmarks/train_regime.py in
   float32 and bfloat16 against the CPU's recorded run (training_regime.py).
 - ``pytest -m cuda`` of the trainer (``--steps training``): tests/adapters/training and the torchrun test.
+
+A failed row keeps, beside its error, where it was raised (``where``: traced.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .plan import Plan, engine, images, rate, ratio, timed_rounds
 from .profiling import profiled_pass
 from .report import Budget, StepReport, goal
 from .step_ops import step_ops
+from .traced import traced
 
 CLASSES = 10
 PRECISION = {"fp32": "float32", "bf16": "bfloat16"}
@@ -47,23 +51,28 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
                     report.note(f"budget spent: stopped before {arch} {precision} batch {batch}")
                     return "partial"
                 what = {"arch": arch, "precision": precision, "batch": batch}
-                report.attempt("training step", what, _step, arch, precision, batch, plan)
+                report.attempt("training step", what, traced(_step), arch, precision, batch, plan)
     if not plan.train_extras:
         return "done"
     for arch in plan.archs:
         if not report.room(budget, 30):
             report.note(f"budget spent: stopped before profiling {arch}")
             return "partial"
-        for call, row in _profiled_calls(arch, plan).items():
-            report.add(
-                "training step, profiled", {"arch": arch, "batch": plan.train_batches[0], "call": call, **row}
-            )
+        for precision in plan.train_precisions:
+            what = {"arch": arch, "precision": precision, "batch": plan.train_batches[0]}
+            found = traced(_profiled_calls)(arch, precision, plan)
+            if "error" in found:
+                report.add("training step, profiled", {**what, **found})
+                continue
+            for call, row in found.items():
+                report.add("training step, profiled", {**what, "call": call, **row})
     if training_regime.run(plan, report, budget) != "done":
         return "partial"
     if plan.device.type != "cuda":
         report.note("pytest -m cuda (trainer): not run (no CUDA device)")
     elif budget.allows(90):
-        report.attempt("pytest -m cuda (trainer)", {}, _pytest_cuda, min(plan.pytest_s, budget.left() - 30))
+        timeout = min(plan.pytest_s, budget.left() - 30)
+        report.attempt("pytest -m cuda (trainer)", {}, traced(_pytest_cuda), timeout)
     else:
         report.note(
             "pytest -m cuda (trainer): not run (budget spent); run it alone: " + " ".join(_pytest_args())
@@ -160,9 +169,9 @@ def _graphed(graphed: bool, failed: str | None, rehearsed: bool = False) -> str:
     return "no: the graph's route rehearsed (CPU)" if rehearsed else "no"
 
 
-def _profiled_calls(arch: str, plan: Plan) -> dict[str, dict]:
-    """Each call at the first batch in float32, profiled (profiling.py's counts per call)."""
-    calls, _ = _calls(arch, "fp32", plan.train_batches[0], plan)
+def _profiled_calls(arch: str, precision: str, plan: Plan) -> dict[str, dict]:
+    """Each call at the first batch in ``precision``, profiled (profiling.py's counts per call)."""
+    calls, _ = _calls(arch, precision, plan.train_batches[0], plan)
     keep = ("wall ms", "launch calls", "graph launches", "host syncs", "kernels", "aten ops", "GPU busy ms")
     return {
         name: {k: v for k, v in profiled_pass(fn, plan, None).items() if k in keep}

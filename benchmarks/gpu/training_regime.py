@@ -9,7 +9,8 @@ data order: only rounding differs), bfloat16 within 0.5 point of float32 on the 
 
 The regime needs the real DeiT-Tiny and the CIFAR-10 test tarball in the shared data (gpu-data/ on a
 lease, benchmarks/gpu/prepare.py). ``--cpu-smoke`` runs the same code on a tiny random base and a
-generated folder for 3 steps, so CI keeps it working.
+generated folder for 3 steps, so CI keeps it working. A failed run's row keeps where it failed
+(``where``: traced.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from memvit.memory_core import MemoryViT
 
 from .plan import Plan, engine
 from .report import Budget, StepReport, goal
+from .traced import traced
 
 TABLE = "same numbers: the DeiT-Tiny CIFAR-10 regime end to end"
 GOALS = {"float32": 1.0, "bfloat16": 0.5}  # points of top-1: vs the CPU's record, vs float32 here
@@ -57,7 +59,7 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
                 return "partial"
             base = engine("tiny", plan) if smoke else MemoryViT.from_timm(weights=str(DEIT_TINY))
             what = {"precision": precision, "device": str(plan.device)}
-            report.attempt(TABLE, what, _row, base, root, regime, precision, plan, cpu, found)
+            report.attempt(TABLE, what, traced(_row), base, root, regime, precision, plan, cpu, found)
     return "done"
 
 

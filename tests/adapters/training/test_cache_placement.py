@@ -107,3 +107,30 @@ def test_a_cache_built_in_another_precision_is_refused(tmp_path, folder) -> None
     assert (a - b).abs().max() <= 0.1 * b.abs().max()
     with pytest.raises(CacheError, match=r"cached bfloat16, asked float32"):
         _cache(engine, folder, tmp_path / "b", views=1, dtype="float32")
+
+
+def test_a_bfloat16_cache_holds_the_bfloat16_base_pass_and_refuses_the_autocast_ones(
+    tmp_path, folder
+) -> None:
+    """A bfloat16 cache is what the bfloat16 base pass computes (the base held in bfloat16, as the
+    training step's base rows and bfloat16 evaluation run it: base_pass.py); one built before, under
+    autocast over the float32 weights, holds other numbers and is refused."""
+    import json
+
+    from memvit.adapters.preprocess import eval_transform
+    from memvit.adapters.training.base_pass import BasePass
+    from memvit.adapters.training.data import ImageDataset
+
+    engine = tiny_engine()
+    cache = _cache(engine, folder, tmp_path / "b", views=1, precision="bfloat16", dtype="bfloat16")
+    dataset = ImageDataset(scan_folder(folder), eval_transform(engine))
+    x = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    assert torch.equal(cache.batch(list(range(len(dataset)))).layers, BasePass(engine, "bfloat16")(x).layers)
+    manifest_path = tmp_path / "b" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["key"]["base"]  # what a cache built under autocast recorded
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(
+        CacheError, match=r"how that pass held the base \(cached None, asked held in bfloat16\)"
+    ):
+        _cache(engine, folder, tmp_path / "b", views=1, precision="bfloat16", dtype="bfloat16")

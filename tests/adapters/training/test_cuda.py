@@ -148,6 +148,33 @@ def test_a_run_on_the_gpu_reaches_the_cpu_runs_numbers(image_folder, tiny_weight
     assert all(t.device.type == "cpu" for t in gpu.bundle.tensors().values())  # loads anywhere
 
 
+def test_the_regimes_path_in_float32_then_bfloat16_in_one_process(
+    tmp_path, tiny_weights, exact_float32
+) -> None:
+    """benchmarks/train_regime.py's path as the GPU suite's ``same numbers`` runs it: float32, then
+    bfloat16, in one process, decoded by workers, validated over many batches. float32 validation
+    replays the engine's CUDA graphs, captured in CUDA's global mode while the loaders work: on an
+    H200 that capture was invalidated (by the pin-memory thread's pinned allocations)."""
+    from benchmarks.gpu.training_regime import _tiny_folders
+    from benchmarks.train_regime import Regime, agreement, predictions
+
+    regime = Regime(train_per_class=8, val_per_class=48, steps=6, batch_size=4, memory_tokens=1)
+    root = _tiny_folders(tmp_path, regime)
+    found = {}
+    for device, precision in (("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")):
+        engine = MemoryViT.from_timm(weights=str(tiny_weights))
+        config = regime.config(root, device=device, precision=precision, workers=4, eval_batch_size=4)
+        result = train_adapter(engine, config, progress=False)
+        found[precision, device] = result, predictions(engine, result, root / "val", precision)
+        if (device, precision) == ("cuda", "float32"):  # validation ran through the engine's graphs
+            assert engine._graphed_passes is not None and engine._graphed_passes.captures >= 1
+    (cpu, cpu_says), (gpu, gpu_says), (bf16, bf16_says) = found.values()
+    assert gpu.val.images == bf16.val.images == len(bf16_says) == 2 * regime.val_per_class
+    assert gpu.val.top1 == pytest.approx(cpu.val.top1, abs=2 / cpu.val.images + 1e-9)
+    assert agreement(gpu_says, cpu_says) >= 0.95
+    assert bf16.bundle.training["hyper_parameters"]["precision"] == "bfloat16"
+
+
 def test_every_cache_placement_gives_the_same_batches_on_the_device(tmp_path, image_folder) -> None:
     engine = tiny_engine().to(CUDA)
     samples = scan_folder(image_folder)
