@@ -42,6 +42,12 @@ from .staging import HostBuffers
 
 log = logging.getLogger(__name__)
 
+# A capture forbids only its own thread the calls that would break it. In the default "global" mode
+# any thread's unsafe CUDA call (cudaMalloc, cudaHostAlloc: a server's decode threads, a loader's
+# pin-memory thread) during a capture invalidates it and errors in that thread too; what a graph
+# holds follows the stream it is captured on, not the thread (adapters/training captures so too).
+CAPTURE_MODE = "thread_local"
+
 # (images, the plan on the device, the plan) -> base logits, adapter logits: the work a graph holds.
 DevicePass = Callable[[Tensor, PlanTensors | None, PassPlan | None], tuple[Tensor, Tensor | None]]
 
@@ -162,7 +168,7 @@ class GraphedPasses:
                 device_pass(images, tensors, plan)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
             base, adapters = device_pass(images, tensors, plan)
         return graph.replay, base, adapters
 
