@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..output.index import OutputIndex
+from ..output.index import OutputIndex, PairIndex
 from ..sets.adapter_set import AdapterSet
 from ..sets.task_index import TaskIndex
 from .plan import PassPlan, PlanShape
@@ -111,7 +111,7 @@ class _Planner:
         buffer = self.buffers.acquire(shape.size)
         return buffer.array, buffer
 
-    def _plan(self, shape: PlanShape, host, buffer, index: OutputIndex) -> PassPlan:
+    def _plan(self, shape: PlanShape, host, buffer, index: OutputIndex | PairIndex) -> PassPlan:
         # The pass reads the pools only as wide as its own adapters need: its operations, and so its
         # rounding, are the same whatever else is resident (docs/design.md §2.10). Views made once.
         pools = self.slots.pools.narrowed(shape.memory, shape.classes)  # read after any slot written
@@ -155,39 +155,40 @@ class _Planner:
         return shape, packed, starts, table.classes[asked]
 
     def routed(self, index: TaskIndex, pad_outputs: bool) -> PassPlan:
-        """Rows per image; outputs are the (image, asked task) pairs, by task then image."""
+        """Rows per image; outputs are the (image, asked task) pairs in the index's own order, image by
+        image (``PairIndex``): nothing is sorted before the launch, and where each task's answers lie
+        is found when they are read, while the device runs."""
         table, batch, B = self.table, self.batch, self.B
         K = len(table)
-        image = np.repeat(np.arange(batch, dtype=np.int64), index.counts)  # (M,) per asked pair
-        asked = index.tasks
+        counts, asked, offsets = index.counts, index.tasks, index.offsets
+        image = np.repeat(np.arange(batch, dtype=np.int64), counts)  # (M,) per asked pair
         if table.depth == 1:  # the rows are the tasks asked (unique and ascending per image)
-            keys, row_image, needed, first = None, image, asked, index.offsets[:-1]
+            keys, row_image, needed = None, image, asked
+            position = np.arange(asked.size) - offsets[image]  # each row's place among its image's
+            R, A = int(counts.max()), 1
         else:  # and their ancestors, image-major, in set order within an image
             chain = table.lineage[asked]
             keys = np.unique((image[:, None] * K + chain)[chain >= 0])
             row_image, needed = np.divmod(keys, K)
             first = _exclusive_cumsum(np.bincount(row_image, minlength=batch))
-        position = np.arange(needed.size) - first[row_image]  # each row's place among its image's
-        R, A = int(position.max()) + 1, self._depth(needed)
+            position = np.arange(needed.size) - first[row_image]
+            R, A = int(position.max()) + 1, self._depth(needed)
         Rb = self.bucket(R)
         Ab = self.bucket(A) if A > 1 else 1
-        table.ensure(needed, self.adapter_set, self.slots)
-        # Outputs, task-major: one run per task, its images ascending.
-        order = np.argsort(asked * batch + image, kind="stable")
-        task, who = asked[order], image[order]
-        row = position[order] if keys is None else np.searchsorted(keys, who * K + task) - first[who]
-        runs = np.flatnonzero(np.concatenate(([True], task[1:] != task[:-1])))  # each task's run
-        counts = np.concatenate((runs[1:], [task.size])) - runs
-        tasks = task[runs]
-        P, C = widths(int(table.memory[needed].max()), int(table.classes[tasks].max()))
-        N = B * Rb if pad_outputs else task.size
+        slots = table.slot[needed]
+        if slots.min() < 0:  # a set not installed: give them slots first
+            table.ensure(needed, self.adapter_set, self.slots)
+            slots = table.slot[needed]
+        P, C = widths(int(table.memory[needed].max()), int(table.classes[asked].max()))
+        n = asked.size
+        N = B * Rb if pad_outputs else n
         shape = PlanShape(B, Rb, Ab, shared=False, outputs=N, memory=P, classes=C)
         # Written straight into the host buffer, in ``PlanShape.lengths`` order.
         host, buffer = self._host(shape)
-        n, at = task.size, B * Rb
-        row_slots = host[:at].reshape(B, Rb)
-        row_slots[:] = NULL_SLOT
-        row_slots[row_image, position] = table.slot[needed]
+        at = B * Rb
+        host[:at] = NULL_SLOT  # row slots (B, Rb), flat: row r of image b is b * Rb + r
+        flat_rows = row_image * Rb + position
+        host[flat_rows] = slots
         if Ab > 1:
             chain = table.lineage[needed, :A]
             found = np.searchsorted(keys, row_image[:, None] * K + chain) - first[row_image][:, None]
@@ -196,10 +197,12 @@ class _Planner:
             lin[:, :, 0] = np.arange(Rb)
             lin[row_image, position, :A] = np.where(chain >= 0, found, -1)
             at += lin.size
-        host[at : at + n] = who * Rb + row  # the output's class-token row
+            out_rows = image * Rb + np.searchsorted(keys, image * K + asked) - first[image]
+            out_slots = table.slot[asked]
+        else:
+            out_rows, out_slots = flat_rows, slots
+        host[at : at + n] = out_rows  # each output's class-token row
         host[at + n : at + N] = 0  # padding outputs: row 0's null head, never read
-        host[at + N : at + N + n] = table.slot[task]
+        host[at + N : at + N + n] = out_slots
         host[at + N + n : at + 2 * N] = NULL_SLOT
-        return self._plan(
-            shape, host, buffer, OutputIndex(tasks, runs, counts, table.classes[tasks], who, batch)
-        )
+        return self._plan(shape, host, buffer, PairIndex(offsets, asked, table.classes, batch))
