@@ -1,7 +1,8 @@
 """Stand-ins and counters for measuring a GPU pass's host path on a CPU (benchmarks/host_path.py).
 
 - ``StandInGraphs``: memory_core's ``GraphedPasses`` with the capture run once, eagerly, and the
-  replay a no-op, so a pass on this CPU does exactly the host work a graphed GPU pass does.
+  replay a no-op (that notes when it was called: the launch), so a pass on this CPU does exactly the
+  host work a graphed GPU pass does.
 - ``StandInEvent``: an event whose copy has always run (``query()`` is True), counting creations,
   records and ``synchronize()`` calls.
 - ``HostCounts``/``counting``: every aten op dispatched, and every host sync: ``.item()``-like ops,
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -64,6 +66,7 @@ class StandInGraphs(GraphedPasses):
         super().__init__(**kwargs)
         self.replays = replays
         self.device_tensors = []
+        self.launched = 0.0  # perf_counter() at the last replay
 
     def _record(
         self, images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, device_pass: DevicePass
@@ -72,6 +75,7 @@ class StandInGraphs(GraphedPasses):
         self.device_tensors += [images, base] + ([] if adapters is None else [adapters])
 
         def replay() -> None:
+            self.launched = time.perf_counter()  # where a GPU pass's graph launch would be
             if self.replays:
                 again = device_pass(images, tensors, plan)
                 base.copy_(again[0])

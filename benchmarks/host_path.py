@@ -11,7 +11,9 @@ events are counting stand-ins that say a copy has run at once. Per pass it repor
   the device from pageable memory (a stand-in device tensor written from a host tensor that is not
   one of the pinned buffers);
 - events created;
-- host microseconds per pass, and the plan's alone.
+- host microseconds per pass; to the launch (what the host does before the replay: the part a
+  synced GPU pass waits for with the GPU idle; what follows the launch, the outputs' copies and the
+  output object, overlaps the GPU's work); and the plan's alone.
 
 Cases: base only; fused (every adapter) K = 8, 64, 1,000; routed 1 and 8 of 1,000 per image; at
 batch 4, 64 and 256, on a tiny base (the host path does not depend on the model's size).
@@ -57,6 +59,7 @@ class Row:
     host_syncs: int
     events_created: int
     pass_us: float
+    launch_us: float
     plan_us: float
 
 
@@ -91,13 +94,14 @@ def measure(engine, live, graphs, case: str, batch: int, asks, repeats: int) -> 
         counts = HostCounts(device_tensors=[x])
         with counting(counts, graphs):
             engine(x, adapter_set, tasks=tasks[0])
-        times, plans = [], []
+        times, launches, plans = [], [], []
         buffers = engine._graphs().buffers
         for i in range(repeats):
             t = tasks[i % len(tasks)]
             started = time.perf_counter()
             engine(x, adapter_set, tasks=t)
             times.append(time.perf_counter() - started)
+            launches.append(graphs.launched - started)
         # The plans in a loop of their own: timed right after a pass, they read a cache the stand-in's
         # CPU clone of the outputs (16 MB for all 1,000 tasks at batch 256) has just flushed, which a
         # GPU pass, whose outputs stay on the device, never does.
@@ -112,7 +116,8 @@ def measure(engine, live, graphs, case: str, batch: int, asks, repeats: int) -> 
             buffers.release(plan.buffer)
     return Row(
         case, batch, counts.aten_ops, counts.syncs, counts.events_created,
-        statistics.median(times) * 1e6, statistics.median(plans) * 1e6 if plans else 0.0,
+        statistics.median(times) * 1e6, statistics.median(launches) * 1e6,
+        statistics.median(plans) * 1e6 if plans else 0.0,
     )  # fmt: skip
 
 
@@ -160,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(batches, repeats=20 if args.quick else 200)
     print(f"# host path of a graphed pass, replay stubbed ({environment()})")
     print(
-        f"{'case':<20} {'batch':>5} {'aten ops':>8} {'syncs':>5} {'events':>6} {'pass us':>8} {'plan us':>8}"
+        f"{'case':<20} {'batch':>5} {'aten ops':>8} {'syncs':>5} {'events':>6} {'pass us':>8} "
+        f"{'launch us':>9} {'plan us':>8}"
     )
     for r in rows:
         print(f"{r.case:<20} {r.batch:>5} {r.aten_ops:>8} {r.host_syncs:>5} {r.events_created:>6} "
-              f"{r.pass_us:>8.1f} {r.plan_us:>8.1f}")  # fmt: skip
+              f"{r.pass_us:>8.1f} {r.launch_us:>9.1f} {r.plan_us:>8.1f}")  # fmt: skip
     for line in verdicts(rows):
         print(line)
     if args.json:

@@ -25,6 +25,7 @@ from .slots import NULL_SLOT, AdapterSlots, widths
 from .staging import HostBuffer, HostBuffers
 
 Bucket = Callable[[int], int]
+assert NULL_SLOT == 0  # one fill pads a routed plan: rows read the null slot, outputs row 0
 
 
 def plan_pass(
@@ -66,7 +67,9 @@ def plan_pass(
     planner = _Planner(table, adapter_set, slots, batch, images, rows, buffers)
     counts, asked = index.counts, index.tasks
     n = int(counts[0])
-    if (counts == n).all() and (asked.reshape(batch, n) == asked[:n]).all():
+    # Shared when every image asks what image 0 does; most routed batches differ at image 1's first.
+    maybe = n > 0 and asked.size == n * batch and (batch == 1 or asked[n] == asked[0])
+    if maybe and (counts == n).all() and (asked.reshape(batch, n) == asked[:n]).all():
         return planner.shared(asked[:n], n == len(table))
     return planner.routed(index, pad_outputs)
 
@@ -159,6 +162,8 @@ class _Planner:
         image (``PairIndex``): nothing is sorted before the launch, and where each task's answers lie
         is found when they are read, while the device runs."""
         table, batch, B = self.table, self.batch, self.B
+        if table.depth == 1:
+            return self._routed_alone(index, pad_outputs)
         K = len(table)
         counts, asked, offsets = index.counts, index.tasks, index.offsets
         image = np.repeat(np.arange(batch, dtype=np.int64), counts)  # (M,) per asked pair
@@ -205,4 +210,28 @@ class _Planner:
         host[at + n : at + N] = 0  # padding outputs: row 0's null head, never read
         host[at + N : at + N + n] = out_slots
         host[at + N + n : at + 2 * N] = NULL_SLOT
+        return self._plan(shape, host, buffer, PairIndex(offsets, asked, table.classes, batch))
+
+    def _routed_alone(self, index: TaskIndex, pad_outputs: bool) -> PassPlan:
+        """``routed`` in concatenation mode (each row its own task alone) in as few numpy calls as it
+        takes: the plan runs before the launch, and on a GPU's host each call is time the GPU idles."""
+        table, batch, B = self.table, self.batch, self.B
+        counts, asked, offsets = index.counts, index.tasks, index.offsets
+        n = asked.size
+        Rb = self.bucket(int(counts.max()))
+        slots = table.slot[asked]
+        if not table.complete and slots.min() < 0:  # a set not installed: give them slots first
+            table.ensure(asked, self.adapter_set, self.slots)
+            slots = table.slot[asked]
+        P, C = widths(*table.sizes.take(asked, axis=1).max(axis=1).tolist())
+        N = B * Rb if pad_outputs else n
+        shape = PlanShape(B, Rb, 1, shared=False, outputs=N, memory=P, classes=C)
+        host, buffer = self._host(shape)
+        host[:] = NULL_SLOT  # padding: rows read the null slot, outputs row 0 (both 0)
+        # Pair j of image b is its row j - offsets[b], flat row b * Rb + j - offsets[b].
+        rows = np.repeat(np.arange(batch, dtype=np.int64) * Rb - offsets[:-1], counts) + np.arange(n)
+        host[rows] = slots  # the row slots (B, Rb)
+        at = B * Rb
+        host[at : at + n] = rows  # each output's class-token row
+        host[at + N : at + N + n] = slots  # and its head
         return self._plan(shape, host, buffer, PairIndex(offsets, asked, table.classes, batch))

@@ -138,3 +138,22 @@ def test_a_kept_plan_is_sent_again_after_another_plan_of_its_shape() -> None:
         assert list(got.adapters) == list(expected.adapters)
         for name in expected.adapters:
             assert max_diff(got.adapters[name], expected.adapters[name]) <= TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_copy_records_its_event_on_the_stream_current_when_sent() -> None:
+    buffers = HostBuffers()
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert buffers._current_stream(device) == torch.cuda.current_stream()
+    assert buffers._current_stream(device) is buffers._current_stream(device)  # kept, not rebuilt
+    side = torch.cuda.Stream()
+    target = torch.empty(3, dtype=torch.long, device=device)
+    with torch.cuda.stream(side):
+        assert buffers._current_stream(device) == side
+        buffer = buffers.acquire(3)
+        buffer.array[:] = [7, 8, 9]
+        buffers.send(buffer, target)
+        side.synchronize()
+    assert buffer.event.query() and target.tolist() == [7, 8, 9]
+    assert buffers.acquire(3) is buffer  # its copy has run: the same buffer again
