@@ -5,7 +5,8 @@
   host work a graphed GPU pass does.
 - ``StandInEvent``: an event whose copy has always run (``query()`` is True), counting creations,
   records and ``synchronize()`` calls.
-- ``HostCounts``/``counting``: every aten op dispatched, and every host sync: ``.item()``-like ops,
+- ``HostCounts``/``counting``: every aten op dispatched (and those on host tensors alone: CPU
+  kernels on a GPU's host), and every host sync: ``.item()``-like ops,
   ``.tolist()``, ``nonzero``-like ops, ``synchronize()`` and copies from pageable host memory into
   device tensors (the stand-in's "device" tensors being the graph's static ones and those named).
 """
@@ -97,6 +98,7 @@ class HostCounts(TorchDispatchMode):
     def __init__(self, device_tensors: list[Tensor] = ()) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.host_ops: Counter[str] = Counter()  # ops that touch no (stand-in) device tensor
         self.device_ptrs = {t.untyped_storage().data_ptr() for t in device_tensors}
         self.pinned_ptrs: set[int] = set()
         self.tolist = 0
@@ -116,6 +118,11 @@ class HostCounts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
         self.ops[name] += 1
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Tensor)]
+        if not any(t.untyped_storage().data_ptr() in self.device_ptrs for t in tensors):
+            # An op on host tensors only: on a GPU's host a CPU kernel, which may wake the intra-op
+            # thread pool (16 OpenMP threads on a lent machine) for a few microseconds of work.
+            self.host_ops[name] += 1
         if name in COPIES and len(args) >= 2 and all(isinstance(a, Tensor) for a in args[:2]):
             target, source = args[0], args[1]
             into_device = target.untyped_storage().data_ptr() in self.device_ptrs

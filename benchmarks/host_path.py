@@ -6,7 +6,9 @@ runs the very path a GPU pass takes, on this CPU, with the parts this CPU lacks 
 replay is a no-op (its outputs are the captured pass's), "pinned" host buffers are plain memory and
 events are counting stand-ins that say a copy has run at once. Per pass it reports:
 
-- aten ops dispatched (outside the graph: all of them, the replay being a no-op);
+- aten ops dispatched (outside the graph: all of them, the replay being a no-op), and how many of
+  them touch host tensors only (CPU kernels on a GPU's host, where torch's intra-op pool has a thread
+  per core);
 - host syncs: ``.item()``/``.tolist()``, ``nonzero``-like ops, ``synchronize()`` calls and copies to
   the device from pageable memory (a stand-in device tensor written from a host tensor that is not
   one of the pinned buffers);
@@ -42,7 +44,7 @@ from tests.factories import random_adapter, tiny_engine
 
 # A base whose pass is cheap to capture: the host path is the same for any size.
 SMALL = dict(img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
-GOALS = {"aten ops": 6, "host syncs": 0, "events created": 0}
+GOALS = {"aten ops": 6, "host ops": 0, "host syncs": 0, "events created": 0}
 PLAN_GOALS_US = {  # (case, batch) -> the plan's microseconds at most; "fused 1000" at any batch
     ("fused K=1000", None): 20,
     ("routed 1 of 1000", 64): 100,
@@ -56,6 +58,7 @@ class Row:
     case: str
     batch: int
     aten_ops: int
+    host_ops: int
     host_syncs: int
     events_created: int
     pass_us: float
@@ -115,7 +118,7 @@ def measure(engine, live, graphs, case: str, batch: int, asks, repeats: int) -> 
             plans.append(time.perf_counter() - started)
             buffers.release(plan.buffer)
     return Row(
-        case, batch, counts.aten_ops, counts.syncs, counts.events_created,
+        case, batch, counts.aten_ops, sum(counts.host_ops.values()), counts.syncs, counts.events_created,
         statistics.median(times) * 1e6, statistics.median(launches) * 1e6,
         statistics.median(plans) * 1e6 if plans else 0.0,
     )  # fmt: skip
@@ -139,7 +142,12 @@ def run(batches: list[int], repeats: int) -> list[Row]:
 def verdicts(rows: list[Row]) -> list[str]:
     """Each goal, PASS or MISS, with the worst row."""
     out = []
-    fields = {"aten ops": "aten_ops", "host syncs": "host_syncs", "events created": "events_created"}
+    fields = {
+        "aten ops": "aten_ops",
+        "host ops": "host_ops",
+        "host syncs": "host_syncs",
+        "events created": "events_created",
+    }
     for label, field in fields.items():
         worst = max(rows, key=lambda r: getattr(r, field))
         value, goal = getattr(worst, field), GOALS[label]
@@ -165,12 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(batches, repeats=20 if args.quick else 200)
     print(f"# host path of a graphed pass, replay stubbed ({environment()})")
     print(
-        f"{'case':<20} {'batch':>5} {'aten ops':>8} {'syncs':>5} {'events':>6} {'pass us':>8} "
-        f"{'launch us':>9} {'plan us':>8}"
+        f"{'case':<20} {'batch':>5} {'aten ops':>8} {'host ops':>8} {'syncs':>5} {'events':>6} "
+        f"{'pass us':>8} {'launch us':>9} {'plan us':>8}"
     )
     for r in rows:
-        print(f"{r.case:<20} {r.batch:>5} {r.aten_ops:>8} {r.host_syncs:>5} {r.events_created:>6} "
-              f"{r.pass_us:>8.1f} {r.launch_us:>9.1f} {r.plan_us:>8.1f}")  # fmt: skip
+        print(f"{r.case:<20} {r.batch:>5} {r.aten_ops:>8} {r.host_ops:>8} {r.host_syncs:>5} "
+              f"{r.events_created:>6} {r.pass_us:>8.1f} {r.launch_us:>9.1f} {r.plan_us:>8.1f}")  # fmt: skip
     for line in verdicts(rows):
         print(line)
     if args.json:

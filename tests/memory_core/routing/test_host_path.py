@@ -43,12 +43,23 @@ def test_a_pass_is_a_few_ops_whatever_the_tasks_and_never_syncs(resident, batch:
         counts = one_pass(engine, graphs, x, adapter_set, tasks)
         assert counts.syncs == 0, (case, counts.ops)
         assert counts.events_created == 0, case
+        assert not counts.host_ops, (case, counts.host_ops)  # no CPU kernel (on a GPU's host)
         ops[case] = counts.aten_ops
     assert ops["base"] <= 2 and max(ops.values()) <= 6, ops
     routed = {n for case, n in ops.items() if case not in ("base", "all 300")}
     assert len(routed) == 1, ops  # the same for any tasks
     # The set's kept all-tasks plan is in the graph already: no copy of it, one more output.
     assert ops["all 300"] == ops["base"] + 1 == min(routed) - 1, ops
+
+
+def test_an_op_on_host_tensors_alone_is_counted_as_a_host_op(resident) -> None:
+    engine, _, graphs = resident
+    x = torch.randn(2, 3, *engine.spec.img_size)
+    counts = HostCounts(device_tensors=[x])
+    with counting(counts, graphs):
+        x.mul_(1.0)  # a device tensor's op: not a host op
+        torch.ones(3).add_(1.0)  # a CPU kernel on any host
+    assert counts.host_ops == {"aten.ones": 1, "aten.add_": 1}, counts.host_ops
 
 
 @pytest.mark.parametrize("per_image", [0, 2, 40])
