@@ -67,7 +67,7 @@ class StandInGraphs(GraphedPasses):
         super().__init__(**kwargs)
         self.replays = replays
         self.device_tensors = []
-        self.launched = 0.0  # perf_counter() at the last replay
+        self.launches: list[float] = []  # perf_counter() at each replay (cleared by whoever reads it)
 
     def _record(
         self, images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, device_pass: DevicePass
@@ -76,7 +76,7 @@ class StandInGraphs(GraphedPasses):
         self.device_tensors += [images, base] + ([] if adapters is None else [adapters])
 
         def replay() -> None:
-            self.launched = time.perf_counter()  # where a GPU pass's graph launch would be
+            self.launches.append(time.perf_counter())  # where a GPU pass's graph launch would be
             if self.replays:
                 again = device_pass(images, tensors, plan)
                 base.copy_(again[0])
@@ -85,8 +85,8 @@ class StandInGraphs(GraphedPasses):
 
         return replay, base, adapters
 
-    def _capture(self, key, x, plan, batch, device_pass):
-        graph = super()._capture(key, x, plan, batch, device_pass)
+    def _capture(self, key, x, plan, batch, device_pass, static=None):
+        graph = super()._capture(key, x, plan, batch, device_pass, static)
         if graph.plan is not None:
             self.device_tensors.append(graph.plan)
         return graph

@@ -29,8 +29,7 @@ from ..errors import AdapterShapeError, InputError
 from ..invariant import mode as invariant
 from ..invariant.blocks import InvariantBlocks
 from ..output.fused import FusedOutput
-from ..routing.graphs import GraphedPasses, bucket_images, bucket_rows
-from ..routing.planner import plan_pass
+from ..routing.graphs import GraphedPasses
 from ..routing.slots import AdapterSlots
 from ..routing.staging import HostBuffers
 from ..sets.adapter_set import AdapterSet
@@ -75,6 +74,9 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
         self.trim_last_block = False
         # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (routing/graphs.py).
         self.cuda_graphs = True
+        # Graphed planned passes: the patch embedding's graph is launched before the plan is made, so
+        # the device embeds while the host plans (off by default until a GPU run measures it).
+        self.embed_ahead = False
         self._slots: AdapterSlots | None = None  # built for the device and dtype on first use
         self._graphed_passes: GraphedPasses | None = None
         self._graphs_given = False  # ``use_graphs`` installed a stand-in
@@ -192,18 +194,9 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
             x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
             return self.forward_head(x_tokens, c_tokens, adapter_set)
         self._check_input(x)
-        graphed = self.graphed
-        plan = plan_pass(  # None: nobody asked for an adapter
-            adapter_set,
-            self.slots,
-            tasks,
-            x.shape[0],
-            images=bucket_images if graphed else None,
-            rows=bucket_rows if graphed else None,
-            pad_outputs=graphed,
-            buffers=self._graphs().buffers if graphed else None,
+        plan, base_logits, adapter_logits = self.plan_and_run(
+            x, adapter_set, tasks, path="split" if path == "split" else "merged"
         )
-        base_logits, adapter_logits = self.run_plan(x, plan, path="split" if path == "split" else "merged")
         if plan is None:
             return FusedOutput(base_logits, adapter_set, batch=x.shape[0])
         return FusedOutput.of_plan(base_logits, adapter_logits, plan, adapter_set)

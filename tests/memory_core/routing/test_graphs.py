@@ -65,10 +65,11 @@ def test_a_bucketed_plan_answers_what_the_exact_plan_answers(tasks: str) -> None
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("ahead", [False, True], ids=["one graph", "embedding ahead"])
 @pytest.mark.parametrize("kernels", ["triton", "torch"])
-def test_graphs_replay_the_eager_pass_and_survive_adapter_changes(kernels: str) -> None:
+def test_graphs_replay_the_eager_pass_and_survive_adapter_changes(kernels: str, ahead: bool) -> None:
     engine = tiny_engine()
-    engine.kernels = kernels
+    engine.kernels, engine.embed_ahead = kernels, ahead
     live = LiveAdapters(engine)
     live.replace_all(mixed(engine))
     live.move_to("cuda")

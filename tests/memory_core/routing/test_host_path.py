@@ -62,11 +62,14 @@ def test_an_op_on_host_tensors_alone_is_counted_as_a_host_op(resident) -> None:
     assert counts.host_ops == {"aten.ones": 1, "aten.add_": 1}, counts.host_ops
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["one graph", "embedding ahead"])
 @pytest.mark.parametrize("per_image", [0, 2, 40])
-def test_the_graph_path_answers_what_the_eager_pass_answers(per_image: int) -> None:
+def test_the_graph_path_answers_what_the_eager_pass_answers(per_image: int, ahead: bool) -> None:
     """What the host puts in a graph's static inputs (images, the plan from its host buffer) is what
-    the eager pass reads: the stand-in replays by running the pass again over them."""
-    engine, live, _ = stand_in_engine(40, replays=True)
+    the eager pass reads: the stand-in replays by running the pass again over them. Ahead: the
+    embedding's graph replayed before the plan, the pass's graph reading its tokens."""
+    engine, live, graphs = stand_in_engine(40, replays=True)
+    engine.embed_ahead = ahead
     x = torch.randn(5, 3, *engine.spec.img_size)
     if per_image == 40:
         tasks = None  # every adapter, the shared layout
@@ -82,6 +85,7 @@ def test_the_graph_path_answers_what_the_eager_pass_answers(per_image: int) -> N
             eager = engine(x, live.current, tasks=tasks)
         finally:
             engine.cuda_graphs = True
+    assert any(key[0][0] == "embed" for key in graphs._graphs) == ahead
     assert len(graphed) == 5 and max_diff(graphed.base, eager.base) <= TOL
     assert list(graphed.adapters) == list(eager.adapters)
     for name in eager.adapters:
