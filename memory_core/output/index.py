@@ -129,7 +129,7 @@ class PairIndex:
     set_classes: np.ndarray  # (K,) int64 C_k by set position (the set's slot table, read-only)
     batch: int
     first: int = 0  # the flat row of answer 0 (a window's first answer)
-    _cache: dict = field(default_factory=dict, repr=False)  # tasks, each answer's image
+    _cache: dict = field(default_factory=dict, repr=False)  # tasks, each answer's image, by task
 
     @property
     def tasks(self) -> np.ndarray:
@@ -162,7 +162,13 @@ class PairIndex:
 
     def answers_of(self, t: int) -> np.ndarray:
         """Task ``t``'s answers (positions among ``pairs``), by image."""
-        return np.flatnonzero(self.pairs == self.tasks[t])
+        by_task = self._cache.get("by task")
+        if by_task is None:  # once, on the first task read: every task's answers, task after task
+            order = np.argsort(self.pairs, kind="stable")  # stable: by image within a task
+            bounds = np.searchsorted(self.pairs[order], np.append(self.tasks, np.iinfo(np.int64).max))
+            by_task = self._cache["by task"] = (order, bounds)
+        order, bounds = by_task
+        return order[bounds[t] : bounds[t + 1]]
 
     def image_run(self, t: int) -> np.ndarray:
         """The images task ``t`` answers, ascending."""
