@@ -1,10 +1,12 @@
 """Stand-ins and counters for measuring a GPU pass's host path on a CPU (benchmarks/host_path.py).
 
 - ``StandInGraphs``: memory_core's ``GraphedPasses`` with the capture run once, eagerly, and the
-  replay a no-op, so a pass on this CPU does exactly the host work a graphed GPU pass does.
+  replay a no-op (that notes when it was called: the launch), so a pass on this CPU does exactly the
+  host work a graphed GPU pass does.
 - ``StandInEvent``: an event whose copy has always run (``query()`` is True), counting creations,
   records and ``synchronize()`` calls.
-- ``HostCounts``/``counting``: every aten op dispatched, and every host sync: ``.item()``-like ops,
+- ``HostCounts``/``counting``: every aten op dispatched (and those on host tensors alone: CPU
+  kernels on a GPU's host), and every host sync: ``.item()``-like ops,
   ``.tolist()``, ``nonzero``-like ops, ``synchronize()`` and copies from pageable host memory into
   device tensors (the stand-in's "device" tensors being the graph's static ones and those named).
 """
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -64,6 +67,7 @@ class StandInGraphs(GraphedPasses):
         super().__init__(**kwargs)
         self.replays = replays
         self.device_tensors = []
+        self.launches: list[float] = []  # perf_counter() at each replay (cleared by whoever reads it)
 
     def _record(
         self, images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, device_pass: DevicePass
@@ -72,6 +76,7 @@ class StandInGraphs(GraphedPasses):
         self.device_tensors += [images, base] + ([] if adapters is None else [adapters])
 
         def replay() -> None:
+            self.launches.append(time.perf_counter())  # where a GPU pass's graph launch would be
             if self.replays:
                 again = device_pass(images, tensors, plan)
                 base.copy_(again[0])
@@ -80,8 +85,8 @@ class StandInGraphs(GraphedPasses):
 
         return replay, base, adapters
 
-    def _capture(self, key, x, plan, batch, device_pass):
-        graph = super()._capture(key, x, plan, batch, device_pass)
+    def _capture(self, key, x, plan, batch, device_pass, static=None):
+        graph = super()._capture(key, x, plan, batch, device_pass, static)
         if graph.plan is not None:
             self.device_tensors.append(graph.plan)
         return graph
@@ -93,6 +98,7 @@ class HostCounts(TorchDispatchMode):
     def __init__(self, device_tensors: list[Tensor] = ()) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.host_ops: Counter[str] = Counter()  # ops that touch no (stand-in) device tensor
         self.device_ptrs = {t.untyped_storage().data_ptr() for t in device_tensors}
         self.pinned_ptrs: set[int] = set()
         self.tolist = 0
@@ -112,6 +118,11 @@ class HostCounts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
         self.ops[name] += 1
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Tensor)]
+        if not any(t.untyped_storage().data_ptr() in self.device_ptrs for t in tensors):
+            # An op on host tensors only: on a GPU's host a CPU kernel, which may wake the intra-op
+            # thread pool (16 OpenMP threads on a lent machine) for a few microseconds of work.
+            self.host_ops[name] += 1
         if name in COPIES and len(args) >= 2 and all(isinstance(a, Tensor) for a in args[:2]):
             target, source = args[0], args[1]
             into_device = target.untyped_storage().data_ptr() in self.device_ptrs

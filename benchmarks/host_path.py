@@ -6,18 +6,23 @@ runs the very path a GPU pass takes, on this CPU, with the parts this CPU lacks 
 replay is a no-op (its outputs are the captured pass's), "pinned" host buffers are plain memory and
 events are counting stand-ins that say a copy has run at once. Per pass it reports:
 
-- aten ops dispatched (outside the graph: all of them, the replay being a no-op);
+- aten ops dispatched (outside the graph: all of them, the replay being a no-op), and how many of
+  them touch host tensors only (CPU kernels on a GPU's host, where torch's intra-op pool has a thread
+  per core);
 - host syncs: ``.item()``/``.tolist()``, ``nonzero``-like ops, ``synchronize()`` calls and copies to
   the device from pageable memory (a stand-in device tensor written from a host tensor that is not
   one of the pinned buffers);
 - events created;
-- host microseconds per pass, and the plan's alone.
+- host microseconds per pass; to the (first) launch (what the host does before the replay: the part a
+  synced GPU pass waits for with the GPU idle; what follows the launch, the outputs' copies and the
+  output object, overlaps the GPU's work); and the plan's alone.
 
 Cases: base only; fused (every adapter) K = 8, 64, 1,000; routed 1 and 8 of 1,000 per image; at
 batch 4, 64 and 256, on a tiny base (the host path does not depend on the model's size).
 
     python -m benchmarks.host_path            # the table and each goal PASS/MISS
     python -m benchmarks.host_path --quick    # fewer batches and repetitions (CI's smoke)
+    python -m benchmarks.host_path --embed-ahead   # planned passes as two graphs (launch us: the first)
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from tests.factories import random_adapter, tiny_engine
 
 # A base whose pass is cheap to capture: the host path is the same for any size.
 SMALL = dict(img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
-GOALS = {"aten ops": 6, "host syncs": 0, "events created": 0}
+GOALS = {"aten ops": 6, "host ops": 0, "host syncs": 0, "events created": 0}
 PLAN_GOALS_US = {  # (case, batch) -> the plan's microseconds at most; "fused 1000" at any batch
     ("fused K=1000", None): 20,
     ("routed 1 of 1000", 64): 100,
@@ -54,16 +59,21 @@ class Row:
     case: str
     batch: int
     aten_ops: int
+    host_ops: int
     host_syncs: int
     events_created: int
     pass_us: float
+    launch_us: float
     plan_us: float
 
 
-def stand_in_engine(adapters: int, *, replays: bool = False) -> tuple[MemoryViT, LiveAdapters, StandInGraphs]:
+def stand_in_engine(
+    adapters: int, *, replays: bool = False, ahead: bool = False
+) -> tuple[MemoryViT, LiveAdapters, StandInGraphs]:
     """A tiny engine whose passes run the graphed host path with nothing replayed (``replays``: the
-    pass run again in place of the replay)."""
+    pass run again in place of the replay; ``ahead``: ``engine.embed_ahead``)."""
     engine = tiny_engine(**SMALL)
+    engine.embed_ahead = ahead
     buffers = HostBuffers(pinned=False, new_event=StandInEvent.factory())
     graphs = StandInGraphs(buffers=buffers, replays=replays)
     engine.use_graphs(graphs)
@@ -91,13 +101,15 @@ def measure(engine, live, graphs, case: str, batch: int, asks, repeats: int) -> 
         counts = HostCounts(device_tensors=[x])
         with counting(counts, graphs):
             engine(x, adapter_set, tasks=tasks[0])
-        times, plans = [], []
+        times, launches, plans = [], [], []
         buffers = engine._graphs().buffers
         for i in range(repeats):
             t = tasks[i % len(tasks)]
+            graphs.launches.clear()
             started = time.perf_counter()
             engine(x, adapter_set, tasks=t)
             times.append(time.perf_counter() - started)
+            launches.append(graphs.launches[0] - started)  # the device's first work
         # The plans in a loop of their own: timed right after a pass, they read a cache the stand-in's
         # CPU clone of the outputs (16 MB for all 1,000 tasks at batch 256) has just flushed, which a
         # GPU pass, whose outputs stay on the device, never does.
@@ -111,15 +123,16 @@ def measure(engine, live, graphs, case: str, batch: int, asks, repeats: int) -> 
             plans.append(time.perf_counter() - started)
             buffers.release(plan.buffer)
     return Row(
-        case, batch, counts.aten_ops, counts.syncs, counts.events_created,
-        statistics.median(times) * 1e6, statistics.median(plans) * 1e6 if plans else 0.0,
+        case, batch, counts.aten_ops, sum(counts.host_ops.values()), counts.syncs, counts.events_created,
+        statistics.median(times) * 1e6, statistics.median(launches) * 1e6,
+        statistics.median(plans) * 1e6 if plans else 0.0,
     )  # fmt: skip
 
 
-def run(batches: list[int], repeats: int) -> list[Row]:
+def run(batches: list[int], repeats: int, ahead: bool = False) -> list[Row]:
     rows = []
     for k in (8, 64, 1000):
-        engine, live, graphs = stand_in_engine(k)
+        engine, live, graphs = stand_in_engine(k, ahead=ahead)
         for batch in batches:
             if k == 8:
                 rows.append(measure(engine, live, graphs, "base", batch, None, repeats))
@@ -134,7 +147,12 @@ def run(batches: list[int], repeats: int) -> list[Row]:
 def verdicts(rows: list[Row]) -> list[str]:
     """Each goal, PASS or MISS, with the worst row."""
     out = []
-    fields = {"aten ops": "aten_ops", "host syncs": "host_syncs", "events created": "events_created"}
+    fields = {
+        "aten ops": "aten_ops",
+        "host ops": "host_ops",
+        "host syncs": "host_syncs",
+        "events created": "events_created",
+    }
     for label, field in fields.items():
         worst = max(rows, key=lambda r: getattr(r, field))
         value, goal = getattr(worst, field), GOALS[label]
@@ -154,17 +172,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argument_parser(__file__, __doc__)
     parser.add_argument("--quick", action="store_true", help="batches 4 and 64, fewer repetitions")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument(
+        "--embed-ahead",
+        action="store_true",
+        help="engine.embed_ahead: the embedding launched before the plan",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     batches = [4, 64] if args.quick else [4, 64, 256]
-    rows = run(batches, repeats=20 if args.quick else 200)
+    rows = run(batches, repeats=20 if args.quick else 200, ahead=args.embed_ahead)
     print(f"# host path of a graphed pass, replay stubbed ({environment()})")
     print(
-        f"{'case':<20} {'batch':>5} {'aten ops':>8} {'syncs':>5} {'events':>6} {'pass us':>8} {'plan us':>8}"
+        f"{'case':<20} {'batch':>5} {'aten ops':>8} {'host ops':>8} {'syncs':>5} {'events':>6} "
+        f"{'pass us':>8} {'launch us':>9} {'plan us':>8}"
     )
     for r in rows:
-        print(f"{r.case:<20} {r.batch:>5} {r.aten_ops:>8} {r.host_syncs:>5} {r.events_created:>6} "
-              f"{r.pass_us:>8.1f} {r.plan_us:>8.1f}")  # fmt: skip
+        print(f"{r.case:<20} {r.batch:>5} {r.aten_ops:>8} {r.host_ops:>8} {r.host_syncs:>5} "
+              f"{r.events_created:>6} {r.pass_us:>8.1f} {r.launch_us:>9.1f} {r.plan_us:>8.1f}")  # fmt: skip
     for line in verdicts(rows):
         print(line)
     if args.json:

@@ -4,8 +4,8 @@ Which ops change with the batch here (benchmarks/batch_invariance.py's probe, on
 per base, dtype and batch: img/s of the invariant mode against the default (base alone, 8 adapters,
 routed), and whether image 0's logits alone equal its logits in the batch, bitwise, in each mode.
 On CUDA the mode's block sizes are also tried at other values, each checked the same way: now the
-device's defaults with 16 class-token rows per program of the Triton attention (the tensor cores)
-instead of one, for the all-tasks pass (0.65-0.68 of the default mode in bfloat16 with one row).
+device's defaults with 64 class-token rows per program of the Triton attention instead of 16 (the
+default since an H200 held 16 at 0.95-0.96 of the default mode for the all-tasks pass in bfloat16).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from .report import Budget, StepReport, goal
 def tried(device: torch.device, dtype: str) -> tuple[InvariantBlocks, ...]:
     """On CUDA, blocks other than the defaults, each checked (base, routed and all-tasks adapters) and
     timed against the default blocks and the default (not invariant) mode. The tries before (larger
-    calls, the per-token layers whole, the patch embedding blocked alone) decided the defaults
-    (benchmarks/RESULTS.md §1.6); now: the Triton attention's rows on the matrix units, a fixed tile."""
-    return (dataclasses.replace(InvariantBlocks.for_device(device, DTYPES[dtype]), kernel_rows=16),)
+    calls, the per-token layers whole, the patch embedding blocked alone, the Triton attention on a
+    16-row tile) decided the defaults (benchmarks/RESULTS.md §1.6, docs/gpu.md); now: the Triton
+    attention's widest tile, 64 rows per program (what the default mode picks from 64 rows up)."""
+    return (dataclasses.replace(InvariantBlocks.for_device(device, DTYPES[dtype]), kernel_rows=64),)
 
 
 def run(plan: Plan, report: StepReport, budget: Budget) -> str:

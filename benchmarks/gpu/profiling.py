@@ -4,7 +4,8 @@ Per base shape (the plan's first dtype and batch: DeiT-Tiny, then ViT-B/16 while
 and pass (the base alone; fused K = 8; routed, 1 and 8 tasks per image of ``Plan.loaded`` resident),
 with CUDA graphs on and off: kernels, launch calls, host synchronisations and copies per pass
 (trace.py says what each counts), wall ms per pass (median of synced calls, profiler off) against
-GPU-busy ms (union of the kernels' intervals, profiler on).
+GPU-busy ms (union of the kernels' intervals, profiler on), and on CUDA where the difference goes
+(``gap_parts``: the host's time to the first launch, the device's own gaps between its nodes).
 
 With graphs on, the host makes one ``cudaGraphLaunch`` per replay: the launch calls show that, and
 the kernels column shows the graph's kernels where the profiler (CUPTI) reports them. On CPU there
@@ -31,7 +32,7 @@ from memvit.memory_core import AdapterSet, LiveAdapters, MemoryViT, TaskIndex
 
 from .plan import Plan, adapters, engine, images, sync, timed_rounds
 from .report import Budget, StepReport
-from .trace import summarize
+from .trace import busy_us, summarize
 
 PASS_MARK = "benchmark: one recorded pass"
 TABLE = "one pass, profiled"
@@ -118,4 +119,38 @@ def profiled_pass(fn: Callable[[], object], plan: Plan, keep: Path | None) -> di
     counts = summarize(events, plan.profiled, mark=PASS_MARK, gpu=cuda)
     wall = statistics.median(times["pass"]) * 1e3
     busy = counts["GPU busy ms"]
-    return {"wall ms": wall, **counts, "GPU busy / wall": None if busy is None else busy / wall}
+    return {
+        "wall ms": wall,
+        **counts,
+        "GPU busy / wall": None if busy is None else busy / wall,
+        **(gap_parts(events) if cuda else {}),
+    }
+
+
+def gap_parts(events: list[dict]) -> dict[str, float | None]:
+    """Where a pass's wall time beyond its kernels goes, median over the recorded passes (profiler
+    on, so upper bounds): the host's time from the pass's start to its first launch (what a synced
+    pass waits for with the GPU idle: the plan, the copies), and, of the device work that launch
+    and the copies started, the span from its first start to its last end minus the union of
+    kernels, memsets and copies: the device's own gaps between nodes."""
+    marks = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") == PASS_MARK]
+    host = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    device = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"):
+            device.setdefault(e.get("args", {}).get("correlation"), []).append(e)
+    to_launch, gaps = [], []
+    for mark in marks:
+        inside = [h for h in host if mark["ts"] <= h["ts"] <= mark["ts"] + mark.get("dur", 0.0)]
+        launches = [h for h in inside if h["name"].startswith(("cudaGraphLaunch", "cudaLaunchKernel"))]
+        if launches:
+            to_launch.append(min(h["ts"] for h in launches) - mark["ts"])
+        work = [d for h in inside for d in device.get(h.get("args", {}).get("correlation"), [])]
+        if work:
+            spans = [(d["ts"], d["ts"] + d.get("dur", 0.0)) for d in work]
+            gaps.append(max(b for _, b in spans) - min(a for a, _ in spans) - busy_us(spans))
+    median = statistics.median
+    return {
+        "host to launch ms": median(to_launch) / 1e3 if to_launch else None,
+        "device gaps ms": median(gaps) / 1e3 if gaps else None,
+    }

@@ -9,7 +9,12 @@
 - ``gemms``: the linear layers' products over the base and class-token rows joined (the default) or
   apart (``engine.row_gemms``: the base rows' on the base pass's own shape, so the GEMM library picks
   the base's tiles), for fused K = 8 and routed 8 of ``Plan.loaded`` per image: wall (graphed) and
-  GPU-busy ms of each and of the base alone, the top kernels, and whether the base stays timm's.
+  GPU-busy ms of each and of the base alone, the top kernels, and whether the base stays timm's
+  (decided: joined stays the default, docs/gpu.md; run on request);
+- ``ahead``: a planned pass as one graph (the default) or two (``engine.embed_ahead``: the patch
+  embedding's graph launched before the plan, so that the device embeds while the host plans), for
+  routed 1 and 8 of ``Plan.loaded`` per image and fused K = 8: wall ms (graphed, synced) of each
+  and of the base alone, the host's time to the first launch, and whether the logits are the same.
 """
 
 from __future__ import annotations
@@ -56,13 +61,18 @@ def run(
             for label, fn in _eight_passes(e, x, loaded, rng).items():
                 row = {**what, "pass": label}
                 report.attempt("try: row products joined vs apart", row, _gemms, e, fn, x, plan)
+        elif name == "ahead":
+            routed = {f"routed 1 of {len(loaded)}": passes[f"routed 1 of {len(loaded)}"]}
+            for label, fn in {**routed, **_eight_passes(e, x, loaded, rng)}.items():
+                row = {**what, "pass": label}
+                report.attempt("try: embedding ahead of the plan", row, _ahead, e, fn, x, plan)
         elif name in ("graphs", "kernels"):
             table = "try: CUDA graphs on vs off" if name == "graphs" else "try: Triton vs torch kernels"
             measure = _graphs if name == "graphs" else _kernels
             for label, fn in passes.items():
                 report.attempt(table, {**what, "pass": label}, measure, e, fn, len(x), plan)
         else:
-            report.note(f"unknown try {name!r}: known are sdpa, graphs, kernels, gemms")
+            report.note(f"unknown try {name!r}: known are sdpa, graphs, kernels, gemms, ahead")
 
 
 @contextmanager
@@ -195,4 +205,32 @@ def _gemms(e: MemoryViT, fn: Callable[[], FusedOutput], x: torch.Tensor, plan: P
     row["base bitwise timm: joined, apart"] = f"{torch.equal(a.base, timm)}, {torch.equal(b.base, timm)}"
     row["max diff"] = diff
     row["top kernels apart"] = busy["apart"]["top kernels (us/pass)"]
+    return row
+
+
+def _ahead(e: MemoryViT, fn: Callable[[], FusedOutput], x: torch.Tensor, plan: Plan) -> dict:
+    last: dict[str, FusedOutput] = {}
+
+    def kept(ahead: bool) -> Callable[[], None]:
+        run = _with(e, fn, embed_ahead=ahead)
+
+        def call() -> None:
+            last[str(ahead)] = run()
+
+        return call
+
+    calls = {"base": lambda: e(x), "one graph": kept(False), "ahead": kept(True)}
+    times = timed_rounds(calls, plan.device, plan.rounds)
+    parts = {name: profiled_pass(call, plan, None) for name, call in calls.items()}
+    a, b = last["False"], last["True"]
+    row: dict = {"graphed": e.graphed}
+    for name in calls:
+        row[f"{name} ms"] = statistics.median(times[name]) * 1e3
+    for name in calls:
+        row[f"{name}: host to launch ms"] = parts[name].get("host to launch ms")
+    row["ahead/one graph time"] = ratio(times, "ahead", "one graph")
+    row["(ahead - base) ms"] = row["ahead ms"] - row["base ms"]
+    row["same logits"] = torch.equal(a.base, b.base) and all(
+        torch.equal(a.adapters[n], b.adapters[n]) for n in a.adapters
+    )
     return row

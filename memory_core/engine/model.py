@@ -29,8 +29,7 @@ from ..errors import AdapterShapeError, InputError
 from ..invariant import mode as invariant
 from ..invariant.blocks import InvariantBlocks
 from ..output.fused import FusedOutput
-from ..routing.graphs import GraphedPasses, bucket_images, bucket_rows
-from ..routing.planner import plan_pass
+from ..routing.graphs import GraphedPasses
 from ..routing.slots import AdapterSlots
 from ..routing.staging import HostBuffers
 from ..sets.adapter_set import AdapterSet
@@ -75,11 +74,15 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
         self.trim_last_block = False
         # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (routing/graphs.py).
         self.cuda_graphs = True
+        # Graphed planned passes: the patch embedding's graph is launched before the plan is made, so
+        # the device embeds while the host plans (off by default until a GPU run measures it).
+        self.embed_ahead = False
         self._slots: AdapterSlots | None = None  # built for the device and dtype on first use
         self._graphed_passes: GraphedPasses | None = None
         self._graphs_given = False  # ``use_graphs`` installed a stand-in
         self._host_buffers = HostBuffers()  # host buffers (pinned on CUDA) for the plan's copy to the device
         self.spec = ViTSpec.from_model(base.model, base.arch)  # raises UnsupportedModelError
+        self._input_form = (base.model.patch_embed.proj.in_channels, bool(base.model.dynamic_img_size))
         self.base = base.model.eval().requires_grad_(False)
         self._stacked_projection = StackedProjection()  # training's memory projection, built on first use
         self.labels = base.labels
@@ -119,13 +122,25 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
     # ``.to()``/``.half()`` are nn.Module's own and move the base only. Adapters stay prepared for the
     # device and dtype they were prepared on, and a pass refuses them after a move (forward_features):
     # ``LiveAdapters.move_to`` moves an engine and re-prepares its live set in one step.
+    # Read several times per pass: kept, and forgotten whenever the module's tensors move or cast.
     @property
     def device(self) -> torch.device:
-        return self.base.cls_token.device
+        return self._placement()[0]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.base.cls_token.dtype
+        return self._placement()[1]
+
+    def _placement(self) -> tuple[torch.device, torch.dtype]:
+        placement = self.__dict__.get("_placed")
+        if placement is None:
+            token = self.base.cls_token
+            placement = self.__dict__["_placed"] = (token.device, token.dtype)
+        return placement
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...: nn.Module's own
+        self.__dict__.pop("_placed", None)
+        return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True) -> MemoryViT:
         # The base is frozen: its dropout and drop-path stay off even while adapters train.
@@ -179,18 +194,9 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
             x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
             return self.forward_head(x_tokens, c_tokens, adapter_set)
         self._check_input(x)
-        graphed = self.graphed
-        plan = plan_pass(  # None: nobody asked for an adapter
-            adapter_set,
-            self.slots,
-            tasks,
-            x.shape[0],
-            images=bucket_images if graphed else None,
-            rows=bucket_rows if graphed else None,
-            pad_outputs=graphed,
-            buffers=self._graphs().buffers if graphed else None,
+        plan, base_logits, adapter_logits = self.plan_and_run(
+            x, adapter_set, tasks, path="split" if path == "split" else "merged"
         )
-        base_logits, adapter_logits = self.run_plan(x, plan, path="split" if path == "split" else "merged")
         if plan is None:
             return FusedOutput(base_logits, adapter_set, batch=x.shape[0])
         return FusedOutput.of_plan(base_logits, adapter_logits, plan, adapter_set)
@@ -265,10 +271,10 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
             )
 
     def _check_input(self, x: Tensor) -> None:
-        in_chans = self.base.patch_embed.proj.in_channels
+        in_chans, dynamic = self._input_form
         if x.ndim != 4 or x.shape[1] != in_chans:
             raise InputError(f"expected images (B, {in_chans}, H, W), got shape {tuple(x.shape)}")
-        if not self.base.dynamic_img_size and tuple(x.shape[2:]) != self.spec.img_size:
+        if not dynamic and tuple(x.shape[2:]) != self.spec.img_size:
             raise InputError(
                 f"expected {self.spec.img_size[0]}x{self.spec.img_size[1]} images for {self.spec.arch}, "
                 f"got {x.shape[2]}x{x.shape[3]}"

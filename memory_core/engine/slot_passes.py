@@ -18,11 +18,13 @@ from ..invariant import mode as invariant
 from ..invariant import planned as invariant_planned
 from ..invariant.blocks import InvariantBlocks
 from ..routing import triton_kernels
-from ..routing.graphs import GraphedPasses
+from ..routing.graphs import GraphedPasses, bucket_images, bucket_rows
 from ..routing.plan import PassPlan, PlanTensors
 from ..routing.planned import planned_forward
+from ..routing.planner import plan_pass
 from ..routing.slots import AdapterSlots
 from ..routing.staging import HostBuffers
+from ..sets.adapter_set import AdapterSet
 from ..weights.spec import ViTSpec
 
 
@@ -39,6 +41,7 @@ class SlotPasses:
     row_gemms: str
     trim_last_block: bool
     cuda_graphs: bool
+    embed_ahead: bool
     _slots: AdapterSlots | None
     _graphed_passes: GraphedPasses | None
     _graphs_given: bool
@@ -46,6 +49,41 @@ class SlotPasses:
 
     embed: Callable[[Tensor], Tensor]
     _blocks: Callable[[], InvariantBlocks]
+
+    def plan_and_run(
+        self, x: Tensor, adapter_set: AdapterSet, tasks, *, path: str = "merged"
+    ) -> tuple[PassPlan | None, Tensor, Tensor | None]:
+        """Plan the pass (routing/planner.py: None when nobody asked for an adapter) and run it:
+        the plan, base logits and adapter logits (``run_plan``). With ``embed_ahead`` (graphed, the
+        default mode, merged) the patch embedding's graph is launched first, so that the device
+        embeds the images while the host plans; the pass's graph then starts from its tokens."""
+        graphed = self.graphed
+
+        def plan_now() -> PassPlan | None:
+            return plan_pass(
+                adapter_set,
+                self.slots,
+                tasks,
+                x.shape[0],
+                images=bucket_images if graphed else None,
+                rows=bucket_rows if graphed else None,
+                pad_outputs=graphed,
+                buffers=self._graphs().buffers if graphed else None,
+            )
+
+        ahead = graphed and self.embed_ahead and path == "merged" and not self.batch_invariant
+        if not ahead or len(adapter_set) == 0:
+            plan = plan_now()
+            return plan, *self.run_plan(x, plan, path=path)
+
+        def tokens_pass(tokens: Tensor, tensors: PlanTensors | None, plan: PassPlan | None):
+            return self._device_pass(tokens, tensors, plan, path, embedded=True)
+
+        def embed_pass(images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None):
+            return self.embed(images), None
+
+        key = (self.resolved_kernels, path, self.row_gemms, self.trim_last_block)
+        return self._graphs().run_ahead(x, key, embed_pass, plan_now, tokens_pass)
 
     def run_plan(
         self, x: Tensor, plan: PassPlan | None, *, path: str = "merged"
@@ -65,7 +103,7 @@ class SlotPasses:
         return device_pass(x, tensors, plan)
 
     def _device_pass(
-        self, x: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, path: str
+        self, x: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, path: str, embedded: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         base = self.base
         blocks = self._blocks() if self.batch_invariant and path == "merged" else None
@@ -73,14 +111,14 @@ class SlotPasses:
             if blocks is not None:
                 x_tokens, _ = invariant.features(base, x.to(self.dtype), None, blocks)
                 return invariant.head(base, x_tokens, blocks), None
-            return base.forward_head(base.norm(base.blocks(self.embed(x)))), None
+            return base.forward_head(base.norm(base.blocks(x if embedded else self.embed(x)))), None
         kernels = self.resolved_kernels
         if blocks is not None:
             x = x.to(self.dtype)
             return invariant_planned.planned(
                 base, x, tensors, plan.shape, plan.pools, blocks, kernels=kernels
             )
-        x = self.embed(x)
+        x = x if embedded else self.embed(x)  # embedded: the tokens of the embedding's own graph
         return planned_forward(
             base,
             x,

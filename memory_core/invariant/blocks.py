@@ -26,7 +26,8 @@ class InvariantBlocks:
     batches: int | None = None
     # Class-token rows per program of the Triton attention kernel. One: each row's sums its own, in a
     # fixed order. 16: a tile of rows scored on the tensor cores, fixed whatever the plan's row count,
-    # invariant if the device's matrix units round a row independently of the tile's other rows.
+    # invariant if the device's matrix units round a row independently of the tile's other rows
+    # (they did on an H200: the CUDA default).
     kernel_rows: int = 1
 
     @classmethod
@@ -34,8 +35,10 @@ class InvariantBlocks:
         if device.type == "cuda" and dtype == torch.float32:
             # float32 (TF32 convolutions, cuBLAS's float32 kernels) did not hold with the per-token
             # layers and the patch embedding left whole (H200, DeiT-Tiny and ViT-B/16); these held
-            # at 0.74-0.81 of the default mode's speed (benchmarks/RESULTS.md §1.6).
-            return cls(rows=8192, thin=64, keys=8, images=32, batches=4096)
+            # at 0.74-0.81 of the default mode's speed (benchmarks/RESULTS.md §1.6). The Triton
+            # attention on 16-row tiles held too, at 0.75-0.80 (the base-only pass's own 0.75 is the
+            # blocked token rows, not the tile).
+            return cls(rows=8192, thin=64, keys=8, images=32, batches=4096, kernel_rows=16)
         if device.type == "cuda":
             # What changes with the batch on an H200 (the GPU suite's op probe): the thin products
             # (class-token scores, memory einsums over images, heads on few rows), which stay
@@ -43,7 +46,10 @@ class InvariantBlocks:
             # and left whole they held (base and routed adapters, image 0 alone against batches of
             # 2, 7 and 64, bf16) at 0.985 (DeiT-Tiny) and 0.996 (ViT-B/16) of the default mode's
             # speed, against 0.50-0.72 with them blocked by 4,096 rows (benchmarks/RESULTS.md §1.6).
-            return cls(rows=None, thin=64, keys=8, images=None, batches=4096)
+            # The Triton attention on a fixed 16-row tile (the tensor cores) held on base, routed and
+            # all-tasks passes, and lifted the all-tasks pass from 0.69-0.72 to 0.95-0.96 of the
+            # default mode (H200, bf16, batch 64, DeiT-Tiny and ViT-B/16).
+            return cls(rows=None, thin=64, keys=8, images=None, batches=4096, kernel_rows=16)
         # MKL's product kernel depends on the row count only below 4 rows (measured: 1, 2-3 and 4+
         # rows take three kernels, at any thread count), and a pass has more token rows than that:
         # blocking them would only cost. Other CPU BLAS libraries get blocks.

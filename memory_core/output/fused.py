@@ -5,10 +5,11 @@ One shape for every pass. ``adapters[name]`` holds one row per image that asked 
 every image asks for every adapter; routed (``MemoryViT.forward(..., tasks=...)``), each task has the
 rows of the images that asked for it, and a task nobody asked for is absent.
 
-A planned pass returns one flat (N, C) logits tensor and a numpy ``OutputIndex`` of where each task's
-run of rows is (memory_core/output/index.py): nothing is cut per task when the pass returns, moving the
-output to the host is two copies whatever the number of tasks, and ``adapters``/``images`` are lazy
-mappings that cut a task when it is read. A server answers a request from ``answers(lo, hi)``: one
+A planned pass returns one flat (N, C) logits tensor and a numpy index of where each task's rows are
+(memory_core/output/index.py: ``OutputIndex``, a run per task; ``PairIndex``, a routed pass's (image,
+task) pairs by image): nothing is cut per task when the pass returns, moving the output to the host
+is two copies whatever the number of tasks, and ``adapters``/``images`` are lazy mappings that cut a
+task when it is read. A server answers a request from ``answers(lo, hi)``: one
 fancy index into the flat logits, no Python per task. Outputs built from per-task tensors (training,
 cached activations) hold them as they are (``of_tasks``) and read the same way.
 """
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from ..sets.adapter_set import AdapterSet
 from ..weights.adapter import BASE_TASK
-from .index import Answers, OutputIndex
+from .index import Answers, OutputIndex, PairIndex
 
 
 class PlannedOutputs(Protocol):
@@ -33,7 +34,7 @@ class PlannedOutputs(Protocol):
     batch given (a protocol, so that outputs sit below the plans that build them)."""
 
     @property
-    def index(self) -> OutputIndex: ...
+    def index(self) -> OutputIndex | PairIndex: ...
 
     @property
     def batch(self) -> int: ...
@@ -49,7 +50,7 @@ class FusedOutput:
         base: Tensor,
         adapter_set: AdapterSet,
         flat: Tensor | None = None,
-        index: OutputIndex | None = None,
+        index: OutputIndex | PairIndex | None = None,
         *,
         batch: int | None = None,
         dense: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None,
@@ -187,7 +188,7 @@ class FusedOutput:
         )
 
     # -- internals -----------------------------------------------------------------------------
-    def _flat_and_index(self) -> tuple[Tensor | None, OutputIndex | None]:
+    def _flat_and_index(self) -> tuple[Tensor | None, OutputIndex | PairIndex | None]:
         if self._dense is None:
             return self.flat, self.index
         adapters, images = self._dense  # per-task tensors: padded into one flat tensor, once
@@ -214,7 +215,7 @@ class _Tasks(Mapping[str, Tensor]):
 
     def __init__(self, out: FusedOutput) -> None:
         self._out = out
-        self._index: OutputIndex = out.index  # type: ignore[assignment]
+        self._index: OutputIndex | PairIndex = out.index  # type: ignore[assignment]
 
     def _run(self, name: str) -> int:
         index = self._index
@@ -245,9 +246,7 @@ class _Logits(_Tasks):
     def __getitem__(self, name: str) -> Tensor:
         cut = self._out._cut
         if name not in cut:
-            t = self._run(name)
-            start, count = int(self._index.starts[t]), int(self._index.counts[t])
-            cut[name] = self._out.flat[start : start + count, : int(self._index.classes[t])]
+            cut[name] = self._index.cut(self._out.flat, self._run(name))
         return cut[name]
 
 

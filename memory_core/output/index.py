@@ -1,10 +1,18 @@
 """Where each asked (image, task) answer lies among a pass's adapter output rows: numpy, on the host.
 
-A planned pass returns its adapter logits as one flat (N, C) tensor (memory_core/routing/plan.py). Each
-asked task's answers are one contiguous run of its rows, ordered by image; this index says where the
-runs are, as a few arrays the plan wrote anyway, so that nothing is cut per task when the pass
-returns: a task's logits are cut when someone reads them (``FusedOutput.adapters[name]``), and a
-request's share of a batch is one fancy index (``answers``).
+A planned pass returns its adapter logits as one flat (N, C) tensor (memory_core/routing/plan.py).
+Two layouts, one interface:
+
+- ``OutputIndex`` (a shared plan, or outputs built per task): each task's answers are one contiguous
+  run of rows, ordered by image; the index says where the runs are.
+- ``PairIndex`` (a routed plan): one row per asked (image, task) pair, image by image, each image's
+  tasks ascending: the batch's ``TaskIndex`` order itself, so the plan sorts nothing before the
+  launch. A request's share is one contiguous range of rows; where one task's rows lie is found
+  when that task is read, on the host, while the device runs.
+
+Either way nothing is cut per task when the pass returns: a task's logits are cut when someone reads
+them (``FusedOutput.adapters[name]``), and a request's share of a batch is one fancy index
+(``answers``).
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,11 @@ class OutputIndex:
         """The run of set position ``position``, or None if the pass did not answer it."""
         t = int(np.searchsorted(self.tasks, position))
         return t if t < self.tasks.size and self.tasks[t] == position else None
+
+    def cut(self, flat: Tensor, t: int) -> Tensor:
+        """Task ``t``'s logits (n_t, C_t) of the flat (N, C) logits: a view."""
+        start, count = int(self.starts[t]), int(self.counts[t])
+        return flat[start : start + count, : int(self.classes[t])]
 
     def image_run(self, t: int) -> np.ndarray:
         """The images task ``t`` answers, ascending."""
@@ -102,3 +117,85 @@ class OutputIndex:
     def _row_of(self, answer: np.ndarray, task: np.ndarray) -> np.ndarray:
         firsts = np.cumsum(self.counts) - self.counts
         return self.starts[task] + (answer - firsts[task])
+
+
+@dataclass(frozen=True, eq=False)
+class PairIndex:
+    """A routed pass's answers: rows ``first + offsets[b]`` to ``first + offsets[b+1]`` answer image b,
+    one per task it asked, ascending (``pairs``: each answer's set position)."""
+
+    offsets: np.ndarray  # (B+1,) int64, from 0
+    pairs: np.ndarray  # (M,) int64 set positions, ascending within each image
+    set_classes: np.ndarray  # (K,) int64 C_k by set position (the set's slot table, read-only)
+    batch: int
+    first: int = 0  # the flat row of answer 0 (a window's first answer)
+    _cache: dict = field(default_factory=dict, repr=False)  # tasks, each answer's image, by task
+
+    @property
+    def tasks(self) -> np.ndarray:
+        """(T,) the set positions answered, ascending."""
+        tasks = self._cache.get("tasks")
+        if tasks is None:
+            tasks = self._cache["tasks"] = np.unique(self.pairs)
+        return tasks
+
+    @property
+    def classes(self) -> np.ndarray:
+        """(T,) C_k of each task answered."""
+        return self.set_classes[self.tasks]
+
+    def __len__(self) -> int:
+        return self.tasks.size
+
+    def find(self, position: int) -> int | None:
+        """The index in ``tasks`` of set position ``position``, or None if the pass did not answer it."""
+        tasks = self.tasks
+        t = int(np.searchsorted(tasks, position))
+        return t if t < tasks.size and tasks[t] == position else None
+
+    def _images(self) -> np.ndarray:
+        image = self._cache.get("images")
+        if image is None:
+            counts = self.offsets[1:] - self.offsets[:-1]
+            image = self._cache["images"] = np.repeat(np.arange(self.batch, dtype=np.int64), counts)
+        return image
+
+    def answers_of(self, t: int) -> np.ndarray:
+        """Task ``t``'s answers (positions among ``pairs``), by image."""
+        by_task = self._cache.get("by task")
+        if by_task is None:  # once, on the first task read: every task's answers, task after task
+            order = np.argsort(self.pairs, kind="stable")  # stable: by image within a task
+            bounds = np.searchsorted(self.pairs[order], np.append(self.tasks, np.iinfo(np.int64).max))
+            by_task = self._cache["by task"] = (order, bounds)
+        order, bounds = by_task
+        return order[bounds[t] : bounds[t + 1]]
+
+    def image_run(self, t: int) -> np.ndarray:
+        """The images task ``t`` answers, ascending."""
+        return self._images()[self.answers_of(t)]
+
+    def cut(self, flat: Tensor, t: int) -> Tensor:
+        """Task ``t``'s logits (n_t, C_t) of the flat (N, C) logits: a view when its rows are one run
+        (one image, or a task every image in between asked), else gathered."""
+        rows = self.answers_of(t) + self.first
+        classes = int(self.set_classes[self.tasks[t]])
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        if hi - lo == rows.size:
+            return flat[lo:hi, :classes]
+        return flat.index_select(0, torch.from_numpy(rows).to(flat.device))[:, :classes]
+
+    def window(self, lo: int, hi: int) -> PairIndex:
+        """The answers of images [lo, hi), renumbered from ``lo``: rows of the same flat logits."""
+        a, b = int(self.offsets[lo]), int(self.offsets[hi])
+        offsets = self.offsets[lo : hi + 1] - a
+        return PairIndex(offsets, self.pairs[a:b], self.set_classes, hi - lo, self.first + a)
+
+    def answers(self, lo: int = 0, hi: int | None = None) -> Answers:
+        """Every answer for images [lo, hi), by image then task: one range of rows."""
+        hi = self.batch if hi is None else hi
+        a, b = int(self.offsets[lo]), int(self.offsets[hi])
+        counts = self.offsets[lo + 1 : hi + 1] - self.offsets[lo:hi]
+        image = np.repeat(np.arange(hi - lo, dtype=np.int64), counts)
+        task = self.pairs[a:b]
+        rows = np.arange(a + self.first, b + self.first, dtype=np.int64)
+        return Answers(image, task, rows, self.set_classes[task])

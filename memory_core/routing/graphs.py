@@ -20,6 +20,10 @@ graph's static input, send the plan's host buffer into its static plan (one non-
 buffer reused once its event says the copy has run: memory_core/routing/staging.py), replay, and clone the
 two outputs (the next replay overwrites them). No host sync, no event created, no allocation.
 
+With ``engine.embed_ahead`` a planned pass is two graphs (``run_ahead``): the patch embedding's,
+launched before the plan is made, so that the device embeds the images while the host plans (a
+synced pass otherwise leaves the device idle for the whole plan), then the pass's from its tokens.
+
 ``MemoryViT`` uses this on CUDA unless ``engine.cuda_graphs`` is False. Graphs of one engine share a
 memory pool and replay one at a time (a lock), each output copied out before the next replay.
 ``_record`` is the one CUDA-only step: benchmarks/host_path.py replaces it with a stand-in (the
@@ -41,6 +45,12 @@ from .plan import PassPlan, PlanTensors
 from .staging import HostBuffers
 
 log = logging.getLogger(__name__)
+
+# A capture forbids only its own thread the calls that would break it. In the default "global" mode
+# any thread's unsafe CUDA call (cudaMalloc, cudaHostAlloc: a server's decode threads, a loader's
+# pin-memory thread) during a capture invalidates it and errors in that thread too; what a graph
+# holds follows the stream it is captured on, not the thread (adapters/training captures so too).
+CAPTURE_MODE = "thread_local"
 
 # (images, the plan on the device, the plan) -> base logits, adapter logits: the work a graph holds.
 DevicePass = Callable[[Tensor, PlanTensors | None, PassPlan | None], tuple[Tensor, Tensor | None]]
@@ -102,42 +112,83 @@ class GraphedPasses:
         pad_outputs=True)``, its host buffer from ``self.buffers``); ``key`` names whatever else selects
         the device work (kernels, path). Returns copies of the outputs: base logits for the padded
         batch (its first B rows are the images'), and the adapter logits."""
-        shape = None if plan is None else plan.shape
-        batch = bucket_images(x.shape[0]) if plan is None else shape.images
-        generation = None if plan is None else plan.generation  # a base-only pass reads no pool
-        full_key = (key, tuple(x.shape[1:]), x.dtype, batch, shape, generation)
-        buffer = None if plan is None else plan.buffer
+        batch = bucket_images(x.shape[0]) if plan is None else plan.shape.images
         try:
             with self._lock:
-                if generation is not None and generation > self._generation:  # the pools grew
-                    self._drop(lambda k: k[-1] is not None and k[-1] < generation)
-                    self._generation = generation
-                graph = self._graphs.get(full_key)
-                if graph is None:
-                    graph = self._capture(full_key, x, plan, batch, device_pass)
-                else:
-                    self._graphs.move_to_end(full_key)
+                graph = self._graph(key, x, plan, batch, device_pass)
                 graph.input(x.shape[0]).copy_(x)
-                if plan is not None and (plan.kept is None or graph.holds is not plan.kept):
-                    if buffer is None:  # a kept plan, or planned without this engine's buffers
-                        buffer = self.buffers.acquire(plan.host.size)
-                        buffer.array[:] = plan.host
-                    self.buffers.send(buffer, graph.plan)
-                    buffer, graph.holds = None, plan.kept
-                graph.replay()
-                base = graph.base.clone()
-                adapters = None if graph.adapters is None else graph.adapters.clone()
+                return self._send_and_replay(graph, plan)
         finally:
-            if buffer is not None:  # not sent: failed before the copy
-                self.buffers.release(buffer)
-        return base, adapters
+            if plan is not None:  # not sent: failed before the copy (a sent buffer is left alone)
+                self.buffers.release(plan.buffer)
+
+    def run_ahead(
+        self,
+        x: Tensor,
+        key: tuple,
+        embed_pass: DevicePass,
+        plan_now: Callable[[], PassPlan | None],
+        tokens_pass: DevicePass,
+    ) -> tuple[PassPlan | None, Tensor, Tensor | None]:
+        """``run`` in two graphs: the patch embedding's (``embed_pass``), launched before the plan is
+        made (``plan_now``), so that the device embeds while the host plans, then the pass's from
+        those tokens (``tokens_pass``). Returns the plan and the outputs as ``run`` does."""
+        plan = None
+        try:
+            with self._lock:  # held throughout: the tokens are the embedding graph's static output
+                batch = bucket_images(x.shape[0])
+                embed = self._graph(("embed", *key), x, None, batch, embed_pass)
+                embed.input(x.shape[0]).copy_(x)
+                embed.replay()
+                plan = plan_now()
+                tokens = embed.base  # (batch, T, D)
+                graph = self._graph(("tokens", *key), tokens, plan, batch, tokens_pass, static=tokens)
+                return (plan, *self._send_and_replay(graph, plan))
+        finally:
+            if plan is not None:
+                self.buffers.release(plan.buffer)
+
+    def _graph(
+        self, key: tuple, x: Tensor, plan: PassPlan | None, batch: int, device_pass: DevicePass, static=None
+    ) -> _Graph:
+        """The graph for ``key`` and this input and plan (captured if missing; call under the lock)."""
+        shape = None if plan is None else plan.shape
+        generation = None if plan is None else plan.generation  # a base-only pass reads no pool
+        full_key = (key, tuple(x.shape[1:]), x.dtype, batch, shape, generation)
+        if generation is not None and generation > self._generation:  # the pools grew
+            self._drop(lambda k: k[-1] is not None and k[-1] < generation)
+            self._generation = generation
+        graph = self._graphs.get(full_key)
+        if graph is not None:
+            self._graphs.move_to_end(full_key)
+            return graph
+        if key[0] == "embed":  # new static tokens: the graphs reading the old ones go with them
+            self._drop(lambda k: k[0] == ("tokens", *key[1:]) and k[3] == batch)
+        return self._capture(full_key, x, plan, batch, device_pass, static)
+
+    def _send_and_replay(self, graph: _Graph, plan: PassPlan | None) -> tuple[Tensor, Tensor | None]:
+        """Send the plan into the graph's static plan (one non-blocking copy from its host buffer),
+        replay, and copy the outputs out (the next replay overwrites them)."""
+        if plan is not None and (plan.kept is None or graph.holds is not plan.kept):
+            buffer = plan.buffer
+            if buffer is None:  # a kept plan, or planned without this engine's buffers
+                buffer = self.buffers.acquire(plan.host.size)
+                buffer.array[:] = plan.host
+            self.buffers.send(buffer, graph.plan)
+            graph.holds = plan.kept
+        graph.replay()
+        base = graph.base.clone()
+        return base, None if graph.adapters is None else graph.adapters.clone()
 
     def _capture(
-        self, key: tuple, x: Tensor, plan: PassPlan | None, batch: int, device_pass: DevicePass
+        self, key: tuple, x: Tensor, plan: PassPlan | None, batch: int, device_pass: DevicePass, static=None
     ) -> _Graph:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
-        images = torch.zeros(batch, *x.shape[1:], device=x.device, dtype=x.dtype)
+        # The static input: given (another graph's static output), or made here.
+        images = (
+            static if static is not None else torch.zeros(batch, *x.shape[1:], device=x.device, dtype=x.dtype)
+        )
         packed = None if plan is None else torch.from_numpy(plan.host.copy()).to(x.device)
         tensors = None if plan is None else PlanTensors.unpack(packed, plan.shape)
         replay, base, adapters = self._record(images, tensors, plan, device_pass)
@@ -162,7 +213,7 @@ class GraphedPasses:
                 device_pass(images, tensors, plan)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
             base, adapters = device_pass(images, tensors, plan)
         return graph.replay, base, adapters
 

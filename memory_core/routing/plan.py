@@ -13,10 +13,11 @@ Two layouts:
   task). Then the rows are one (R,) slot list for all images, and each row's head runs as one
   batched product over the images: the outputs are (R, B) rows, task-major.
 - *routed*: rows differ per image, (B, R) slots. The outputs are the (image, asked task) pairs, one
-  per asked task and image, ordered by task then image, each naming its class-token row and its slot.
+  per asked task and image, image by image (the batch's ``TaskIndex`` order: nothing to sort), each
+  naming its class-token row and its slot.
 
-Either way each asked task's logits are one contiguous run of output rows, which the plan's
-``OutputIndex`` locates (memory_core/output/index.py): the output is cut when read, not per pass.
+The plan's index says where each task's answers lie (memory_core/output/index.py: ``OutputIndex``, a
+run per task, when shared; ``PairIndex`` when routed): the output is cut when read, not per pass.
 
 How a plan is computed from the set's slot table and the batch's tasks is routing/planner.py's.
 """
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..output.index import OutputIndex
+from ..output.index import OutputIndex, PairIndex
 from ..sets.adapter_set import AdapterSet
 from .slots import SlotPools
 from .staging import HostBuffer, HostBuffers
@@ -88,7 +89,7 @@ class PassPlan:
     shape: PlanShape
     batch: int  # images given (shape.images may pad them)
     host: np.ndarray  # int64 (shape.size,): the packed plan, on the host (``buffer``'s memory if any)
-    index: OutputIndex  # where each asked task's answers are among the output rows
+    index: OutputIndex | PairIndex  # where each asked task's answers are among the output rows
     pools: SlotPools  # the pools the slots are valid in, narrowed to (shape.memory, shape.classes)
     adapter_set: AdapterSet
     buffer: HostBuffer | None = None  # the host buffer ``host`` lives in, to send from

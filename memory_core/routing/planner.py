@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..output.index import OutputIndex
+from ..output.index import OutputIndex, PairIndex
 from ..sets.adapter_set import AdapterSet
 from ..sets.task_index import TaskIndex
 from .plan import PassPlan, PlanShape
@@ -25,6 +25,7 @@ from .slots import NULL_SLOT, AdapterSlots, widths
 from .staging import HostBuffer, HostBuffers
 
 Bucket = Callable[[int], int]
+assert NULL_SLOT == 0  # one fill pads a routed plan: rows read the null slot, outputs row 0
 
 
 def plan_pass(
@@ -66,7 +67,9 @@ def plan_pass(
     planner = _Planner(table, adapter_set, slots, batch, images, rows, buffers)
     counts, asked = index.counts, index.tasks
     n = int(counts[0])
-    if (counts == n).all() and (asked.reshape(batch, n) == asked[:n]).all():
+    # Shared when every image asks what image 0 does; most routed batches differ at image 1's first.
+    maybe = n > 0 and asked.size == n * batch and (batch == 1 or asked[n] == asked[0])
+    if maybe and (counts == n).all() and (asked.reshape(batch, n) == asked[:n]).all():
         return planner.shared(asked[:n], n == len(table))
     return planner.routed(index, pad_outputs)
 
@@ -111,7 +114,7 @@ class _Planner:
         buffer = self.buffers.acquire(shape.size)
         return buffer.array, buffer
 
-    def _plan(self, shape: PlanShape, host, buffer, index: OutputIndex) -> PassPlan:
+    def _plan(self, shape: PlanShape, host, buffer, index: OutputIndex | PairIndex) -> PassPlan:
         # The pass reads the pools only as wide as its own adapters need: its operations, and so its
         # rounding, are the same whatever else is resident (docs/design.md §2.10). Views made once.
         pools = self.slots.pools.narrowed(shape.memory, shape.classes)  # read after any slot written
@@ -155,39 +158,42 @@ class _Planner:
         return shape, packed, starts, table.classes[asked]
 
     def routed(self, index: TaskIndex, pad_outputs: bool) -> PassPlan:
-        """Rows per image; outputs are the (image, asked task) pairs, by task then image."""
+        """Rows per image; outputs are the (image, asked task) pairs in the index's own order, image by
+        image (``PairIndex``): nothing is sorted before the launch, and where each task's answers lie
+        is found when they are read, while the device runs."""
         table, batch, B = self.table, self.batch, self.B
+        if table.depth == 1:
+            return self._routed_alone(index, pad_outputs)
         K = len(table)
-        image = np.repeat(np.arange(batch, dtype=np.int64), index.counts)  # (M,) per asked pair
-        asked = index.tasks
+        counts, asked, offsets = index.counts, index.tasks, index.offsets
+        image = np.repeat(np.arange(batch, dtype=np.int64), counts)  # (M,) per asked pair
         if table.depth == 1:  # the rows are the tasks asked (unique and ascending per image)
-            keys, row_image, needed, first = None, image, asked, index.offsets[:-1]
+            keys, row_image, needed = None, image, asked
+            position = np.arange(asked.size) - offsets[image]  # each row's place among its image's
+            R, A = int(counts.max()), 1
         else:  # and their ancestors, image-major, in set order within an image
             chain = table.lineage[asked]
             keys = np.unique((image[:, None] * K + chain)[chain >= 0])
             row_image, needed = np.divmod(keys, K)
             first = _exclusive_cumsum(np.bincount(row_image, minlength=batch))
-        position = np.arange(needed.size) - first[row_image]  # each row's place among its image's
-        R, A = int(position.max()) + 1, self._depth(needed)
+            position = np.arange(needed.size) - first[row_image]
+            R, A = int(position.max()) + 1, self._depth(needed)
         Rb = self.bucket(R)
         Ab = self.bucket(A) if A > 1 else 1
-        table.ensure(needed, self.adapter_set, self.slots)
-        # Outputs, task-major: one run per task, its images ascending.
-        order = np.argsort(asked * batch + image, kind="stable")
-        task, who = asked[order], image[order]
-        row = position[order] if keys is None else np.searchsorted(keys, who * K + task) - first[who]
-        runs = np.flatnonzero(np.concatenate(([True], task[1:] != task[:-1])))  # each task's run
-        counts = np.concatenate((runs[1:], [task.size])) - runs
-        tasks = task[runs]
-        P, C = widths(int(table.memory[needed].max()), int(table.classes[tasks].max()))
-        N = B * Rb if pad_outputs else task.size
+        slots = table.slot[needed]
+        if slots.min() < 0:  # a set not installed: give them slots first
+            table.ensure(needed, self.adapter_set, self.slots)
+            slots = table.slot[needed]
+        P, C = widths(int(table.memory[needed].max()), int(table.classes[asked].max()))
+        n = asked.size
+        N = B * Rb if pad_outputs else n
         shape = PlanShape(B, Rb, Ab, shared=False, outputs=N, memory=P, classes=C)
         # Written straight into the host buffer, in ``PlanShape.lengths`` order.
         host, buffer = self._host(shape)
-        n, at = task.size, B * Rb
-        row_slots = host[:at].reshape(B, Rb)
-        row_slots[:] = NULL_SLOT
-        row_slots[row_image, position] = table.slot[needed]
+        at = B * Rb
+        host[:at] = NULL_SLOT  # row slots (B, Rb), flat: row r of image b is b * Rb + r
+        flat_rows = row_image * Rb + position
+        host[flat_rows] = slots
         if Ab > 1:
             chain = table.lineage[needed, :A]
             found = np.searchsorted(keys, row_image[:, None] * K + chain) - first[row_image][:, None]
@@ -196,10 +202,36 @@ class _Planner:
             lin[:, :, 0] = np.arange(Rb)
             lin[row_image, position, :A] = np.where(chain >= 0, found, -1)
             at += lin.size
-        host[at : at + n] = who * Rb + row  # the output's class-token row
+            out_rows = image * Rb + np.searchsorted(keys, image * K + asked) - first[image]
+            out_slots = table.slot[asked]
+        else:
+            out_rows, out_slots = flat_rows, slots
+        host[at : at + n] = out_rows  # each output's class-token row
         host[at + n : at + N] = 0  # padding outputs: row 0's null head, never read
-        host[at + N : at + N + n] = table.slot[task]
+        host[at + N : at + N + n] = out_slots
         host[at + N + n : at + 2 * N] = NULL_SLOT
-        return self._plan(
-            shape, host, buffer, OutputIndex(tasks, runs, counts, table.classes[tasks], who, batch)
-        )
+        return self._plan(shape, host, buffer, PairIndex(offsets, asked, table.classes, batch))
+
+    def _routed_alone(self, index: TaskIndex, pad_outputs: bool) -> PassPlan:
+        """``routed`` in concatenation mode (each row its own task alone) in as few numpy calls as it
+        takes: the plan runs before the launch, and on a GPU's host each call is time the GPU idles."""
+        table, batch, B = self.table, self.batch, self.B
+        counts, asked, offsets = index.counts, index.tasks, index.offsets
+        n = asked.size
+        Rb = self.bucket(int(counts.max()))
+        slots = table.slot[asked]
+        if not table.complete and slots.min() < 0:  # a set not installed: give them slots first
+            table.ensure(asked, self.adapter_set, self.slots)
+            slots = table.slot[asked]
+        P, C = widths(*table.sizes.take(asked, axis=1).max(axis=1).tolist())
+        N = B * Rb if pad_outputs else n
+        shape = PlanShape(B, Rb, 1, shared=False, outputs=N, memory=P, classes=C)
+        host, buffer = self._host(shape)
+        host[:] = NULL_SLOT  # padding: rows read the null slot, outputs row 0 (both 0)
+        # Pair j of image b is its row j - offsets[b], flat row b * Rb + j - offsets[b].
+        rows = np.repeat(np.arange(batch, dtype=np.int64) * Rb - offsets[:-1], counts) + np.arange(n)
+        host[rows] = slots  # the row slots (B, Rb)
+        at = B * Rb
+        host[at : at + n] = rows  # each output's class-token row
+        host[at + N : at + N + n] = slots  # and its head
+        return self._plan(shape, host, buffer, PairIndex(offsets, asked, table.classes, batch))

@@ -46,6 +46,8 @@ class SlotTable:
     memory: np.ndarray  # (K,) int64: memory entries its rows read (its own, then its ancestors')
     lineage: np.ndarray  # (K, A) int64 set positions, itself first, -1 padding; A = 1 without extensions
     every: np.ndarray = field(init=False)  # (K,) int64: 0..K-1, the all-tasks pass's tasks
+    sizes: np.ndarray = field(init=False)  # (2, K) int64: memory, classes
+    complete: bool = field(init=False)  # every adapter has its slot (an installed set's table)
     slots: weakref.ref = field(default=lambda: None, repr=False)  # the AdapterSlots it is valid on
     # The all-tasks plan's arrays per shape (memory_core/routing/plan.py): the same for every such pass.
     plans: dict = field(default_factory=dict, repr=False)
@@ -56,6 +58,10 @@ class SlotTable:
         every = np.arange(len(self.slot), dtype=np.int64)
         every.setflags(write=False)
         object.__setattr__(self, "every", every)
+        sizes = np.stack([self.memory, self.classes])  # one take and one max per plan (rows: fast)
+        sizes.setflags(write=False)
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "complete", bool((self.slot >= 0).all()))
 
     def __len__(self) -> int:
         return len(self.slot)
@@ -105,3 +111,4 @@ class SlotTable:
         chains = [tuple(adapters[j] for j in self.lineage[i] if j >= 0) for i in missing.tolist()]
         assigned, _ = slots.assign(chains)
         self.slot[missing] = assigned
+        object.__setattr__(self, "complete", bool((self.slot >= 0).all()))

@@ -41,6 +41,7 @@ from ..sets.stack import PreparedAdapter, check_prepared_for
 from ..weights.spec import ViTSpec
 
 NULL_SLOT = 0
+_WHOLE = object()  # SlotPools.narrowed's mark for the pools' own width
 WRITE_CHUNK = 4096  # slots written per stacked copy (100,000 heads of ViT-B would stack 15 GB at once)
 
 
@@ -75,11 +76,13 @@ class SlotPools:
 
         A pass is as wide as its own adapters need, not as wide as the widest resident one, so
         that its operations, and so its float rounding, do not depend on what else is loaded."""
-        if (memory, classes) in self._narrowed:  # the views are made once per width
-            return self._narrowed[memory, classes]
+        narrowed = self._narrowed.get((memory, classes))  # made once per width
+        if narrowed is not None:
+            return self if narrowed is _WHOLE else narrowed  # not self kept in self: no cycle to collect
         if memory > self.memory or classes > self.classes:
             raise ValueError(f"P={memory}, C={classes} exceed the pools' P={self.memory}, C={self.classes}")
         if memory == self.memory and classes == self.classes:
+            self._narrowed[memory, classes] = _WHOLE
             return self
         return self._narrowed.setdefault((memory, classes), self._views(memory, classes))
 

@@ -53,6 +53,7 @@ class HostBuffers:
         self.pinned = cuda if pinned is None else pinned
         self.new_event = new_event if new_event is not None else (torch.cuda.Event if cuda else None)
         self._rings: dict[tuple[int, torch.dtype], list[HostBuffer]] = {}
+        self._streams: dict[tuple[int, int], Any] = {}  # (device index, raw handle) -> its Stream
         self._lock = threading.Lock()
 
     def acquire(self, n: int, dtype: torch.dtype = torch.int64) -> HostBuffer:
@@ -83,11 +84,27 @@ class HostBuffers:
             with torch.cuda.stream(stream):
                 target.copy_(source, non_blocking=True)
                 buffer.event.record(stream)
-        else:  # the current stream (no context to enter), or a stand-in device (benchmarks/host_path.py)
+        elif target.device.type == "cuda":  # the current stream: no context to enter
+            target.copy_(source, non_blocking=True)
+            buffer.event.record(self._current_stream(target.device))
+        else:  # a stand-in device (benchmarks/host_path.py)
             target.copy_(source, non_blocking=True)
             buffer.event.record()
         buffer.state = _FLYING
         return target
+
+    def _current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream now current on ``device``. ``torch.cuda.current_stream()`` (what
+        ``Event.record()`` calls) builds a new Stream object through several Python calls on every
+        pass; one C call gives the raw handle, and the object made for it is kept."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        raw = torch._C._cuda_getCurrentRawStream(index)
+        stream = self._streams.get((index, raw))
+        if stream is None:
+            if len(self._streams) > 64:  # streams come and go (a caller's own): keep the map small
+                self._streams.clear()
+            stream = self._streams[index, raw] = torch.cuda.current_stream(index)
+        return stream
 
     def release(self, buffer: HostBuffer | None) -> None:
         """Give back a buffer that was not sent (None: nothing to give back)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -36,9 +37,9 @@ class TaskIndex:
     def batch(self) -> int:
         return self.offsets.size - 1
 
-    @property
+    @cached_property
     def counts(self) -> np.ndarray:
-        """(B,) tasks asked per image."""
+        """(B,) tasks asked per image (worked out once: a plan reads it twice)."""
         return self.offsets[1:] - self.offsets[:-1]
 
     def __len__(self) -> int:

@@ -98,7 +98,7 @@ def test_all_covers_the_goals_table_in_one_command() -> None:
     engine = plan_of("engine")
     assert {deit, b16} <= set(engine.archs) and "bf16" in engine.dtypes and not engine.large
     assert {64, 256} <= set(engine.batches) and {8, 64, 1000} <= set(engine.ks) and engine.dense_k == 64
-    assert {"graphs", "kernels", "gemms"} <= set(engine.tries) and {deit, b16} <= set(engine.tries_on)
+    assert {"graphs", "kernels", "ahead"} <= set(engine.tries) and {deit, b16} <= set(engine.tries_on)
     routing = plan_of("routing")
     assert {64, 256} <= set(routing.batches) and routing.loaded == 1000 and {deit, b16} <= set(routing.archs)
     assert "bf16" in plan_of("invariance").dtypes

@@ -35,3 +35,12 @@ def test_invariant_blocks_in_float32_on_cuda_keep_the_token_rows_blocked() -> No
     bf16 = InvariantBlocks.for_device(torch.device("cuda"), torch.bfloat16)
     assert fp32.rows is not None and fp32.images is not None
     assert bf16.rows is None and bf16.images is None
+
+
+def test_invariant_blocks_on_cuda_tile_the_triton_attention_on_16_rows() -> None:
+    # Measured on an H200 (invariance step): a fixed 16-row tile held on base, routed and all-tasks
+    # passes in both dtypes, and lifted bf16's all-tasks pass to 0.95-0.96 of the default mode.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert InvariantBlocks.for_device(torch.device("cuda"), dtype).kernel_rows == 16
+    # On the CPU the kernels are torch's (Triton only through its interpreter): one row per program.
+    assert InvariantBlocks.for_device(torch.device("cpu"), torch.float32).kernel_rows == 1

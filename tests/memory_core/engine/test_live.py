@@ -177,7 +177,9 @@ def test_a_bare_move_leaves_the_base_working_and_stale_adapters_refused(live) ->
     stale = live.current
     x = images(engine)
     expected = engine(x).base
+    assert engine.dtype == torch.float32  # read (and kept) before the move
     engine.to(torch.float64)
+    assert engine.dtype == torch.float64 and engine.device.type == "cpu"  # forgotten by the move
     assert max_diff(engine(x.double()).base, expected) <= 1e-5  # the base alone still runs
     assert max_diff(engine.base(x.double()), expected) <= 1e-5
     with pytest.raises(

@@ -110,7 +110,7 @@ def test_routed_logits_do_not_depend_on_the_companions_tasks() -> None:
         assert_same(alone, engine(batch, loaded, tasks=tasks), at)
 
 
-@pytest.mark.parametrize("kernel_rows", [1, 16])  # one row per program, or a tile on the matrix units
+@pytest.mark.parametrize("kernel_rows", [1, 16, 64])  # a row per program, or a tile on the matrix units
 def test_the_triton_kernels_hold_it_too(kernel_rows: int) -> None:
     """The invariant mode on the Triton kernels (the GPU's: here through Triton's interpreter): the
     same bits alone, in batches with other tasks, and with more and longer adapters resident; and

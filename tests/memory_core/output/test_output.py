@@ -139,3 +139,24 @@ def test_a_task_index_asks_what_names_ask_and_remaps_to_a_newer_set(engine) -> N
         index.remap(gone)
     uniform = TaskIndex.uniform(loaded, ["c", "a"], 3)
     assert [uniform.names(b) for b in range(3)] == [["a", "c"]] * 3
+
+
+def test_a_routed_pass_answers_image_by_image_in_one_range_per_request(engine, monkeypatch) -> None:
+    """Routed outputs lie in the batch's own order (image by image, tasks ascending): the plan sorts
+    nothing before the launch, a request's answers are one range of rows, and a task's rows are
+    found when read (a view when they are one run, else gathered)."""
+    from memvit.memory_core.routing import planner
+
+    loaded, tasks = mixed_tasks(engine)
+    for sort in ("argsort", "lexsort", "sort"):
+        monkeypatch.setattr(planner.np, sort, None, raising=False)  # any sort in the plan fails
+    out = engine(images(engine, batch=6), loaded, tasks=tasks)
+    monkeypatch.undo()
+    flat, answers = out.answers()
+    assert answers.row.tolist() == list(range(len(answers)))  # 2 + 0 + 1 + 4 + 1 + 1 answers
+    assert out.answers(3, 5)[1].row.tolist() == [3, 4, 5, 6, 7]  # images 3 and 4: rows 3 to 7
+    assert torch.equal(out.adapters["a"], flat[[2, 3], :2])  # images 2 and 3: one run, a view
+    assert out.adapters["a"].data_ptr() == flat[2].data_ptr()
+    assert torch.equal(out.adapters["b"], flat[[0, 4, 8], :3])  # images 0, 3, 5: gathered
+    assert torch.equal(out.adapters["c"], flat[[5, 7], :4])
+    assert out.images["b"].tolist() == [0, 3, 5] and out.images["c"].tolist() == [3, 4]

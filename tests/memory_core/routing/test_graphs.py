@@ -7,6 +7,7 @@ they answer exactly what the exact plan answers. Capture and replay need a GPU (
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -64,10 +65,11 @@ def test_a_bucketed_plan_answers_what_the_exact_plan_answers(tasks: str) -> None
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("ahead", [False, True], ids=["one graph", "embedding ahead"])
 @pytest.mark.parametrize("kernels", ["triton", "torch"])
-def test_graphs_replay_the_eager_pass_and_survive_adapter_changes(kernels: str) -> None:
+def test_graphs_replay_the_eager_pass_and_survive_adapter_changes(kernels: str, ahead: bool) -> None:
     engine = tiny_engine()
-    engine.kernels = kernels
+    engine.kernels, engine.embed_ahead = kernels, ahead
     live = LiveAdapters(engine)
     live.replace_all(mixed(engine))
     live.move_to("cuda")
@@ -95,3 +97,44 @@ def test_graphs_replay_the_eager_pass_and_survive_adapter_changes(kernels: str) 
     assert engine._graphs().captures > captures
     for name in eager[1].adapters:
         assert max_diff(graphed[1].adapters[name], eager[1].adapters[name]) <= 1e-4
+
+
+@pytest.mark.cuda
+@cuda
+def test_a_capture_survives_another_thread_allocating() -> None:
+    """Captures run beside a thread that allocates pinned memory (a loader's pin-memory thread, a
+    server's decode threads): in the default "global" capture mode its cudaHostAlloc would
+    invalidate the capture and fail in that thread (routing/graphs.py ``CAPTURE_MODE``)."""
+    engine = tiny_engine()
+    live = LiveAdapters(engine)
+    live.replace_all(mixed(engine))
+    live.move_to("cuda")
+    x = images(engine, batch=3).cuda()
+    stop, errors = threading.Event(), []
+
+    def churn() -> None:
+        # Pinned memory allocated and freed to the driver each time (cudaHostAlloc, cudaFreeHost),
+        # as a pin-memory thread does when its cache misses: unsafe calls during a global capture.
+        try:
+            while not stop.is_set():
+                torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True).fill_(1)
+                torch._C._host_emptyCache()
+        except Exception as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=churn, daemon=True)
+    worker.start()
+    try:
+        for batch in (1, 2, 3):  # three bucketed shapes: three captures while the thread allocates
+            for tasks in (None, [["a1"], ["child", "a0"], ["gc"]][:batch]):
+                engine(x[:batch], live.current, tasks=tasks)
+    finally:
+        stop.set()
+        worker.join()
+    assert errors == []
+    engine.cuda_graphs = False
+    eager = engine(x, live.current, tasks=[["a1"], ["child", "a0"], ["gc"]])
+    engine.cuda_graphs = True
+    graphed = engine(x, live.current, tasks=[["a1"], ["child", "a0"], ["gc"]])
+    for name in eager.adapters:
+        assert max_diff(graphed.adapters[name], eager.adapters[name]) <= 1e-4

@@ -43,6 +43,7 @@ def test_a_pass_is_a_few_ops_whatever_the_tasks_and_never_syncs(resident, batch:
         counts = one_pass(engine, graphs, x, adapter_set, tasks)
         assert counts.syncs == 0, (case, counts.ops)
         assert counts.events_created == 0, case
+        assert not counts.host_ops, (case, counts.host_ops)  # no CPU kernel (on a GPU's host)
         ops[case] = counts.aten_ops
     assert ops["base"] <= 2 and max(ops.values()) <= 6, ops
     routed = {n for case, n in ops.items() if case not in ("base", "all 300")}
@@ -51,11 +52,24 @@ def test_a_pass_is_a_few_ops_whatever_the_tasks_and_never_syncs(resident, batch:
     assert ops["all 300"] == ops["base"] + 1 == min(routed) - 1, ops
 
 
+def test_an_op_on_host_tensors_alone_is_counted_as_a_host_op(resident) -> None:
+    engine, _, graphs = resident
+    x = torch.randn(2, 3, *engine.spec.img_size)
+    counts = HostCounts(device_tensors=[x])
+    with counting(counts, graphs):
+        x.mul_(1.0)  # a device tensor's op: not a host op
+        torch.ones(3).add_(1.0)  # a CPU kernel on any host
+    assert counts.host_ops == {"aten.ones": 1, "aten.add_": 1}, counts.host_ops
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["one graph", "embedding ahead"])
 @pytest.mark.parametrize("per_image", [0, 2, 40])
-def test_the_graph_path_answers_what_the_eager_pass_answers(per_image: int) -> None:
+def test_the_graph_path_answers_what_the_eager_pass_answers(per_image: int, ahead: bool) -> None:
     """What the host puts in a graph's static inputs (images, the plan from its host buffer) is what
-    the eager pass reads: the stand-in replays by running the pass again over them."""
-    engine, live, _ = stand_in_engine(40, replays=True)
+    the eager pass reads: the stand-in replays by running the pass again over them. Ahead: the
+    embedding's graph replayed before the plan, the pass's graph reading its tokens."""
+    engine, live, graphs = stand_in_engine(40, replays=True)
+    engine.embed_ahead = ahead
     x = torch.randn(5, 3, *engine.spec.img_size)
     if per_image == 40:
         tasks = None  # every adapter, the shared layout
@@ -71,6 +85,7 @@ def test_the_graph_path_answers_what_the_eager_pass_answers(per_image: int) -> N
             eager = engine(x, live.current, tasks=tasks)
         finally:
             engine.cuda_graphs = True
+    assert any(key[0][0] == "embed" for key in graphs._graphs) == ahead
     assert len(graphed) == 5 and max_diff(graphed.base, eager.base) <= TOL
     assert list(graphed.adapters) == list(eager.adapters)
     for name in eager.adapters:
@@ -138,3 +153,22 @@ def test_a_kept_plan_is_sent_again_after_another_plan_of_its_shape() -> None:
         assert list(got.adapters) == list(expected.adapters)
         for name in expected.adapters:
             assert max_diff(got.adapters[name], expected.adapters[name]) <= TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_copy_records_its_event_on_the_stream_current_when_sent() -> None:
+    buffers = HostBuffers()
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert buffers._current_stream(device) == torch.cuda.current_stream()
+    assert buffers._current_stream(device) is buffers._current_stream(device)  # kept, not rebuilt
+    side = torch.cuda.Stream()
+    target = torch.empty(3, dtype=torch.long, device=device)
+    with torch.cuda.stream(side):
+        assert buffers._current_stream(device) == side
+        buffer = buffers.acquire(3)
+        buffer.array[:] = [7, 8, 9]
+        buffers.send(buffer, target)
+        side.synchronize()
+    assert buffer.event.query() and target.tolist() == [7, 8, 9]
+    assert buffers.acquire(3) is buffer  # its copy has run: the same buffer again

@@ -158,6 +158,27 @@ def test_a_pass_adds_a_stated_constant_per_block_to_the_base(engine) -> None:
         assert planned - base <= per_block * depth + PER_PASS, (tasks, planned, base)
 
 
+# Operations that fill a buffer with a value (a memset or a fill kernel on a GPU).
+FILLS = {
+    "aten.zeros", "aten.zeros_like", "aten.new_zeros", "aten.zero_", "aten.fill_",
+    "aten.full", "aten.full_like", "aten.new_full",
+}  # fmt: skip
+
+
+def test_no_block_fills_a_buffer(engine) -> None:
+    """The planned pass's blocks write every buffer they allocate, never clear one first: the extra
+    memsets of a GPU pass (the H200 profile: one or two per block with the rows joined) are issued
+    inside cuBLASLt's ``addmm`` for the kernels it picks by row count, not by the engine. At most
+    one fill per pass (the torch path's padded lineage table), whatever the depth."""
+    n = batch_for(engine)
+    x = images(engine, batch=n)
+    live = loaded(engine, 8)
+    assert len(engine.base.blocks) >= 2  # a fill per block would show as more than one
+    for tasks in (None, ask(live, 2, n)):
+        ops = count(engine, x, live, tasks).ops
+        assert sum(ops[op] for op in FILLS) <= 1, {op: ops[op] for op in FILLS if ops[op]}
+
+
 @pytest.mark.parametrize("routed", [False, True])
 def test_a_pass_traces_as_one_graph(routed: bool) -> None:
     """torch.compile traces the device part of a routed and an unrouted pass with no graph break."""
