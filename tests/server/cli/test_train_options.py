@@ -18,6 +18,7 @@ from memvit.adapters.training import Accuracy, TrainConfig
 from memvit.server.cli import app
 from memvit.server.cli import train as train_module
 from memvit.server.cli.train import CONFIG_PANEL
+from tests.one_thread import one_torch_thread  # noqa: F401 (autouse, tests/one_thread.py)
 
 runner = CliRunner()
 
