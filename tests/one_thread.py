@@ -3,9 +3,10 @@
 The training and stored-activation tests run thousands of operations on tiny tensors (a 32x32 ViT, a
 few images a batch). Split across two threads, each operation pays a wake-up of the second thread
 for microseconds of work, and on a machine whose cores are busy elsewhere that wait grows a
-hundredfold: a 24-step run took 9 s on two threads and 1.6 s on one. One thread computes the same
-values (the tests compare runs within one process, or against a tolerance), so nothing they prove
-depends on the count.
+hundredfold: two 24-step runs took 9 s on two threads and 1.6 s on one (2 cores, load average 4).
+The thread count may change how a float sum rounds, never what it computes; these tests compare runs
+made in one process (or in subprocesses started with OMP_NUM_THREADS=1), or against a tolerance, so
+nothing they prove depends on the count.
 """
 
 from __future__ import annotations
