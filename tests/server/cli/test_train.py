@@ -7,6 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from memvit.server.cli import app
+from tests.one_thread import one_torch_thread  # noqa: F401 (autouse, tests/one_thread.py)
 
 runner = CliRunner()
 

@@ -12,6 +12,7 @@ from memvit.adapters import read_bundle
 from memvit.memory_core import save_base
 from memvit.server.cli import app
 from tests.conftest import TINY, make_folder, tiny_base
+from tests.one_thread import one_torch_thread  # noqa: F401 (autouse, tests/one_thread.py)
 
 runner = CliRunner()
 

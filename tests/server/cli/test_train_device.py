@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from memvit.adapters import read_bundle
 from memvit.server.cli import app
+from tests.one_thread import one_torch_thread  # noqa: F401 (autouse, tests/one_thread.py)
 
 runner = CliRunner()
 

@@ -18,6 +18,7 @@ from memvit.adapters.training import Accuracy, TrainConfig
 from memvit.server.cli import app
 from memvit.server.cli import train as train_module
 from memvit.server.cli.train import CONFIG_PANEL
+from tests.one_thread import one_torch_thread  # noqa: F401 (autouse, tests/one_thread.py)
 
 runner = CliRunner()
 
@@ -88,21 +89,28 @@ def captured(monkeypatch) -> list:
     return calls
 
 
+@pytest.fixture(scope="module")
+def train_help() -> str:
+    """``memvit train --help``, rendered once: it does not depend on the case (rich renders it in ~0.1 s)."""
+    return runner.invoke(app, ["train", "--help"], terminal_width=200).output
+
+
 def _train(tiny_weights, image_folder, *extra: str, name: str | None = "x"):
     args = ["train", "--weights", str(tiny_weights), "--train-dir", str(image_folder), "--quiet"]
     return runner.invoke(app, args + (["--name", name] if name else []) + list(extra))
 
 
 @pytest.mark.parametrize("field", CLI_FIELDS, ids=[f.name for f in CLI_FIELDS])
-def test_every_train_config_field_is_a_train_option(field, tmp_path, tiny_weights, image_folder, captured):
+def test_every_train_config_field_is_a_train_option(
+    field, tmp_path, tiny_weights, image_folder, captured, train_help
+):
     value = _changed(field, tmp_path)
     assert value != field.default
     result = _train(tiny_weights, image_folder, *_option_args(field.name, value))
     assert result.exit_code == 0, result.output
     ((_, config, _),) = captured
     assert getattr(config, field.name) == value
-    help_text = runner.invoke(app, ["train", "--help"], terminal_width=200).output
-    assert "--" + field.name.replace("_", "-") in help_text
+    assert "--" + field.name.replace("_", "-") in train_help
 
 
 def _train_params() -> dict:

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from memvit.adapters import read_bundle
 from memvit.server.cli import app
 from tests.conftest import REPO, max_diff
+from tests.one_thread import one_torch_thread  # noqa: F401 (autouse, tests/one_thread.py)
 
 runner = CliRunner()
 SWEEP = ["--sweep", "lr=0.05,0.3", "--sweep", "memory-tokens=0,1"]
