@@ -87,18 +87,39 @@ def gpu_host_default(
     settings: Settings, cuda: Callable[[], bool] | None = None, cores: int | None = None
 ) -> Settings:
     """On a GPU host, unless ``MEMVIT_API_PROCESSES`` is set: the model-process front end with
-    ``min(8, cores // 2)`` API processes (at least 2), said in one line. One process stays the
-    default on a CPU (its figures there: RESULTS §3.13-3.14). ``cuda``: whether the model's device
-    is a GPU when ``MEMVIT_DEVICE`` is ``auto`` (asked without creating a CUDA context)."""
+    ``min(8, cores // 2)`` API processes (at least 2; ``cores``: ``usable_cores()``), said in one
+    line. One process stays the default on a CPU (its figures there: RESULTS §3.13-3.14). ``cuda``:
+    whether the model's device is a GPU when ``MEMVIT_DEVICE`` is ``auto`` (asked without creating a
+    CUDA context)."""
     if "api_processes" in settings.model_fields_set or settings.device == "cpu":
         return settings
     if settings.device == "auto" and not (cuda or _cuda_available)():
         return settings
-    n = max(2, min(GPU_HOST_API_PROCESSES, (cores or os.cpu_count() or 1) // 2))
+    n = max(2, min(GPU_HOST_API_PROCESSES, (cores or usable_cores()) // 2))
     logging.getLogger("memvit.server").warning(
         "a GPU host: %d API processes and one model process (MEMVIT_API_PROCESSES=1 for one process)", n
     )
     return settings.model_copy(update={"api_processes": n})
+
+
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may run on: its affinity, capped by its container's CPU quota (cgroup v2
+    ``cpu.max``, or v1's ``cpu.cfs_quota_us``; a pod limited to 4 CPUs on a 96-core node has 4)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return max(1, cores)
+    if quota in ("max", "-1") or int(period) <= 0:
+        return max(1, cores)
+    return max(1, min(cores, int(quota) // int(period)))
 
 
 def _cuda_available() -> bool:

@@ -42,3 +42,25 @@ def test_the_check_itself_runs_here() -> None:
 
     chosen = gpu_host_default(Settings(_env_file=None))
     assert chosen.front_end_mode == ("model-process" if torch.cuda.is_available() else "single")
+
+
+@pytest.mark.parametrize(
+    "files,expected",
+    [
+        ({"cpu.max": "400000 100000\n"}, 4),  # a pod limited to 4 CPUs
+        ({"cpu.max": "max 100000\n"}, None),  # no quota: the affinity's
+        ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_the_cores_counted_are_the_containers(tmp_path, files, expected) -> None:
+    import os
+
+    from memvit.server.cli.serve import usable_cores
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cores(tmp_path) == (affinity if expected is None else min(expected, affinity))
