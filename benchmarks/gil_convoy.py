@@ -5,18 +5,19 @@
 
 On the H200 host one process (the default front end then) answered 680 img/s with JPEGs decoded on the
 GPU, its engine's decode stage taking ~31 ms per batch of 17 where the GPU decodes and preprocesses
-16 JPEGs in ~2.5 ms (RESULTS §3.15). The stage is a thread of the process whose event loop is
-saturated (1.74 ms of CPU per image), and every tensor operation it issues releases the GIL and
-must take it back: a saturated loop never waits, so the stage gets it back only when its request to
-switch times out (``sys.getswitchinterval()``, 5 ms by default) and the loop is made to drop it. A
-batch's preprocessing of pictures of many sizes is ~2 operations per image plus ~10 per batch.
+16 JPEGs in ~2.5 ms (RESULTS §3.15). The stage is a thread of a process whose event loop is
+saturated (1.74 ms of CPU per image). The question this asks: does each tensor operation the stage
+issues (each releases the GIL and takes it back; ~2 per image plus ~10 per batch when the pictures
+differ in size) wait for a saturated loop to be made to drop the GIL (``sys.getswitchinterval()``,
+5 ms by default), so that a shorter interval would help?
 
 Here, on a CPU: the real ``DeviceDecoder.decode_batch`` (torchvision's CPU decoder, the batched
 preprocessing) on a batch of small JPEGs of distinct sizes, timed alone and then beside an asyncio
 loop kept saturated by coroutines doing Python work (the API side's stand-in), at several switch
 intervals. Printed per interval: the stage's wall time per batch (median), its ratio to alone, and the
 loop's work done per second (what a shorter interval costs the loop). A CPU stand-in: the op counts
-and the mechanism are the GPU host's; the times are this CPU's.
+are the GPU host's, the times this CPU's. On the 2-core build machine (RESULTS §3.15) the stage beside
+the loop took 4.1-4.4x its time alone at every interval: the cores' contention, not the hand-offs.
 """
 
 from __future__ import annotations
