@@ -45,11 +45,14 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 from PIL import Image
 
 from benchmarks.common import argument_parser, environment, pin_malloc
@@ -85,6 +88,7 @@ class Round:
     per_role: dict[str, float]  # CPU seconds per request
     client_ms: float
     rate: float
+    batch: float | None = None  # mean images per batch in the phase (memvit_batch_images)
 
     @property
     def group(self) -> float:
@@ -94,14 +98,26 @@ class Round:
 FRONT = {"server": "front", "api": "front", "replica": "front"}  # the processes that speak HTTP
 
 
+def batches(port: int) -> tuple[float, float]:
+    """``memvit_batch_images``' sum and count, as /metrics says now (every process's, merged)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    found = dict(re.findall(r"^memvit_batch_images_(sum|count) (\S+)$", text, re.M))
+    return float(found.get("sum", 0)), float(found.get("count", 0))
+
+
 def measure(server: ServerProcess, requests: list[bytes], clients: int, seconds: float) -> Round:
+    before = batches(server.port)
     clock = RoleClock(server.pid)
     result = asyncio.run(load("127.0.0.1", server.port, requests, clients, seconds))
     per_role: dict[str, float] = {}
     for role, cpu in clock.seconds().items():
         role = FRONT.get(role, role)
         per_role[role] = per_role.get(role, 0.0) + cpu / result.completed
-    return Round(result.completed, result.statuses, per_role, result.client_cpu_ms, result.throughput)
+    time.sleep(1.2)  # the model process publishes its metrics every second (shared_metrics.py)
+    after = batches(server.port)
+    images, formed = after[0] - before[0], after[1] - before[1]
+    mean = images / formed if formed > 0 else None
+    return Round(result.completed, result.statuses, per_role, result.client_cpu_ms, result.throughput, mean)
 
 
 def against(checkout: Path, root: Path) -> Path:
@@ -207,8 +223,9 @@ def main(argv: list[str] | None = None) -> None:
                     got = measure(servers[n], requests[n], args.clients, args.seconds)
                     results[n].append(got)
                     roles_ms = ", ".join(f"{role} {ms(v)}" for role, v in sorted(got.per_role.items()))
+                    mean = "-" if got.batch is None else f"{got.batch:.1f}"
                     print(f"round {r + 1} {n}: {got.rate:.0f} req/s, CPU ms/request: {roles_ms}; "
-                          f"statuses {got.statuses}", flush=True)  # fmt: skip
+                          f"mean batch {mean}; statuses {got.statuses}", flush=True)  # fmt: skip
         finally:
             for server in servers.values():
                 server.stop()
@@ -224,8 +241,8 @@ def report(results: dict[str, list[Round]], names: list[str]) -> None:
         return statistics.median(values) if values else None
 
     print("\n| config, decode | front end ms/req | model process ms/req | group ms/req | group / one "
-          "process's | load generator ms/req | req/s | non-200 |")  # fmt: skip
-    print("|---|--:|--:|--:|--:|--:|--:|--:|")
+          "process's | load generator ms/req | req/s | mean batch | non-200 |")  # fmt: skip
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for n in names:
         one = " ".join(["1", *n.split()[1:]])  # one process, decoding the same way, the same code
         group, base = median(n, None), median(one, None) if one in results else None
@@ -233,9 +250,11 @@ def report(results: dict[str, list[Round]], names: list[str]) -> None:
         rate = statistics.median(r.rate for r in results[n])
         client = statistics.median(r.client_ms for r in results[n])
         against = "-" if base is None or group is None else f"{group / base:.3f}"
+        sizes = [r.batch for r in results[n] if r.batch is not None]
+        batch = f"{statistics.median(sizes):.1f}" if sizes else "-"
         print(
             f"| {n} | {ms(median(n, 'front'))} | {ms(median(n, 'model'))} | {ms(group)} | "
-            f"{against} | {client:.3f} | {rate:.0f} | {bad} |"
+            f"{against} | {client:.3f} | {rate:.0f} | {batch} | {bad} |"
         )
 
 

@@ -117,7 +117,8 @@ class Settings(BaseSettings):
     # Several processes on one port (server/frontend/, docs/design.md §5): 1 is the single-process
     # server. "model-process": N API processes (HTTP, guard, keys, decoding) feeding one model process
     # (engine, registry, batcher) through shared memory; "replicas": N full servers, each its own
-    # engine and batcher. None: model-process.
+    # engine and batcher. None: model-process. Unset on a GPU host, `memvit serve` makes it
+    # min(8, cores // 2) API processes and one model process (server/cli/serve.py, gpu_host_default).
     api_processes: int = Field(1, ge=1, le=64, description="processes answering HTTP on the one port")
     front_end: Literal["model-process", "replicas"] | None = Field(
         None, description="with several API processes: one model process behind them, or N replicas"

@@ -78,10 +78,12 @@ ALL: tuple[Part, ...] = (
         20,
         30,
     ),
-    # The real DeiT-Tiny, JPEGs decoded on the GPU: the bounds (~7 s), the server's start (~8 s), each
+    # The real DeiT-Tiny in the default front end on a GPU host (8 API processes and one model
+    # process, JPEGs decoded on the GPU): the bounds (~7 s), the group's start (~8 s for one process,
+    # the group's not timed alone yet), each
     # photo alone, 6 s of full load with its drain and the load workers' start (~8 s), 6 s at half of
     # it, the two keys (3 s alone, 6 s beside the flood: ~13 s); then ViT-B/16 in bf16, its bounds,
-    # start and full load (~28 s). A model starts with 3 x 6 + 60 s left. The CPU-decode variant and
-    # the front ends of several processes are a second command's (docs/gpu.md).
+    # start and full load (~28 s). A model starts with 3 x 6 + 60 s left. One process, the replicas
+    # and the CPU-decode variant are a second command's (docs/gpu.md).
     Part("server", {"server_models": BOTH, "server_seconds": 6.0, "server_variants": 1}, 75, 80),
 )

@@ -20,9 +20,9 @@ from typing import Annotated
 import typer
 
 from . import evaluate, info, inspect, keys, serve, train, usage
-from .serve import loopback_admin_default
+from .serve import gpu_host_default, loopback_admin_default
 
-__all__ = ["app", "loopback_admin_default"]
+__all__ = ["app", "gpu_host_default", "loopback_admin_default"]
 
 app = typer.Typer(
     help="memvit: one frozen ViT plus learnable-memory adapters in one fused pass.", no_args_is_help=True

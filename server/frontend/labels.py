@@ -42,6 +42,7 @@ class LabelKeys:
     def __init__(self) -> None:
         self._by_id = _Bounded()  # id(labels) -> (labels, key): holding the tuple keeps its id its own
         self._by_key = _Bounded()  # key -> labels, for the API processes that ask
+        self._by_ids = _Bounded()  # ids of an answer's label tuples -> (those tuples, their keys)
         self._lock = threading.Lock()
 
     def key(self, labels: Labels) -> bytes | None:
@@ -57,6 +58,20 @@ class LabelKeys:
             self._by_key.remember(key, labels)
         return key
 
+    def keys(self, labels: tuple[Labels, ...]) -> tuple[bytes | None, ...]:
+        """Each task's key for an answer's labels: one lookup for the whole tuple (the tasks' label
+        tuples are the adapters' own objects, the same in every batch; the entry holds them, so
+        their ids stay theirs while it lives)."""
+        ids = tuple(map(id, labels))
+        with self._lock:
+            known = self._by_ids.get(ids)
+        if known is not None:
+            return known[1]
+        keys = tuple(self.key(one) for one in labels)
+        with self._lock:
+            self._by_ids.remember(ids, (labels, keys))
+        return keys
+
     def cached(self) -> _BatchKeys:
         """``key`` for one batch's answers: each label tuple looked up once, without the lock."""
         return _BatchKeys(self)
@@ -69,25 +84,15 @@ class LabelKeys:
 class _BatchKeys:
     def __init__(self, keys: LabelKeys) -> None:
         self._keys = keys
-        self._seen: dict[int, bytes | None] = {}  # the batch's answers hold the tuples: ids stay theirs
-        self._tuples: dict[int, tuple[bytes | None, ...]] = {}
-
-    def key(self, labels: Labels) -> bytes | None:
-        known = self._seen.get(id(labels), _MISSING)
-        if known is _MISSING:
-            known = self._seen[id(labels)] = self._keys.key(labels)
-        return known  # type: ignore[return-value]
+        self._tuples: dict[int, tuple[bytes | None, ...]] = {}  # the batch's answers hold the tuples
 
     def keys(self, labels: tuple[Labels, ...]) -> tuple[bytes | None, ...]:
         """Each task's key, once per tuple of labels (the requests of a batch asking the same tasks
         share theirs: server/inference/answers.py)."""
         known = self._tuples.get(id(labels))
         if known is None:
-            known = self._tuples[id(labels)] = tuple(self.key(one) for one in labels)
+            known = self._tuples[id(labels)] = self._keys.keys(labels)
         return known
-
-
-_MISSING = object()
 
 
 class LabelCache:

@@ -123,3 +123,25 @@ def test_a_task_keeps_its_series_until_another_is_asked_clearly_more() -> None:
     assert set(task_series(metrics.render().decode())) == {OTHER}  # z's series is gone...
     metrics.answered("k", 1, ["y"], rows=1)
     assert task_series(metrics.render().decode()) == {"y": 1.0, OTHER: 12.0}  # ...and y counts from now
+
+
+def test_answers_are_tallied_until_read_and_the_tallies_stay_bounded(monkeypatch) -> None:
+    """A batch's answers are tallied by (key, tasks) and reach the series when the metrics are read;
+    with many distinct asks and no reader, they are counted once the tallies reach their bound."""
+    monkeypatch.setattr("memvit.server.telemetry.metrics.MAX_TALLIES", 8)
+    metrics = Metrics(TaskLabels(top=100))
+    metrics.answered_batch(
+        [("k", 3, 4, ("base", "a"), 4), ("j", 1, 1, ("a",), 1), ("k", 1, 2, ("base", "a"), 2)]
+    )
+    assert metrics.task_requests.labels("a")._value.get() == 0  # tallied, not yet on the series
+    assert task_series(metrics.render().decode()) == {"base": 4, "a": 5}
+    assert task_series(metrics.render().decode(), "memvit_task_images_total") == {"base": 6, "a": 7}
+    text = metrics.render().decode()
+    assert (
+        'memvit_key_adapter_rows_total{key="k"} 6.0' in text
+        and 'memvit_key_images_total{key="j"} 1.0' in text
+    )
+    for i in range(50):  # 50 distinct asks, nobody reading: never more than the bound held
+        metrics.answered("k", 1, [f"t{i}"], rows=1)
+        assert len(metrics._tallies) <= 8
+    assert sum(task_series(metrics.render().decode()).values()) == 4 + 5 + 50
