@@ -129,6 +129,7 @@ class SlotPasses:
             path=path,
             gemms=self.row_gemms,
             trim=self.trim_last_block,
+            head_run=None if self.graphed else plan.head_run,  # a graph would bake the value in
         )
 
     @property
