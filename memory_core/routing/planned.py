@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..block.apart import apart_block, apart_supported
 from ..block.attention import LayerMemory, _finish, base_attention, project_qkv, split_block
-from ..block.merged import class_rows_attention, merged_block, merged_last_block
+from ..block.merged import class_rows_attention, merged_block, merged_last_block, trimmable
 from . import triton_kernels
 from .plan import PlanShape, PlanTensors
 from .slots import SlotPools
@@ -94,7 +94,7 @@ def planned_forward(
                 z = triton_block(block, z, T, SlotAttention(pools, i, plan, shape))
                 continue
             memory = layer_memory(pools, i, plan, shape, bias, lineage)
-            if i == last and trim and read_by_head(base) is not None:
+            if i == last and trim and read_by_head(base) is not None and trimmable(block):
                 z = merged_last_block(block, z, T, memory, read_by_head(base))  # (B, read + R, D)
                 T = read_by_head(base)
             else:
