@@ -75,7 +75,7 @@ def peak_mb(fn: Callable[[], object]) -> float:
 
 def bench_arch(arch: str, ks: list[int], ms: list[int], args: argparse.Namespace) -> list[Row]:
     engine = MemoryViT.from_timm(arch)
-    engine.trim_last_block = args.trim
+    engine.trim_last_block = {"auto": None, "on": True, "off": False}[args.trim]
     base = engine.base
     x = torch.randn(args.batch, 3, *engine.spec.img_size)
     rows: list[Row] = []
@@ -162,8 +162,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-dense", action="store_true", help="skip the dense-mask oracle")
     parser.add_argument(
         "--trim",
-        action="store_true",
-        help="the last block over the rows a head reads only (engine.trim_last_block, an option)",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="the last block over the rows a head reads only (engine.trim_last_block; auto: on the CPU)",
     )
     parser.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds alone")
     args = parser.parse_args(argv)

@@ -5,10 +5,13 @@
 
 One intra-op thread, so a pass's CPU time is its own thread's (``time.thread_time``): time the
 process spends descheduled by other work does not count, which wall-clock ratios on a shared 2-core
-machine cannot say (benchmarks/RESULTS.md §1.0). Three passes in interleaved repetitions: timm's base
-pass, the fused pass as served (the like-for-like overhead over R) and the fused pass with the
-``trim_last_block`` option (its last block over the rows a head reads only). Prints each one's median and
-the median of per-repetition ratios to the base, against the analytic R. Memory stalls from other
+machine cannot say (benchmarks/RESULTS.md §1.0). Passes in interleaved repetitions, every other one
+in reverse order: timm's base pass, the fused pass as served (on the CPU its last block over the
+rows a head reads only: ``trim_last_block``) and the variants ``--also`` names: ``whole`` (the whole
+last block, the like-for-like overhead over R), ``trim`` (trimmed whatever the default),
+``apart`` (``row_gemms = "apart"``: each linear layer as two products, the base rows' on the base
+pass's shape and the class-token rows' thin). Prints each one's median and the
+median of per-repetition ratios to the base, against the analytic R. Memory stalls from other
 processes' cache traffic still count: compare runs of one sitting, not across evenings.
 """
 
@@ -33,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routed", type=int, default=0, help="tasks per image (0: every task)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--reps", type=int, default=12)
+    parser.add_argument(
+        "--also", nargs="*", default=["whole"], choices=["whole", "trim", "apart"], help="variants"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -48,14 +54,19 @@ def main(argv: list[str] | None = None) -> None:
         tasks = [[names[(7 * b + j) % len(names)] for j in range(args.routed)] for b in range(args.batch)]
     r = flop_ratio(engine.spec, uniform_adapters(args.routed or args.k, 1, 1000))
 
-    def fused(trim: bool):
+    def fused(trim: bool | None = None, gemms: str = "joined"):
         def run() -> None:
-            engine.trim_last_block = trim
+            engine.trim_last_block, engine.row_gemms = trim, gemms
             engine(x, loaded, tasks=tasks)
 
         return run
 
-    fns = {"base": lambda: engine.base(x), "fused": fused(False), "fused, --trim": fused(True)}
+    variants = {
+        "whole": ("fused, whole last block", fused(trim=False)),
+        "trim": ("fused, trimmed", fused(trim=True)),
+        "apart": ("fused, apart", fused(gemms="apart")),
+    }
+    fns = {"base": lambda: engine.base(x), "fused": fused(), **dict(variants[v] for v in args.also)}
     times = interleaved(fns, args.reps, clock=time.thread_time, alternate=True)
     what = f"routed {args.routed} of {args.k}" if args.routed else f"all {args.k} tasks"
     print(f"| {args.arch}, {what}, R = {r:.3f} | median ms | / base (median of reps) | over R |")

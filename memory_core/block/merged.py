@@ -15,9 +15,9 @@ at width 192). Elsewhere the rows' attention reads the base keys and values dire
 from __future__ import annotations
 
 import torch
-from timm.layers import Attention
+from timm.layers import Attention, Mlp
 from timm.models.vision_transformer import Block
-from torch import Tensor
+from torch import Tensor, nn
 
 from .attention import (
     KeysValues,
@@ -122,36 +122,61 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
 def merged_last_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory, read: int) -> Tensor:
     """``merged_block`` for the last block when only the first ``read`` base rows are read after it
     (timm's token pooling reads the class token, a distilled DeiT its distillation token too): every
-    row's keys and values, but queries, attention output, projection and MLP for [X[:, :read] ; C]
-    alone. Returns those rows, (B, read + K, D).
+    row's keys, values and attention, but projection and MLP for [X[:, :read] ; C] alone. Returns
+    those rows, (B, read + K, D).
 
-    Row i of each operation does not depend on the other rows, so the rows kept come out as the
-    whole block computes them, up to the rounding of differently shaped products; the other base
-    rows' outputs, which nothing reads, are never computed (for ViT-B/32, 49 of 50 base rows of the
-    last block's projection and MLP: about 5% of the pass).
+    The other base rows' outputs, which nothing reads, are never computed (for ViT-B/32, 49 of 50
+    base rows of the last block's projection and MLP: about 5% of the pass). The rows kept go
+    through per-image products (``per_image``): one (read + K)-row product per image, never one
+    over every image's rows, whose split across threads rounds a row by where it sits (two threads
+    on a CPU: two identical images in one pass ~3e-7 apart). Attention runs over every query, as in
+    ``merged_block``, for the same reason. Needs timm's plain Mlp and no gate (``trimmable``).
     """
     T = num_base
     attn = block.attn
     h = block.norm1(z)
     q, k, v = project_qkv(attn, h)  # (B, H, T+K, d) each
-    B, H, _, d = q.shape
-    rows = torch.cat([z[:, :read], z[:, T:]], dim=1)  # (B, read + K, D)
-    gated = getattr(attn, "gate", None) is not None  # only a gate reads the normed rows after attention
-    h_rows = torch.cat([h[:, :read], h[:, T:]], dim=1) if gated else None
-    q_rows = torch.cat([q[:, :, :read], q[:, :, T:]], dim=2)  # (B, H, read + K, d)
+    B, H, N, d = q.shape
     k_x, v_x = k[:, :, :T], v[:, :, :T]
     if summarised(attn, z):
-        o, lse = base_summary(attn, q_rows, k_x, v_x)
-        o = o.transpose(1, 2)  # (B, read + K, H, d)
+        o, lse = base_summary(attn, q, k_x, v_x)
+        o = o.transpose(1, 2)  # (B, N, H, d)
         if not o.is_contiguous():
             o = o.contiguous()
-        summary_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], o[:, read:], lse[:, :, read:], memory)
+        summary_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], o[:, T:], lse[:, :, T:], memory)
     else:
-        o_x = base_attention(attn, q_rows[:, :, :read], k_x, v_x)  # (B, H, read, d)
+        o_x = base_attention(attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
         o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory)
-        o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1)  # (B, read + K, H, d)
-    del q, k, v, k_x, v_x, q_rows
-    return _finish(block, rows, h_rows, o.reshape(B, rows.shape[1], H * d))
+        o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1)  # (B, N, H, d)
+    del q, k, v, k_x, v_x
+    o = o.reshape(B, N, H * d)
+    rows = torch.cat([z[:, :read], z[:, T:]], dim=1)  # (B, read + K, D)
+    o = torch.cat([o[:, :read], o[:, T:]], dim=1)
+    mlp = block.mlp
+    x = rows + block.drop_path1(block.ls1(attn.proj_drop(per_image(attn.proj, attn.norm(o)))))
+    f = mlp.norm(mlp.drop1(mlp.act(per_image(mlp.fc1, block.norm2(x)))))
+    return x + block.drop_path2(block.ls2(mlp.drop2(per_image(mlp.fc2, f))))
+
+
+def trimmable(block: Block) -> bool:
+    """Whether ``merged_last_block`` computes this block: no gate after attention, timm's plain Mlp
+    and linear products (it runs them per image)."""
+    mlp = block.mlp
+    return (
+        getattr(block.attn, "gate", None) is None
+        and type(mlp) is Mlp
+        and all(isinstance(m, nn.Linear) for m in (block.attn.proj, mlp.fc1, mlp.fc2))
+    )
+
+
+def per_image(linear: nn.Linear, x: Tensor) -> Tensor:
+    """``linear`` over x (B, r, in), one product per image (a batched product over the images):
+    (B, r, out). Each image's rows come out the same wherever the image sits in the batch."""
+    B, r, _ = x.shape
+    weight = linear.weight.t().expand(B, *linear.weight.t().shape)  # (B, in, out), no copy
+    if linear.bias is None:
+        return torch.bmm(x, weight)
+    return torch.baddbmm(linear.bias.expand(B, r, linear.out_features), x, weight)
 
 
 def class_rows_attention(

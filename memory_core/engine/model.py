@@ -68,10 +68,11 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
         # rows) or "apart" (the base rows' on the base pass's own shape; block/apart.py).
         self.row_gemms = "joined"
         # The torch kernels' joined pass: the last block computes only the rows a head reads (the base
-        # head's class token and the class-token rows; block/merged.py ``merged_last_block``): ~5% of a
-        # ViT-B/32 pass less. Off by default: on two threads its small products round a row by where
-        # it sits, so two identical images in one pass could differ by ~3e-7 (docs/design.md §2.1).
-        self.trim_last_block = False
+        # head's class token and the class-token rows; block/merged.py ``merged_last_block``), ~5% of a
+        # ViT-B/32 pass less, its kept rows through per-image products so that two identical images
+        # in one pass still get the same bits. None: on the CPU (thread time, two sittings: R-4.0%,
+        # R-2.5% against R+1.9%, R-1.0% whole; docs/design.md §2.1), whole on CUDA.
+        self.trim_last_block: bool | None = None
         # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (routing/graphs.py).
         self.cuda_graphs = True
         # Graphed planned passes: the patch embedding's graph is launched before the plan is made, so

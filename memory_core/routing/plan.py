@@ -25,6 +25,7 @@ How a plan is computed from the set's slot table and the batch's tasks is routin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -99,6 +100,18 @@ class PassPlan:
     # ``kept`` as a tensor over the same memory, made once before the array was made read-only (torch
     # warns on a read-only array): what a CPU pass reads.
     kept_tensor: Tensor | None = None
+
+    @cached_property
+    def head_run(self) -> int | None:
+        """The first slot when a shared plan's R rows read consecutive slots s, s+1, ..., s+R-1 (a
+        set's all-tasks plan does until churn scatters its slots), else None: their heads are then
+        one view of the pool, which a pass that is not captured reads in place instead of gathering
+        them (routing/planned.py ``shared_heads``). Numpy over the packed plan, once per kept plan."""
+        if not self.shape.shared or self.shape.rows == 0:
+            return None
+        slots = self.host[: self.shape.rows]
+        first = int(slots[0])
+        return first if np.array_equal(slots, np.arange(first, first + slots.size)) else None
 
     @property
     def generation(self) -> int:

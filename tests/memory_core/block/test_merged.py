@@ -81,7 +81,7 @@ def test_the_last_block_computes_only_the_rows_read(variant: str, summarised: bo
     from memvit.memory_core.routing import planned
 
     engine = tiny_engine(variant)
-    engine.trim_last_block = True  # an option (off by default: model.py)
+    assert engine.resolved_trim  # the CPU's default (model.py)
     adapters = _adapters(engine)
     x = images(engine, batch=4)
     if not summarised:
@@ -105,3 +105,26 @@ def test_the_last_block_computes_only_the_rows_read(variant: str, summarised: bo
     base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
     assert max_diff(every.base, base_ref) <= TOL and max_diff(routed.base, base_ref) <= TOL
     assert_tasks_match(every, routed, tasks, adapter_ref)
+
+
+def test_the_last_block_is_trimmed_on_the_cpu_by_default_and_whole_when_asked(monkeypatch) -> None:
+    """The CPU's default trims the last block (docs/design.md §2.1); ``trim_last_block = False``
+    runs it whole; elsewhere the default is whole (the Triton path never trims)."""
+    from memvit.memory_core.routing import planned
+
+    engine = tiny_engine()
+    calls = []
+    monkeypatch.setattr(
+        planned, "merged_last_block", lambda *a: calls.append(a) or merged.merged_last_block(*a)
+    )
+    loaded = engine.prepare_set(_adapters(engine))
+    x = images(engine, batch=2)
+    with torch.no_grad():
+        engine(x, loaded)
+        assert len(calls) == 1 and engine.trim_last_block is None and engine.resolved_trim
+        engine.trim_last_block = False
+        engine(x, loaded)
+        assert len(calls) == 1
+    engine.trim_last_block = None
+    monkeypatch.setattr(type(engine), "device", property(lambda self: torch.device("cuda")))
+    assert not engine.resolved_trim

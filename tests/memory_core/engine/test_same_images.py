@@ -1,12 +1,14 @@
 """Two identical images in one pass get the same answers, bit for bit (what a server's request with
 the same picture twice shows its client), whatever the batch around them and the adapters asked.
 
-On this machine's two threads the CPU's small products round a row by where it sits; the engine's
-default pass keeps every product large enough not to (the trimmed last block, an option, does not:
-memory_core/engine/model.py ``trim_last_block``)."""
+On this machine's two threads the CPU's small products, one over every image's rows, round a row by
+where it sits: the trimmed last block (memory_core/block/merged.py ``merged_last_block``, the CPU's
+default) runs its few rows' products per image, and the whole block keeps every product large. A
+trimmed block with one product over all its rows failed this test (~3e-7 apart)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from memvit.memory_core import MemoryViT
@@ -36,6 +38,8 @@ def _differing(engine: MemoryViT) -> list[tuple]:
     return found
 
 
-def test_identical_images_in_one_pass_get_identical_answers() -> None:
+@pytest.mark.parametrize("trim", [None, True, False])  # the default (trimmed on the CPU), on, off
+def test_identical_images_in_one_pass_get_identical_answers(trim) -> None:
     engine = MemoryViT.from_timm("vit_tiny_patch16_224", **TINY).eval()
+    engine.trim_last_block = trim
     assert _differing(engine) == []

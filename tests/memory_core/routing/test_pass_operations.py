@@ -192,7 +192,8 @@ def test_a_pass_traces_as_one_graph(routed: bool) -> None:
     def device_pass(x: torch.Tensor, tensors):
         from memvit.memory_core.routing.planned import planned_forward
 
-        return planned_forward(engine.base, engine.embed(x), tensors, plan.shape, plan.pools)
+        trim = engine.resolved_trim  # the pass as the engine runs it (trimmed on the CPU)
+        return planned_forward(engine.base, engine.embed(x), tensors, plan.shape, plan.pools, trim=trim)
 
     torch._dynamo.reset()
     compiled = torch.compile(device_pass, fullgraph=True, backend="eager")  # raises on a graph break

@@ -136,9 +136,15 @@ def test_a_planned_pass_keeps_the_pools_it_was_planned_with(engine) -> None:
 
 
 def test_the_all_tasks_heads_gather_a_bounded_chunk_at_a_time(engine, monkeypatch) -> None:
-    """The shared layout's heads run in chunks of rows whose gathered weights stay under
-    ``SHARED_HEAD_BYTES``: the same logits, and no (R, C, D) copy of every head per pass."""
+    """The shared layout's heads, where they are gathered (slots not consecutive, or a captured
+    pass), run in chunks of rows whose gathered weights stay under ``SHARED_HEAD_BYTES``: the same
+    logits, and no (R, C, D) copy of every head per pass."""
     from memvit.memory_core.routing import planned
+    from memvit.memory_core.routing.plan import PassPlan
+
+    monkeypatch.setattr(
+        PassPlan, "head_run", property(lambda plan: None)
+    )  # the gather, as where the slots are scattered
 
     live = LiveAdapters(engine)
     weights = [random_adapter(f"a{i}", engine, classes=3 + i) for i in range(7)]
