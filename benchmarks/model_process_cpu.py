@@ -3,6 +3,7 @@
     python -m benchmarks.model_process_cpu                  # both decode paths, 3 rounds, ~1 min
     python -m benchmarks.model_process_cpu --smoke          # a few seconds of each (CI)
     python -m benchmarks.model_process_cpu --real-pass      # the tiny base's pass instead of the stub
+    python -m benchmarks.model_process_cpu --paths device --clients 4 64   # its cost per batch and per image
 
 The model process of a group only forms batches (docs/design.md §5): what it spends per request,
 apart from the model's work, is its own overhead: reading the link, pinning the adapters, queueing,
@@ -19,6 +20,11 @@ decoding itself is negligible). This process plays two API processes: two links,
 ``RemoteRunner`` (server/frontend/remote.py) and its shared-memory arena, and closed-loop clients
 on them. The model process's CPU time is read from /proc before and after each phase and divided by
 the requests answered (CPU time, not throughput: this machine's cores also run the clients).
+
+With several ``--clients`` counts (each in turn, every round), the batches differ in size, and the
+model process's CPU is fitted as ``a`` per batch plus ``b`` per image over every phase (its batches and
+images from its ``memvit_batch_images``). ``--against DIR`` runs the model process on DIR's server/
+(this checkout's memory_core and this process's side of the link), for an A/B of the model process.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import io
 import itertools
 import multiprocessing
 import os
+import re
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,15 +59,37 @@ def small_jpeg(side: int = 32) -> bytes:
     return buf.getvalue()
 
 
+def batches(directory: Path) -> tuple[float, float]:
+    """``memvit_batch_images``' sum and count, as the model process last published them (every second,
+    server/frontend/shared_metrics.py)."""
+    text = (directory / "model.prom").read_text()
+    found = dict(re.findall(r"^memvit_batch_images_(sum|count) (\S+)$", text, re.M))
+    return float(found.get("sum", 0)), float(found.get("count", 0))
+
+
+def fit(phases: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(ms per batch, ms per image) of phases' (CPU ms, batches, images): least squares through 0."""
+    import numpy as np
+
+    cpu, formed, images = (np.array(column) for column in zip(*phases, strict=True))
+    (per_batch, per_image), *_ = np.linalg.lstsq(np.stack([formed, images], 1), cpu, rcond=None)
+    return float(per_batch), float(per_image)
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _model(settings, directory: str, ready, stub: bool, profile: bool) -> None:
+def _model(settings, directory: str, ready, stub: bool, profile: bool, then: str | None) -> None:
     """The model process, as the supervisor starts it, its pass stubbed (``stub``); ``profile``: its
-    functions' CPU time, every thread's, printed when it stops (yappi, not a dependency)."""
+    functions' CPU time, every thread's, printed when it stops (yappi, not a dependency); ``then``: a
+    directory whose ``memvit/server`` is another checkout's (memvit is a namespace package: its path
+    follows ``sys.path``), so the model process runs that server code with this memory_core."""
     import logging
+
+    if then is not None:
+        sys.path.insert(0, then)
 
     from memvit.server.frontend.model_process import serve_model
 
@@ -98,7 +128,7 @@ async def _phase(runners: list, items, clients: int, seconds: float) -> int:
     return done
 
 
-async def _drive(directory: Path, pid: int, path: str, args, rounds: list[float]) -> None:
+async def _drive(directory: Path, pid: int, path: str, args, phases: dict) -> None:
     import torch
 
     from memvit.server.frontend.api_process import _build
@@ -117,13 +147,19 @@ async def _drive(directory: Path, pid: int, path: str, args, rounds: list[float]
         arenas.append(arena)
     runners = [s.pipeline.runner for s in services]
     items = torch.randn(1, 3, 32, 32) if path == "cpu" else [Encoded(small_jpeg(), "photo.jpg", 1)]
-    await _phase(runners, items, args.clients, min(args.seconds, 2.0))  # warm-up
+    await _phase(runners, items, max(args.clients), min(args.seconds, 2.0))  # warm-up
     for r in range(args.rounds):
-        before = cpu_seconds(pid)
-        n = await _phase(runners, items, args.clients, args.seconds)
-        rounds.append(1e3 * (cpu_seconds(pid) - before) / n)
-        print(f"  round {r + 1} decode={path}: {n} requests, model process {rounds[-1]:.3f} ms CPU/request",
-              flush=True)  # fmt: skip
+        for clients in args.clients:  # alternating, round by round
+            await asyncio.sleep(1.2)  # the model process publishes its metrics every second
+            counted, before = batches(directory), cpu_seconds(pid)
+            n = await _phase(runners, items, clients, args.seconds)
+            cpu = 1e3 * (cpu_seconds(pid) - before)
+            await asyncio.sleep(1.2)
+            images, formed = (a - b for a, b in zip(batches(directory), counted, strict=True))
+            phases.setdefault(clients, []).append((cpu, formed, images, n))
+            print(f"  round {r + 1} decode={path} clients={clients}: {n} requests, mean batch "
+                  f"{images / max(formed, 1):.1f}, model process {cpu / n:.3f} ms CPU/request",
+                  flush=True)  # fmt: skip
     for link, service, arena in zip(links, services, arenas, strict=True):
         await link.close()
         service.decode_pool.shutdown()
@@ -133,12 +169,13 @@ async def _drive(directory: Path, pid: int, path: str, args, rounds: list[float]
 def main(argv: list[str] | None = None) -> None:
     parser = argument_parser(__file__, __doc__)
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
-    parser.add_argument("--clients", type=int, default=64, help="requests in flight")
+    parser.add_argument("--clients", type=int, nargs="+", default=[64], help="in flight (several: in turn)")
     parser.add_argument("--seconds", type=float, default=8.0, help="per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--real-pass", action="store_true", help="the tiny base's pass, not the stub")
     parser.add_argument("--smoke", action="store_true", help="one short round (CI)")
     parser.add_argument("--profile", action="store_true", help="the model process's profile (needs yappi)")
+    parser.add_argument("--against", type=Path, help="the model process on another checkout's server/")
     args = parser.parse_args(argv)
     if args.smoke:
         args.seconds, args.rounds = 1.0, 1
@@ -153,6 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        then = None
+        if args.against is not None:
+            (root / "then" / "memvit").mkdir(parents=True)
+            (root / "then" / "memvit" / "server").symlink_to((args.against / "server").resolve())
+            then = str(root / "then")
         weights = save_base(
             engine.base, root / "base.safetensors", arch="vit_tiny_patch16_224", model_kwargs=BASE
         )
@@ -166,23 +208,32 @@ def main(argv: list[str] | None = None) -> None:
             args.settings = Settings(_env_file=None, weights=weights, adapter_store=store, decode_device=path,
                                      usage_log=False, log_level="warning")  # fmt: skip
             ready = context.Event()
-            flags = (not args.real_pass, args.profile)
+            flags = (not args.real_pass, args.profile, then)
             child = context.Process(target=_model, args=(args.settings, str(directory), ready, *flags))
             child.start()
             try:
                 while not ready.wait(1):
                     if not child.is_alive():
                         raise RuntimeError("the model process did not start")
-                rounds: list[float] = []
-                asyncio.run(_drive(directory, child.pid, path, args, rounds))
-                results[path] = statistics.median(rounds)
+                phases: dict[int, list] = {}
+                asyncio.run(_drive(directory, child.pid, path, args, phases))
+                results[path] = phases
             finally:
                 child.terminate()
                 child.join(30)
-    print("\n| decode | model process CPU ms/request (median) |")
-    print("| --- | --: |")
-    for path, value in results.items():
-        print(f"| {path} | {value:.3f} |")
+    print("\n| decode | clients | mean batch | model process CPU ms/request (median) |")
+    print("| --- | --: | --: | --: |")
+    for path, phases in results.items():
+        for clients, runs in phases.items():
+            per_request = statistics.median(cpu / n for cpu, _, _, n in runs)
+            batch = statistics.median(images / max(formed, 1) for _, formed, images, _ in runs)
+            print(f"| {path} | {clients} | {batch:.1f} | {per_request:.3f} |")
+    for path, phases in results.items():
+        every = [(cpu, formed, images) for runs in phases.values() for cpu, formed, images, _ in runs]
+        if len(phases) > 1:
+            per_batch, per_image = fit(every)
+            print(f"{path}: {per_batch:.3f} ms per batch + {per_image:.4f} ms per image (least squares, "
+                  f"{len(every)} phases)")  # fmt: skip
 
 
 if __name__ == "__main__":
