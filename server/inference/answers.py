@@ -252,7 +252,9 @@ def _serial(table: Tensor) -> int:
     put back; 0: nothing changed). torch runs a softmax (and its ``exp``/``max``) as an OpenMP parallel
     region whatever its size, and on a busy machine one region on a table of a few hundred values
     cost 50 us of CPU (the threads' barrier) against 2 us on one thread; setting the count and putting
-    it back costs under a microsecond, and an OpenMP thread count is the calling thread's own."""
+    it back costs under a microsecond. The OpenMP count is the calling thread's own; torch also keeps
+    the number as the default of threads that make their first torch call meanwhile (microseconds:
+    such a thread would run on one intra-op thread)."""
     if table.device.type != "cpu" or table.numel() > SERIAL_ELEMENTS:
         return 0
     threads = torch.get_num_threads()
