@@ -71,13 +71,16 @@ def _unpack_error(packed: tuple[type, tuple, dict]) -> BaseException:
 
 
 class Connection:
-    """One API process's connection, in the model process: answers leave through a writer thread,
-    every answer ready at once in one write."""
+    """One API process's connection, in the model process. Answers leave from the thread that has
+    them when the socket takes them at once (a non-blocking send: no hand-off to another thread per
+    batch); whatever it does not take, or what comes while another thread is sending, goes through
+    the writer thread, which may block. Frames leave in the order they were sent either way."""
 
     def __init__(self, sock: socket.socket, peer: int) -> None:
         self.sock, self.peer = sock, peer
         self._out: list[bytes] = []
         self._ready = threading.Condition()
+        self._sending = False  # a thread (the writer, or a sender) is writing to the socket now
         self._closed = False
         self._writer = threading.Thread(target=self._write, name=f"link-write-{peer}", daemon=True)
         self._writer.start()
@@ -103,22 +106,43 @@ class Connection:
 
     def send(self, frames: list[bytes]) -> None:
         with self._ready:
-            if not self._closed:
+            if self._closed:
+                return
+            if self._sending or self._out:  # behind what is being written: the writer sends it
                 self._out.extend(frames)
+                self._ready.notify()
+                return
+            self._sending = True
+        data = frames[0] if len(frames) == 1 else b"".join(frames)
+        try:
+            sent = self.sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:  # the socket's buffer is full: the writer waits for room
+            sent = 0
+        except OSError:  # the API process went away: its reader says so
+            sent = len(data)
+        with self._ready:
+            self._sending = False
+            if sent < len(data):
+                self._out.insert(0, data[sent:])  # before anything queued meanwhile
+            if self._out:
                 self._ready.notify()
 
     def _write(self) -> None:
         while True:
             with self._ready:
-                while not self._out and not self._closed:
+                while (not self._out or self._sending) and not self._closed:
                     self._ready.wait()
-                if self._closed and not self._out:
+                if self._closed and (self._sending or not self._out):
                     return
                 data, self._out = b"".join(self._out), []
+                self._sending = True
             try:
                 self.sock.sendall(data)
             except OSError:  # the API process went away: its reader says so
                 return
+            finally:
+                with self._ready:
+                    self._sending = False
 
     def close(self) -> None:
         with self._ready:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from memvit.memory_core import BASE_TASK, FusedOutput
@@ -79,46 +78,29 @@ class BatchAnswers:
         self.adapter_set = out.adapter_set
         self.base_labels = base_labels
         base = out.base
-        B = base.shape[0]
-        flat, every = out.answers()  # every (image, task) answer's row of ``flat``: numpy, no cutting
-        self.n_rows = 0 if flat is None else flat.shape[0]
-        classes = np.ones(self.n_rows + B, dtype=np.int64)  # padding rows (a bucketed plan's): never read
-        classes[every.row] = every.classes
-        classes[self.n_rows :] = base.shape[1]
-        self.classes = classes
-        # (image, task) -> row, for every task the batch computed (the base's column first): a
-        # request's rows are one slice and one index of it. Built with numpy, no Python per answer.
-        positions = np.unique(every.task)
-        adapters = self.adapter_set.adapters
-        self.every = (BASE_TASK, *(adapters[p].name for p in positions.tolist()))
-        self.column = {name: c for c, name in enumerate(self.every)}
-        rows = np.full((B, len(self.every)), -1, dtype=np.int64)
-        rows[:, 0] = self.n_rows + np.arange(B)
-        columns = np.searchsorted(positions, every.task) + 1
-        rows[every.image, columns] = every.row
-        self.rows = rows
-        self.column_classes = np.empty(len(self.every), dtype=np.int64)  # a task's classes, any image
-        self.column_classes[0] = base.shape[1]
-        self.column_classes[columns] = every.classes
-        self._asked: dict[tuple[str, ...] | None, tuple] = {}  # a request's tasks -> (names, columns, labels)
-        width = max(base.shape[1], 0 if flat is None else flat.shape[1])
+        flat, layout = _LAYOUTS.of(out, base_labels)  # the plan's: worked out once per kept plan
+        self.n_rows, self.classes, self.every = layout.n_rows, layout.classes, layout.every
+        self.column, self.rows, self.column_classes = layout.column, layout.rows, layout.column_classes
+        self._asked = layout.asked  # a request's tasks -> (names, columns, labels, classes)
+        width = layout.width
         k = min(max((w.top_k for w in wants), default=0), width)
         cuda = base.device.type == "cuda"
         table = _pad(_float(base), width)
         if flat is not None:
             table = torch.cat([_pad(_float(flat), width), table])
         host: dict[str, Tensor] = {}
-        if k > 0:
-            masked = table
-            if classes.min() < width:  # some rows padded: their padding masked out (else nothing to mask)
-                row_classes = torch.from_numpy(classes)
-                if cuda:  # through pinned memory: a pageable copy would wait for the pass
-                    row_classes = row_classes.pin_memory().to(base.device, non_blocking=True)
-                padding = torch.arange(width, device=base.device) >= row_classes[:, None]
-                masked = table.masked_fill(padding, -torch.inf)
-            top = masked.softmax(-1).topk(k, dim=-1)
-            host["probs"], host["index"] = top.values, top.indices
-        host["finite"] = torch.isfinite(table).all(-1)
+        threads = _serial(table)
+        try:
+            if k > 0:
+                masked = table
+                if layout.padded:  # some rows padded: their padding masked out (else nothing to mask)
+                    masked = table.masked_fill(layout.padding(base.device), -torch.inf)
+                top = masked.softmax(-1).topk(k, dim=-1)
+                host["probs"], host["index"] = top.values, top.indices
+            host["finite"] = torch.isfinite(table).all(-1)
+        finally:
+            if threads:
+                torch.set_num_threads(threads)
         if any(w.logits for w in wants):
             host["logits"] = table
         # On a CPU the tensors are on the host already (``to`` would be one more call each).
@@ -161,7 +143,8 @@ class BatchAnswers:
 
     def _columns(self, tasks: Sequence[str] | None) -> tuple:
         """A request's tasks (each once; None: every one computed), their columns, labels and class
-        counts, worked out once per batch for every request asking the same."""
+        counts, worked out once per layout (every batch of that plan) for every request asking the
+        same."""
         key = None if tasks is None else tuple(tasks)
         found = self._asked.get(key)
         if found is None:
@@ -175,9 +158,116 @@ class BatchAnswers:
         return found
 
 
+@dataclass(eq=False)
+class _Layout:
+    """What a batch's table is, apart from its values: each row's classes, each (image, task)'s row,
+    the columns a request's tasks read. It is the plan's: every batch of one kept plan (an unfiltered
+    batch of one size, ``plan_pass``) has the same, so it is worked out once, not once per batch (a
+    few dozen numpy calls, and the padding mask's four tensor operations)."""
+
+    n_rows: int
+    classes: np.ndarray  # (N + B,) each row's classes
+    every: tuple[str, ...]  # the tasks computed, the base first
+    column: dict[str, int]
+    rows: np.ndarray  # (B, len(every)) image, task -> row (-1: not computed)
+    column_classes: np.ndarray  # (len(every),) a task's classes, any image
+    width: int  # the table's: the widest row's classes
+    asked: dict = field(default_factory=dict)  # a request's tasks -> (names, columns, labels, classes)
+    _mask: Tensor | None = None
+
+    @property
+    def padded(self) -> bool:
+        """Whether some row has fewer classes than the table's width (then its padding is masked)."""
+        return bool(self.classes.min() < self.width)
+
+    def padding(self, device: torch.device) -> Tensor:
+        """(N + B, width) True where a row's column is past its classes: masked before the softmax.
+        Made once per layout, on the pass's device (and stream, the batches' after it)."""
+        if self._mask is None or self._mask.device != device:
+            row_classes = torch.from_numpy(self.classes)
+            if device.type == "cuda":  # through pinned memory: a pageable copy would wait for the pass
+                row_classes = row_classes.pin_memory().to(device, non_blocking=True)
+            self._mask = torch.arange(self.width, device=device) >= row_classes[:, None]
+        return self._mask
+
+
+class _Layouts:
+    """The layouts of the plans seen lately, by their output index (held, so its id is not reused)."""
+
+    LIMIT = 64  # kept plans: one per batch size and snapshot; a routed batch's index is its own
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple] = {}
+
+    def of(self, out: FusedOutput, base_labels: Labels) -> tuple[Tensor | None, _Layout]:
+        """The batch's flat logits and its layout (the plan's, kept, or worked out now)."""
+        index, flat, base = out.index, out.flat, out.base
+        if index is not None and flat is not None:
+            found = self._known.get(id(index))
+            if (found is not None and found[0] is index and found[1] is out.adapter_set
+                    and found[2] is base_labels and found[3] == (base.shape, flat.shape)):  # fmt: skip
+                return flat, found[4]
+        flat, every = out.answers()  # every (image, task) answer's row of ``flat``: numpy, no cutting
+        layout = _layout(flat, every, base, out.adapter_set)
+        index = out.index
+        if index is not None and flat is not None:
+            if len(self._known) >= self.LIMIT:
+                self._known.clear()
+            shapes = (base.shape, flat.shape)
+            self._known[id(index)] = (index, out.adapter_set, base_labels, shapes, layout)
+        return flat, layout
+
+
+def _layout(flat: Tensor | None, every, base: Tensor, adapter_set) -> _Layout:
+    B = base.shape[0]
+    n_rows = 0 if flat is None else flat.shape[0]
+    classes = np.ones(n_rows + B, dtype=np.int64)  # padding rows (a bucketed plan's): never read
+    classes[every.row] = every.classes
+    classes[n_rows:] = base.shape[1]
+    # (image, task) -> row, for every task the batch computed (the base's column first): a request's
+    # rows are one slice and one index of it. Built with numpy, no Python per answer.
+    positions = np.unique(every.task)
+    adapters = adapter_set.adapters
+    names = (BASE_TASK, *(adapters[p].name for p in positions.tolist()))
+    rows = np.full((B, len(names)), -1, dtype=np.int64)
+    rows[:, 0] = n_rows + np.arange(B)
+    columns = np.searchsorted(positions, every.task) + 1
+    rows[every.image, columns] = every.row
+    column_classes = np.empty(len(names), dtype=np.int64)
+    column_classes[0] = base.shape[1]
+    column_classes[columns] = every.classes
+    column = {name: c for c, name in enumerate(names)}
+    width = max(base.shape[1], 0 if flat is None else flat.shape[1])
+    return _Layout(n_rows, classes, names, column, rows, column_classes, width)
+
+
+_LAYOUTS = _Layouts()
+
+
+SERIAL_ELEMENTS = 32768  # torch's own grain: below it a parallel region cannot pay for itself
+
+
+def _serial(table: Tensor) -> int:
+    """For a small table on a CPU: this thread's intra-op threads set to one (returns the count to
+    put back; 0: nothing changed). torch runs a softmax (and its ``exp``/``max``) as an OpenMP parallel
+    region whatever its size, and on a busy machine one region on a table of a few hundred values
+    cost 50 us of CPU (the threads' barrier) against 2 us on one thread; setting the count and putting
+    it back costs under a microsecond. The OpenMP count is the calling thread's own; torch also keeps
+    the number as the default of threads that make their first torch call meanwhile (microseconds:
+    such a thread would run on one intra-op thread)."""
+    if table.device.type != "cpu" or table.numel() > SERIAL_ELEMENTS:
+        return 0
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return 0
+    torch.set_num_threads(1)
+    return threads
+
+
 def _float(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
 def _pad(t: Tensor, width: int) -> Tensor:
-    return t if t.shape[1] == width else F.pad(t, (0, width - t.shape[1]))
+    """Zeros to the right up to ``width`` columns (F.pad's operator for a constant, without its checks)."""
+    return t if t.shape[1] == width else torch.constant_pad_nd(t, (0, width - t.shape[1]))

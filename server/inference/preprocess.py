@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 from torch import Tensor
 from torchvision.transforms import CenterCrop, InterpolationMode, Normalize, Resize
@@ -43,6 +42,9 @@ from torchvision.transforms.v2.functional._geometry import _compute_resized_outp
 
 TRANSPOSED, H_FLIPPED, V_FLIPPED = (5, 6, 7, 8), (2, 3, 6, 7), (3, 4, 7, 8)  # EXIF orientations
 _MODES = {InterpolationMode.BILINEAR: "bilinear", InterpolationMode.BICUBIC: "bicubic"}
+# What F.interpolate(x, size, mode, align_corners=False, antialias=True) calls for a 4-D x: called
+# directly, without its checks of every argument per batch (the same operator, the same pixels).
+_RESIZE = {"bilinear": torch._C._nn._upsample_bilinear2d_aa, "bicubic": torch._C._nn._upsample_bicubic2d_aa}
 _UNKNOWN = object()
 
 
@@ -144,7 +146,7 @@ class BatchPreprocess:
         batch = picture.unsqueeze(0)  # (1, 3, h, w): the resize's own shape
         if tuple(batch.shape[-2:]) == size:
             return batch
-        return F.interpolate(batch, size=list(size), mode=self.mode, align_corners=False, antialias=True)
+        return _RESIZE[self.mode](batch, list(size), False, None)
 
     def _resized_together(self, pictures: Sequence[Tensor], size: tuple[int, int]) -> Tensor:
         """Pictures of one size (3, h, w) resized to ``size`` in one call -> (n, 3, *size). The filter
@@ -155,7 +157,7 @@ class BatchPreprocess:
         if not self.on_uint8:
             batch = batch.float()
         if tuple(batch.shape[-2:]) != size:
-            batch = F.interpolate(batch, size=list(size), mode=self.mode, align_corners=False, antialias=True)
+            batch = _RESIZE[self.mode](batch, list(size), False, None)
         return batch
 
     def _tables_for(self, places: list[_Placement], sizes: list[int]) -> tuple[Tensor, Tensor]:

@@ -151,3 +151,41 @@ def test_a_call_amended_before_its_turn_ends_leaves_as_one_frame(tmp_path) -> No
 
     assert asyncio.run(scenario()) is False
     assert got == [(1, "images"), (2,)]
+
+
+def test_answers_leave_in_order_and_a_full_socket_never_blocks_the_sender() -> None:
+    """A connection's answers are sent by the thread that has them when the socket takes them at
+    once; what a full socket does not take waits for the writer thread, and whatever is sent
+    meanwhile leaves after it: the peer reads every byte, in order, and no sender waits on it."""
+    import socket
+    import time
+
+    from memvit.server.frontend.link import Connection
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection = Connection(ours, peer=0)
+    big = bytes(range(256)) * (32 << 10)  # 8 MiB: more than the socket's buffer holds
+    small = [f"frame {i};".encode() for i in range(200)]
+    started = time.monotonic()
+    connection.send([b"first;"])
+    connection.send([big])  # the peer reads nothing yet: most of it is left to the writer
+    senders = [threading.Thread(target=lambda part=part: [connection.send([f]) for f in part])
+               for part in (small[:100], small[100:])]  # fmt: skip
+    for thread in senders:
+        thread.start()
+    for thread in senders:
+        thread.join()
+    assert time.monotonic() - started < 2.0  # nobody waited for the peer to read
+    expected = len(b"first;") + len(big) + sum(map(len, small))
+    received = bytearray()
+    theirs.settimeout(10)
+    while len(received) < expected:
+        received += theirs.recv(1 << 20)
+    assert received.startswith(b"first;" + big)
+    rest = bytes(received[len(b"first;") + len(big) :]).split(b";")[:-1]
+    assert sorted(rest) == sorted(f.rstrip(b";") for f in small)
+    for part in (small[:100], small[100:]):  # each sender's frames in the order it sent them
+        mine = [f.rstrip(b";") for f in part]
+        assert [r for r in rest if r in set(mine)] == mine
+    connection.close()
+    theirs.close()

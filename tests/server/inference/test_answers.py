@@ -116,3 +116,76 @@ def test_a_batch_without_padding_is_each_tasks_own_softmax_and_top_k_bit_for_bit
             probs, index = reference(out.logits()[task][want.lo : want.hi], want.top_k)
             assert torch.equal(torch.from_numpy(answer.probs[:, t]), probs)
             assert torch.equal(torch.from_numpy(answer.index[:, t]), index)
+
+
+def test_batches_of_one_kept_plan_share_its_layout_and_answer_their_own_logits(setup) -> None:
+    """An unfiltered batch of one size runs the plan kept for it (``plan_pass``): its layout (rows,
+    classes, columns, padding mask) is worked out once, and every batch still answers its own logits."""
+    engine, adapters = setup
+    wants = [Want(0, 1, 3, True), Want(1, 3, 9, False)]
+    batches = []
+    for _ in range(3):
+        out = engine(torch.randn(3, 3, 32, 32), adapters)
+        batch = BatchAnswers(out, engine.labels, wants)
+        batch.wait()
+        batches.append(batch)
+        for want in wants:
+            answer = batch.cut(want, ["c", "base", "a"], 1, 3)
+            assert answer.tasks == ("c", "base", "a")
+            for t, task in enumerate(answer.tasks):
+                values = out.logits()[task][want.lo : want.hi]
+                probs, index = reference(values, want.top_k)
+                torch.testing.assert_close(torch.from_numpy(answer.probs[:, t, : probs.shape[1]]), probs)
+                assert torch.equal(torch.from_numpy(answer.index[:, t, : probs.shape[1]]), index)
+                if want.logits:
+                    assert torch.equal(torch.from_numpy(answer.task_logits(t)), values)
+    assert batches[0].rows is batches[1].rows is batches[2].rows  # one layout for the plan
+
+
+def test_another_snapshot_or_batch_size_gets_its_own_layout(setup) -> None:
+    """A layout is its plan's: a new snapshot (other tasks, other classes) or another batch size
+    never reads one made for another."""
+    engine, adapters = setup
+    first = BatchAnswers(engine(torch.randn(2, 3, 32, 32), adapters), engine.labels, [Want(0, 2, 3, False)])
+    other = BatchAnswers(engine(torch.randn(3, 3, 32, 32), adapters), engine.labels, [Want(0, 3, 3, False)])
+    assert first.rows is not other.rows and other.rows.shape[0] == 3
+    live = LiveAdapters(engine)
+    live.replace_all([random_adapter(n, engine, m=2, classes=c) for n, c in (("d", 4), ("a", 6))])
+    out = engine(torch.randn(2, 3, 32, 32), live.current)
+    batch = BatchAnswers(out, engine.labels, [Want(0, 2, 3, False)])
+    batch.wait()
+    answer = batch.cut(Want(0, 2, 3, False), None, 1, 2)
+    assert answer.tasks == ("base", "d", "a") and list(answer.classes) == [engine.base.num_classes, 4, 6]
+    for t, task in enumerate(answer.tasks):
+        probs, index = reference(out.logits()[task], 3)
+        assert torch.equal(torch.from_numpy(answer.index[:, t, : probs.shape[1]]), index)
+
+
+def test_a_small_table_is_reduced_on_one_thread_and_the_count_is_put_back(setup, monkeypatch) -> None:
+    """A batch's small table is reduced with one intra-op thread (no OpenMP region per batch); the
+    thread count is the caller's again afterwards, and the answers are bit for bit the ones the
+    same table reduced on two threads gives."""
+    import memvit.server.inference.answers as answers
+
+    engine, adapters = setup
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = engine(torch.randn(4, 3, 32, 32), adapters)
+        want = Want(0, 4, 9, True)
+        serial = BatchAnswers(out, engine.labels, [want])
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(answers, "SERIAL_ELEMENTS", -1)  # every table on the caller's threads
+        parallel = BatchAnswers(out, engine.labels, [want])
+        for batch in (serial, parallel):
+            batch.wait()
+        a, b = serial.cut(want, None, 1, 3), parallel.cut(want, None, 1, 3)
+        assert a.tasks == b.tasks == ("base", "a", "b", "c")
+        for mine, theirs in ((a.probs, b.probs), (a.index, b.index), (a.logits, b.logits)):
+            assert mine.tobytes() == theirs.tobytes()
+        for t, task in enumerate(a.tasks):  # and each task's own softmax and top-k
+            probs, index = reference(out.logits()[task], 9)
+            torch.testing.assert_close(torch.from_numpy(a.probs[:, t, : probs.shape[1]]), probs)
+            assert torch.equal(torch.from_numpy(a.index[:, t, : probs.shape[1]]), index)
+    finally:
+        torch.set_num_threads(before)
