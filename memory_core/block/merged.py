@@ -95,6 +95,14 @@ def summarised(attn: Attention, z: Tensor) -> bool:
 
 def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) -> Tensor:
     """Base tokens and adapter class tokens, z = [X ; C] (B, T+K, D), through one block."""
+    h, o = _attend(block, z, num_base, memory)
+    return _finish(block, z, h, o)
+
+
+def _attend(block: Block, z: Tensor, num_base: int, memory: LayerMemory) -> tuple[Tensor, Tensor]:
+    """The block's first norm h (B, T+K, D) and every row's attention output o (B, T+K, H*d),
+    before the projection: base rows over the base keys, class-token rows over those, themselves
+    and their memory."""
     T = num_base
     attn = block.attn
     h = block.norm1(z)
@@ -109,14 +117,12 @@ def merged_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory) ->
             o = o.contiguous()
         # The class-token rows' output, in place over their base part: (B, K, H, d).
         summary_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], o[:, T:], lse[:, :, T:], memory)
-        del q, k, v, k_x, v_x
-        return _finish(block, z, h, o.view(B, N, H * d))
-    o_x = base_attention(attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
-    o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory)
-    del q, k, v, k_x, v_x  # drop this layer's keys and values before the MLP allocates its hidden layer
-    o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1).flatten(2)  # (B, T+K, H*d)
-    del o_x, o_c
-    return _finish(block, z, h, o)
+    else:
+        o_x = base_attention(attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
+        o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory)
+        del q, k, v, k_x, v_x  # drop this layer's keys and values before the output's copy
+        o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1)  # (B, N, H, d)
+    return h, o.view(B, N, H * d)  # q, k, v freed on return, before the MLP allocates its hidden layer
 
 
 def merged_last_block(block: Block, z: Tensor, num_base: int, memory: LayerMemory, read: int) -> Tensor:
@@ -134,22 +140,7 @@ def merged_last_block(block: Block, z: Tensor, num_base: int, memory: LayerMemor
     """
     T = num_base
     attn = block.attn
-    h = block.norm1(z)
-    q, k, v = project_qkv(attn, h)  # (B, H, T+K, d) each
-    B, H, N, d = q.shape
-    k_x, v_x = k[:, :, :T], v[:, :, :T]
-    if summarised(attn, z):
-        o, lse = base_summary(attn, q, k_x, v_x)
-        o = o.transpose(1, 2)  # (B, N, H, d)
-        if not o.is_contiguous():
-            o = o.contiguous()
-        summary_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], o[:, T:], lse[:, :, T:], memory)
-    else:
-        o_x = base_attention(attn, q[:, :, :T], k_x, v_x)  # (B, H, T, d)
-        o_c = class_token_attention(attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], KeysValues(k_x, v_x), memory)
-        o = torch.cat([o_x.transpose(1, 2), o_c.transpose(1, 2)], dim=1)  # (B, N, H, d)
-    del q, k, v, k_x, v_x
-    o = o.reshape(B, N, H * d)
+    _, o = _attend(block, z, T, memory)  # (B, T+K, H*d)
     rows = torch.cat([z[:, :read], z[:, T:]], dim=1)  # (B, read + K, D)
     o = torch.cat([o[:, :read], o[:, T:]], dim=1)
     mlp = block.mlp

@@ -21,6 +21,19 @@ def _adapters(engine):
     ]
 
 
+def _every_and_routed_match_the_oracle(engine, x, adapters) -> None:
+    """An all-tasks pass and a routed one (the first pass over 4 rows, the second over 3), each
+    against the dense oracle."""
+    loaded = engine.prepare_set(adapters)
+    tasks = [["m0", "child"], ["m5"], [], ["m1", "m0", "m5"]]
+    with torch.no_grad():
+        every = engine(x, loaded)
+        routed = engine(x, loaded, tasks=tasks)
+    base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
+    assert max_diff(every.base, base_ref) <= TOL and max_diff(routed.base, base_ref) <= TOL
+    assert_tasks_match(every, routed, tasks, adapter_ref)
+
+
 @pytest.mark.parametrize("summarised", [True, False])
 @pytest.mark.parametrize("variant", ["plain", "registers", "qknorm_layerscale_prenorm"])
 def test_both_routes_equal_the_dense_oracle(variant: str, summarised: bool, monkeypatch) -> None:
@@ -35,15 +48,8 @@ def test_both_routes_equal_the_dense_oracle(variant: str, summarised: bool, monk
         return summarised and calls[-1]
 
     monkeypatch.setattr(merged, "summarised", chosen)
-    loaded = engine.prepare_set(adapters)
-    tasks = [["m0", "child"], ["m5"], [], ["m1", "m0", "m5"]]
-    with torch.no_grad():
-        every = engine(x, loaded)
-        routed = engine(x, loaded, tasks=tasks)
+    _every_and_routed_match_the_oracle(engine, x, adapters)
     assert calls and all(calls)  # the merged block ran, and the CPU route was open to it
-    base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
-    assert max_diff(every.base, base_ref) <= TOL and max_diff(routed.base, base_ref) <= TOL
-    assert_tasks_match(every, routed, tasks, adapter_ref)
 
 
 def test_the_cpu_route_is_taken_only_where_it_holds() -> None:
@@ -95,16 +101,9 @@ def test_the_last_block_computes_only_the_rows_read(variant: str, summarised: bo
         return out
 
     monkeypatch.setattr(planned, "merged_last_block", spy)
-    loaded = engine.prepare_set(adapters)
-    tasks = [["m0", "child"], ["m5"], [], ["m1", "m0", "m5"]]
-    with torch.no_grad():
-        every = engine(x, loaded)
-        routed = engine(x, loaded, tasks=tasks)
+    _every_and_routed_match_the_oracle(engine, x, adapters)
     T, read = engine.spec.num_tokens, engine.base.num_prefix_tokens  # registers: 5 prefix tokens
     assert trimmed == [(T + 4, read + 4, read), (T + 3, read + 3, read)]  # 4 rows shared, 3 routed
-    base_ref, adapter_ref = DenseMemoryViT(engine.base, adapters)(x)
-    assert max_diff(every.base, base_ref) <= TOL and max_diff(routed.base, base_ref) <= TOL
-    assert_tasks_match(every, routed, tasks, adapter_ref)
 
 
 def test_the_last_block_is_trimmed_on_the_cpu_by_default_and_whole_when_asked(monkeypatch) -> None:
