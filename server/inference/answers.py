@@ -89,18 +89,13 @@ class BatchAnswers:
         if flat is not None:
             table = torch.cat([_pad(_float(flat), width), table])
         host: dict[str, Tensor] = {}
-        threads = _serial(table)
-        try:
-            if k > 0:
-                masked = table
-                if layout.padded:  # some rows padded: their padding masked out (else nothing to mask)
-                    masked = table.masked_fill(layout.padding(base.device), -torch.inf)
-                top = masked.softmax(-1).topk(k, dim=-1)
-                host["probs"], host["index"] = top.values, top.indices
-            host["finite"] = torch.isfinite(table).all(-1)
-        finally:
-            if threads:
-                torch.set_num_threads(threads)
+        if k > 0:
+            masked = table
+            if layout.padded:  # some rows padded: their padding masked out (else nothing to mask)
+                masked = table.masked_fill(layout.padding(base.device), -torch.inf)
+            top = masked.softmax(-1).topk(k, dim=-1)
+            host["probs"], host["index"] = top.values, top.indices
+        host["finite"] = torch.isfinite(table).all(-1)
         if any(w.logits for w in wants):
             host["logits"] = table
         # On a CPU the tensors are on the host already (``to`` would be one more call each).
@@ -242,26 +237,6 @@ def _layout(flat: Tensor | None, every, base: Tensor, adapter_set) -> _Layout:
 
 
 _LAYOUTS = _Layouts()
-
-
-SERIAL_ELEMENTS = 32768  # torch's own grain: below it a parallel region cannot pay for itself
-
-
-def _serial(table: Tensor) -> int:
-    """For a small table on a CPU: this thread's intra-op threads set to one (returns the count to
-    put back; 0: nothing changed). torch runs a softmax (and its ``exp``/``max``) as an OpenMP parallel
-    region whatever its size, and on a busy machine one region on a table of a few hundred values
-    cost 50 us of CPU (the threads' barrier) against 2 us on one thread; setting the count and putting
-    it back costs under a microsecond. The OpenMP count is the calling thread's own; torch also keeps
-    the number as the default of threads that make their first torch call meanwhile (microseconds:
-    such a thread would run on one intra-op thread)."""
-    if table.device.type != "cpu" or table.numel() > SERIAL_ELEMENTS:
-        return 0
-    threads = torch.get_num_threads()
-    if threads == 1:
-        return 0
-    torch.set_num_threads(1)
-    return threads
 
 
 def _float(t: Tensor) -> Tensor:

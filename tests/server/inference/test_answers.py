@@ -159,33 +159,3 @@ def test_another_snapshot_or_batch_size_gets_its_own_layout(setup) -> None:
     for t, task in enumerate(answer.tasks):
         probs, index = reference(out.logits()[task], 3)
         assert torch.equal(torch.from_numpy(answer.index[:, t, : probs.shape[1]]), index)
-
-
-def test_a_small_table_is_reduced_on_one_thread_and_the_count_is_put_back(setup, monkeypatch) -> None:
-    """A batch's small table is reduced with one intra-op thread (no OpenMP region per batch); the
-    thread count is the caller's again afterwards, and the answers are bit for bit the ones the
-    same table reduced on two threads gives."""
-    import memvit.server.inference.answers as answers
-
-    engine, adapters = setup
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        out = engine(torch.randn(4, 3, 32, 32), adapters)
-        want = Want(0, 4, 9, True)
-        serial = BatchAnswers(out, engine.labels, [want])
-        assert torch.get_num_threads() == 2
-        monkeypatch.setattr(answers, "SERIAL_ELEMENTS", -1)  # every table on the caller's threads
-        parallel = BatchAnswers(out, engine.labels, [want])
-        for batch in (serial, parallel):
-            batch.wait()
-        a, b = serial.cut(want, None, 1, 3), parallel.cut(want, None, 1, 3)
-        assert a.tasks == b.tasks == ("base", "a", "b", "c")
-        for mine, theirs in ((a.probs, b.probs), (a.index, b.index), (a.logits, b.logits)):
-            assert mine.tobytes() == theirs.tobytes()
-        for t, task in enumerate(a.tasks):  # and each task's own softmax and top-k
-            probs, index = reference(out.logits()[task], 9)
-            torch.testing.assert_close(torch.from_numpy(a.probs[:, t, : probs.shape[1]]), probs)
-            assert torch.equal(torch.from_numpy(a.index[:, t, : probs.shape[1]]), index)
-    finally:
-        torch.set_num_threads(before)
