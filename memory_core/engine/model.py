@@ -76,8 +76,9 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
         # On CUDA, inference passes replay CUDA graphs captured per bucketed shape (routing/graphs.py).
         self.cuda_graphs = True
         # Graphed planned passes: the patch embedding's graph is launched before the plan is made, so
-        # the device embeds while the host plans (off by default until a GPU run measures it).
-        self.embed_ahead = False
+        # the device embeds while the host plans. On an H200 (DeiT-Tiny, batch 64) it cut routed 1 and
+        # 8 of 1,000 per image by 0.23 and 0.29 ms a pass, same logits (docs/gpu.md).
+        self.embed_ahead = True
         self._slots: AdapterSlots | None = None  # built for the device and dtype on first use
         self._graphed_passes: GraphedPasses | None = None
         self._graphs_given = False  # ``use_graphs`` installed a stand-in

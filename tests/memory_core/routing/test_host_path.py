@@ -127,11 +127,12 @@ def test_a_buffer_is_given_back_when_the_pass_fails(resident) -> None:
     assert len(graphs.buffers) <= before + 1  # the ring does not grow with the passes
 
 
-def test_a_kept_plan_is_sent_again_after_another_plan_of_its_shape() -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["one graph", "embedding ahead"])
+def test_a_kept_plan_is_sent_again_after_another_plan_of_its_shape(ahead: bool) -> None:
     """The all-tasks plan is not copied to a graph that holds it; a shared plan of the same shape
     (every image asking for 33 of the 40: 64 rows either way) replaces it there, and the next
     all-tasks pass must send it again."""
-    engine, live, graphs = stand_in_engine(40, replays=True)
+    engine, live, graphs = stand_in_engine(40, replays=True, ahead=ahead)
     other = engine.prepare_set(random_adapter(f"b{i}", engine, m=1, classes=10) for i in range(40))
     x = torch.randn(3, 3, *engine.spec.img_size)
     subset = [list(live.current.names[:33])] * 3
@@ -148,7 +149,8 @@ def test_a_kept_plan_is_sent_again_after_another_plan_of_its_shape() -> None:
             eager = [engine(x, live.current), engine(x, live.current, tasks=subset), engine(x, other)]
         finally:
             engine.cuda_graphs = True
-    assert len(graphs) == 1  # one shape: one graph for every plan
+    # One shape: one graph for every plan (ahead, beside the patch embedding's own).
+    assert len(graphs) == 1 + ahead
     for got, expected in zip(runs, [eager[0], eager[1], eager[0], eager[2], eager[0]], strict=True):
         assert list(got.adapters) == list(expected.adapters)
         for name in expected.adapters:
