@@ -9,7 +9,8 @@ server/edge/body.py); the headers' is here, because it runs before there is any 
 timer armed when a connection opens or the first byte of a kept-alive connection's next request
 arrives, disarmed when the headers are complete. When it fires the connection is closed (after a 408
 if part of a request had arrived). Pass it as ``uvicorn.run(http=...)``. Its connections also write
-each response in one piece (server/edge/transport.py).
+each response in one piece and close by lingering where the client is still sending
+(server/edge/transport.py).
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ class _HeaderTimeoutMixin:
         if self.transport.is_closing() or not self._idle():
             return
         log.debug("closing %s: no complete request headers within %ss", self._peer(), self.header_timeout)
-        if self._header_bytes:
+        if self._header_bytes:  # the client is still sending: it must read the 408 before a reset
             self.transport.write(_HEADER_TIMEOUT_RESPONSE)
-        self.transport.close()
+            self.transport.close_lingering()  # type: ignore[attr-defined]
+        else:
+            self.transport.close()
 
     def _peer(self) -> str:
         peer = self.transport.get_extra_info("peername")
@@ -82,12 +85,18 @@ class _HeaderTimeoutMixin:
         # Not about deadlines, but this class is where memvit meets uvicorn's connections: a
         # response's head and body leave in one write (server/edge/transport.py).
         loop = getattr(self, "loop", None) or asyncio.get_running_loop()
-        super().connection_made(CoalescedWrites(transport, loop))  # type: ignore[misc]
+        super().connection_made(CoalescedWrites(transport, loop, self._body_unread))  # type: ignore[misc]
         # Covers a client that connects and then says nothing or trickles: uvicorn's keep-alive
         # timer only starts after a first response.
         self._arm_header_timer()
 
+    def _body_unread(self) -> bool:
+        # A refusal (413 on size, 408 on the body's deadline) answers before the body is all in.
+        return self.cycle is not None and bool(getattr(self.cycle, "more_body", False))
+
     def data_received(self, data: bytes) -> None:
+        if getattr(self.transport, "lingering", False):
+            return  # a closed request's rest, drained so that the client reads its answer
         # The first byte of a kept-alive connection's next request starts its deadline (the idle time
         # before it is uvicorn's keep-alive timer's business). Bytes after a response that left the
         # body unread count too, so an ignored body cannot be trickled forever either.

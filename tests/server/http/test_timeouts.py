@@ -1,5 +1,7 @@
 """The header deadline (server/http/timeouts.py) on both of uvicorn's HTTP parsers, serving a trivial
-app: a client that trickles its headers is cut off; a protocol class it does not know fails at start."""
+app: a client that trickles its headers is cut off; a protocol class it does not know fails at start;
+a refusal sent while the client is still uploading reaches it (the lingering close,
+server/edge/transport.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
+from memvit.server.edge.transport import CoalescedWrites
 from memvit.server.http.timeouts import header_timeout_protocol
 from tests.server.conftest import free_port
 from tests.server.test_slow_clients import SLACK, _read_response, _trickle
@@ -24,11 +27,20 @@ async def _ok_app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
+async def _refusing_app(scope, receive, send) -> None:
+    """413 at once, the body unread (as the guard refuses a body over its cap)."""
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-length", b"8"), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": b"too much"})
+
+
 @contextmanager
-def _serve(http: str, seconds: float) -> Iterator[int]:
+def _serve(http: str, seconds: float, app=_ok_app) -> Iterator[int]:
     port = free_port()
     config = uvicorn.Config(
-        _ok_app, port=port, lifespan="off", log_level="warning", http=header_timeout_protocol(seconds, http)
+        app, port=port, lifespan="off", log_level="warning", http=header_timeout_protocol(seconds, http)
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -77,6 +89,36 @@ def test_header_deadline_on_both_parsers(http: str) -> None:
     assert seconds - 0.05 <= t_seconds <= seconds + SLACK and t_answer.startswith(b"HTTP/1.1 408 ")
     assert seconds - 0.05 <= s_seconds <= seconds + SLACK and s_answer == b""
     assert statuses == [200, 200, 200]
+
+
+async def _upload_refused(port: int, size: int) -> bytes:
+    """POSTs ``size`` bytes in one go and reads to the end: what the server sent, or the error."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % size)
+    writer.write(b"x" * size)
+    try:
+        await asyncio.wait_for(writer.drain(), 10)
+        return await asyncio.wait_for(reader.read(), 10)
+    except ConnectionError as e:
+        return repr(e).encode()
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("lingering", [True, False], ids=["lingering", "plain close (control)"])
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_refusal_reaches_a_client_still_uploading(http: str, lingering: bool, monkeypatch) -> None:
+    """The server answers 413 with 4 MB still coming. Closed at once, the socket has unread bytes, so
+    the kernel resets the connection and the client never reads its answer (the control shows the
+    test can tell); closed lingering, the client reads the 413 whole, then the end."""
+    if not lingering:
+        monkeypatch.setattr(CoalescedWrites, "close_lingering", lambda self: self._transport.close())
+    with _serve(http, 5.0, _refusing_app) as port:
+        answer = asyncio.run(_upload_refused(port, 4_000_000))
+    if lingering:
+        assert answer.startswith(b"HTTP/1.1 413 ") and answer.endswith(b"\r\n\r\ntoo much"), answer[:200]
+    else:
+        assert b"413" not in answer, answer[:200]
 
 
 def test_unknown_protocol_class_fails_at_start() -> None:
