@@ -232,7 +232,10 @@ def _layout(flat: Tensor | None, every, base: Tensor, adapter_set) -> _Layout:
     column_classes[0] = base.shape[1]
     column_classes[columns] = every.classes
     column = {name: c for c, name in enumerate(names)}
-    width = max(base.shape[1], 0 if flat is None else flat.shape[1])
+    # The widest answer's classes, not the flat output's width: a pass's rows may be wider than any
+    # task it answered (classes bucketed for its graph), and columns nobody has would be masked and
+    # summed in the softmax, which then rounds a row otherwise than the task's own softmax does.
+    width = int(classes.max())
     return _Layout(n_rows, classes, names, column, rows, column_classes, width)
 
 
@@ -244,5 +247,8 @@ def _float(t: Tensor) -> Tensor:
 
 
 def _pad(t: Tensor, width: int) -> Tensor:
-    """Zeros to the right up to ``width`` columns (F.pad's operator for a constant, without its checks)."""
-    return t if t.shape[1] == width else torch.constant_pad_nd(t, (0, width - t.shape[1]))
+    """``t`` at ``width`` columns: zeros to the right (F.pad's operator for a constant, without its
+    checks), or the columns past it cut (a view)."""
+    if t.shape[1] == width:
+        return t
+    return t[:, :width] if t.shape[1] > width else torch.constant_pad_nd(t, (0, width - t.shape[1]))
