@@ -21,7 +21,7 @@ from ..routing import triton_kernels
 from ..routing.graphs import GraphedPasses, bucket_images, bucket_rows
 from ..routing.plan import PassPlan, PlanTensors
 from ..routing.planned import planned_forward
-from ..routing.planner import plan_pass
+from ..routing.planner import asks_nothing, plan_pass
 from ..routing.slots import AdapterSlots
 from ..routing.staging import HostBuffers
 from ..sets.adapter_set import AdapterSet
@@ -72,7 +72,8 @@ class SlotPasses:
             )
 
         ahead = graphed and self.embed_ahead and path == "merged" and not self.batch_invariant
-        if not ahead or len(adapter_set) == 0:
+        # Nobody asking for an adapter is the base pass: one graph, the one a base-only call replays.
+        if not ahead or len(adapter_set) == 0 or asks_nothing(tasks):
             plan = plan_now()
             return plan, *self.run_plan(x, plan, path=path)
 

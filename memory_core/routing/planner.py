@@ -74,6 +74,16 @@ def plan_pass(
     return planner.routed(index, pad_outputs)
 
 
+def asks_nothing(tasks: Sequence[Collection[str]] | TaskIndex | None) -> bool:
+    """Whether no image asks for an adapter (``plan_pass`` then returns None: the base pass alone),
+    told without the set: O(1) for a TaskIndex, O(images) for names."""
+    if tasks is None:
+        return False
+    if isinstance(tasks, TaskIndex):
+        return tasks.tasks.size == 0
+    return not any(len(t) for t in tasks)
+
+
 def _task_index(
     adapter_set: AdapterSet, tasks: Sequence[Collection[str]] | TaskIndex | None, batch: int
 ) -> TaskIndex | None:
