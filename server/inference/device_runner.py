@@ -32,6 +32,7 @@ from memvit.memory_core.routing.staging import PinnedStaging
 from ..errors import DeviceMemoryError, ServiceError
 from .answers import Answer, BatchAnswers, Want
 from .device_decode import DeviceDecoder, Encoded
+from .intra_op import one_thread
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,8 @@ class DeviceRunner:
     def decode(self, items: Sequence[Item]) -> Decoded:
         clock = _Clock(self.cuda)
         failed: dict[int, ServiceError] = {}
-        with torch.inference_mode(), torch.cuda.stream(self.prep) if self.cuda else _nothing():
+        # On a CPU its small operations on one thread (intra_op.py); on a GPU they are the device's.
+        with torch.inference_mode(), torch.cuda.stream(self.prep) if self.cuda else one_thread():
             x = self._images(items, failed, clock)
             ready = None
             if self.cuda:
@@ -207,9 +209,10 @@ class DeviceRunner:
                 compute = torch.cuda.current_stream(self.engine.device)
                 compute.wait_event(decoded.ready)
                 x.record_stream(compute)  # made on the prep stream: kept until the pass has read it
-            outs = self._run(x, adapter_set, tasks, 0, x.shape[0], failed, clock)
+            outs = self._run(x, adapter_set, tasks, 0, x.shape[0], failed, clock)  # the model's threads
             labels = self.engine.labels
-            parts = [(lo, hi, BatchAnswers(out, labels, _within(wants, lo, hi))) for lo, hi, out in outs]
+            with _nothing() if self.cuda else one_thread():  # the answers' few small operations
+                parts = [(lo, hi, BatchAnswers(out, labels, _within(wants, lo, hi))) for lo, hi, out in outs]
         return Launched(x.shape[0], parts, failed, clock)
 
     def _run(
