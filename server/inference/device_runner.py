@@ -32,7 +32,7 @@ from memvit.memory_core.routing.staging import PinnedStaging
 from ..errors import DeviceMemoryError, ServiceError
 from .answers import Answer, BatchAnswers, Want
 from .device_decode import DeviceDecoder, Encoded
-from .intra_op import one_thread
+from .intra_op import narrow, widen
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +153,16 @@ class DeviceRunner:
         clock = _Clock(self.cuda)
         failed: dict[int, ServiceError] = {}
         # On a CPU its small operations on one thread (intra_op.py); on a GPU they are the device's.
-        with torch.inference_mode(), torch.cuda.stream(self.prep) if self.cuda else one_thread():
-            x = self._images(items, failed, clock)
-            ready = None
-            if self.cuda:
-                ready = torch.cuda.Event()
-                ready.record(self.prep)
+        threads = 0 if self.cuda else narrow()
+        try:
+            with torch.inference_mode(), torch.cuda.stream(self.prep) if self.cuda else _nothing():
+                x = self._images(items, failed, clock)
+                ready = None
+                if self.cuda:
+                    ready = torch.cuda.Event()
+                    ready.record(self.prep)
+        finally:
+            widen(threads)
         return Decoded(x, failed, clock, ready)
 
     def _images(self, items: Sequence[Item], failed: dict[int, ServiceError], clock: _Clock) -> Tensor:
@@ -211,8 +215,11 @@ class DeviceRunner:
                 x.record_stream(compute)  # made on the prep stream: kept until the pass has read it
             outs = self._run(x, adapter_set, tasks, 0, x.shape[0], failed, clock)  # the model's threads
             labels = self.engine.labels
-            with _nothing() if self.cuda else one_thread():  # the answers' few small operations
+            threads = 0 if self.cuda else narrow()  # the answers' few small operations: one thread
+            try:
                 parts = [(lo, hi, BatchAnswers(out, labels, _within(wants, lo, hi))) for lo, hi, out in outs]
+            finally:
+                widen(threads)
         return Launched(x.shape[0], parts, failed, clock)
 
     def _run(

@@ -11,17 +11,15 @@ preprocessing and answers are a dozen such operations; the pass is the model's, 
 that start their first operation later take it) and sets MKL's. OpenMP's own ``omp_set_num_threads``
 sets the calling thread's count only (an internal control variable of its data environment), and
 torch reads that count (``omp_get_max_threads``) for every region it starts on that thread. So
-``one_thread()`` sets it to 1 through the libgomp torch loaded, and back to what it was. The
+``narrow()`` sets it to 1 through the libgomp torch loaded, and back to what it was. The
 operations used here compute every output element (row, pixel) the same way whatever the threads:
 the same bits (tests/server/test_intra_op.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,19 +52,21 @@ if _GOMP is None:
     log.debug("no OpenMP runtime found: small operations keep torch's threads")
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """The calling thread's torch operations on one thread within the block (other threads keep
-    theirs); nothing where the runtime was not found."""
+def narrow() -> int:
+    """The calling thread's torch operations on one thread from now on (other threads keep theirs),
+    until ``widen`` with what this returns: the count before, or 0 where nothing was changed (no
+    runtime found, or one thread already). Two calls, not a context manager: a batch makes them twice,
+    and a generator's context manager is five Python calls more each time."""
     if _GOMP is None:
-        yield
-        return
+        return 0
     before = torch.get_num_threads()  # also torch's per-thread set-up, which would reset the count
     if before == 1:
-        yield
-        return
+        return 0
     _GOMP.omp_set_num_threads(1)
-    try:
-        yield
-    finally:
+    return before
+
+
+def widen(before: int) -> None:
+    """Back to ``before`` threads (``narrow``'s answer; 0: nothing to undo)."""
+    if before:
         _GOMP.omp_set_num_threads(before)

@@ -1,5 +1,5 @@
-"""``one_thread`` (server/inference/intra_op.py): the calling thread's operations on one intra-op thread,
-no other thread's, and the batch's preprocessing and answers the same bits as with torch's threads."""
+"""``narrow``/``widen`` (server/inference/intra_op.py): the calling thread's operations on one intra-op
+thread, no other thread's, and the batch's preprocessing and answers the same bits as with torch's threads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from memvit.server.inference import intra_op
 from memvit.server.inference.answers import BatchAnswers, Want
-from memvit.server.inference.intra_op import one_thread
+from memvit.server.inference.intra_op import narrow, widen
 
 needs_threads = pytest.mark.skipif(
     intra_op._GOMP is None or torch.get_num_threads() < 2, reason="no OpenMP runtime, or one thread"
@@ -29,14 +29,12 @@ def test_it_narrows_the_calling_thread_alone_and_restores_it() -> None:
 
     thread = threading.Thread(target=elsewhere)
     thread.start()
-    with one_thread():
-        assert torch.get_num_threads() == 1
-        inside.set()
-        thread.join(10)
+    threads = narrow()
+    assert threads == before and torch.get_num_threads() == 1
+    inside.set()
+    thread.join(10)
+    widen(threads)
     assert other == [before]  # another thread, meanwhile
-    assert torch.get_num_threads() == before
-    with pytest.raises(ValueError), one_thread():
-        raise ValueError
     assert torch.get_num_threads() == before
 
 
@@ -60,12 +58,12 @@ def test_large_batches_answers_and_preprocessing_are_the_same_bits_on_one_thread
         batch = torch._C._nn._upsample_bicubic2d_aa(batch, [240, 160], False, None)
         return torch.addcmul(torch.zeros(3, 1, 1), batch[:, :, 8:232, :].float(), torch.ones(3, 1, 1))
 
-    threads, one = answered(), None
-    with one_thread():
-        one = answered()
-        alone = resized()
+    many = answered()
+    before = narrow()
+    one, alone = answered(), resized()
+    widen(before)
     assert torch.equal(alone, resized())
-    for a, b in zip(threads, one, strict=True):
+    for a, b in zip(many, one, strict=True):
         for field in ("probs", "index", "logits", "classes"):
             assert np.array_equal(getattr(a, field), getattr(b, field))
 
