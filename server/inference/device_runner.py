@@ -32,7 +32,6 @@ from memvit.memory_core.routing.staging import PinnedStaging
 from ..errors import DeviceMemoryError, ServiceError
 from .answers import Answer, BatchAnswers, Want
 from .device_decode import DeviceDecoder, Encoded
-from .intra_op import narrow, widen
 
 log = logging.getLogger(__name__)
 
@@ -152,17 +151,12 @@ class DeviceRunner:
     def decode(self, items: Sequence[Item]) -> Decoded:
         clock = _Clock(self.cuda)
         failed: dict[int, ServiceError] = {}
-        # On a CPU its small operations on one thread (intra_op.py); on a GPU they are the device's.
-        threads = 0 if self.cuda else narrow()
-        try:
-            with torch.inference_mode(), torch.cuda.stream(self.prep) if self.cuda else _nothing():
-                x = self._images(items, failed, clock)
-                ready = None
-                if self.cuda:
-                    ready = torch.cuda.Event()
-                    ready.record(self.prep)
-        finally:
-            widen(threads)
+        with torch.inference_mode(), torch.cuda.stream(self.prep) if self.cuda else _nothing():
+            x = self._images(items, failed, clock)
+            ready = None
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.prep)
         return Decoded(x, failed, clock, ready)
 
     def _images(self, items: Sequence[Item], failed: dict[int, ServiceError], clock: _Clock) -> Tensor:
@@ -213,13 +207,9 @@ class DeviceRunner:
                 compute = torch.cuda.current_stream(self.engine.device)
                 compute.wait_event(decoded.ready)
                 x.record_stream(compute)  # made on the prep stream: kept until the pass has read it
-            outs = self._run(x, adapter_set, tasks, 0, x.shape[0], failed, clock)  # the model's threads
+            outs = self._run(x, adapter_set, tasks, 0, x.shape[0], failed, clock)
             labels = self.engine.labels
-            threads = 0 if self.cuda else narrow()  # the answers' few small operations: one thread
-            try:
-                parts = [(lo, hi, BatchAnswers(out, labels, _within(wants, lo, hi))) for lo, hi, out in outs]
-            finally:
-                widen(threads)
+            parts = [(lo, hi, BatchAnswers(out, labels, _within(wants, lo, hi))) for lo, hi, out in outs]
         return Launched(x.shape[0], parts, failed, clock)
 
     def _run(
