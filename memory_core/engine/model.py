@@ -195,10 +195,10 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
                 )
             x_tokens, c_tokens = self.forward_features(x, adapter_set.stack, path=path)
             return self.forward_head(x_tokens, c_tokens, adapter_set)
-        self._check_input(x)
-        plan, base_logits, adapter_logits = self.plan_and_run(
-            x, adapter_set, tasks, path="split" if path == "split" else "merged"
-        )
+        device, dtype = self._placement()  # once for the pass
+        self._check_input(x, device)
+        path = "split" if path == "split" else "merged"
+        plan, base_logits, adapter_logits = self._plan_and_run(x, adapter_set, tasks, path, device, dtype)
         if plan is None:
             return FusedOutput(base_logits, adapter_set, batch=x.shape[0])
         return FusedOutput.of_plan(base_logits, adapter_logits, plan, adapter_set)
@@ -272,7 +272,8 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
                 field="name",
             )
 
-    def _check_input(self, x: Tensor) -> None:
+    def _check_input(self, x: Tensor, device: torch.device | None = None) -> None:
+        """``device``: the engine's, when the caller has read it."""
         in_chans, dynamic = self._input_form
         if x.ndim != 4 or x.shape[1] != in_chans:
             raise InputError(f"expected images (B, {in_chans}, H, W), got shape {tuple(x.shape)}")
@@ -281,5 +282,6 @@ class MemoryViT(AdapterPreparation, SlotPasses, nn.Module):
                 f"expected {self.spec.img_size[0]}x{self.spec.img_size[1]} images for {self.spec.arch}, "
                 f"got {x.shape[2]}x{x.shape[3]}"
             )
-        if x.device != self.device:
-            raise InputError(f"images are on {x.device} but the model is on {self.device}")
+        device = self.device if device is None else device
+        if x.device != device:
+            raise InputError(f"images are on {x.device} but the model is on {device}")

@@ -49,6 +49,7 @@ class SlotPasses:
 
     embed: Callable[[Tensor], Tensor]
     _blocks: Callable[[], InvariantBlocks]
+    _placement: Callable[[], tuple[torch.device, torch.dtype]]
 
     def plan_and_run(
         self, x: Tensor, adapter_set: AdapterSet, tasks, *, path: str = "merged"
@@ -57,12 +58,20 @@ class SlotPasses:
         the plan, base logits and adapter logits (``run_plan``). With ``embed_ahead`` (graphed, the
         default mode, merged) the patch embedding's graph is launched first, so that the device
         embeds the images while the host plans; the pass's graph then starts from its tokens."""
-        graphed = self.graphed
+        return self._plan_and_run(x, adapter_set, tasks, path, *self._placement())
+
+    def _plan_and_run(
+        self, x: Tensor, adapter_set: AdapterSet, tasks, path: str, device: torch.device, dtype: torch.dtype
+    ) -> tuple[PassPlan | None, Tensor, Tensor | None]:
+        """``plan_and_run`` on the engine's ``device`` and ``dtype``, read once by the caller for the
+        pass (each read is a property call: a pass made a dozen of them on the host)."""
+        graphed = self._graphed_on(device)
+        slots = self._slots_on(device, dtype)
 
         def plan_now() -> PassPlan | None:
             return plan_pass(
                 adapter_set,
-                self.slots,
+                slots,
                 tasks,
                 x.shape[0],
                 images=bucket_images if graphed else None,
@@ -75,7 +84,7 @@ class SlotPasses:
         # Nobody asking for an adapter is the base pass: one graph, the one a base-only call replays.
         if not ahead or len(adapter_set) == 0 or asks_nothing(tasks):
             plan = plan_now()
-            return plan, *self.run_plan(x, plan, path=path)
+            return plan, *self._run_plan(x, plan, path, device, graphed)
 
         def tokens_pass(tokens: Tensor, tensors: PlanTensors | None, plan: PassPlan | None):
             return self._device_pass(tokens, tensors, plan, path, embedded=True)
@@ -94,13 +103,21 @@ class SlotPasses:
         replay of the pass's graph (routing/graphs.py) unless ``cuda_graphs`` is off; B' is then the graph's
         padded batch (its first B rows are the images'), else B."""
 
+        device = self.device
+        return self._run_plan(x, plan, path, device, self._graphed_on(device))
+
+    def _run_plan(
+        self, x: Tensor, plan: PassPlan | None, path: str, device: torch.device, graphed: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """``run_plan`` on the engine's ``device``, whose ``graphed`` the caller has read."""
+
         def device_pass(images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None):
             return self._device_pass(images, tensors, plan, path)
 
-        if self.graphed:
+        if graphed:
             key = (self.resolved_kernels, path, self.batch_invariant, self.row_gemms, self.resolved_trim)
             return self._graphs().run(x, plan, key, device_pass)
-        tensors = None if plan is None else plan.tensors(self.device, self._host_buffers)
+        tensors = None if plan is None else plan.tensors(device, self._host_buffers)
         return device_pass(x, tensors, plan)
 
     def _device_pass(
@@ -113,7 +130,8 @@ class SlotPasses:
                 x_tokens, _ = invariant.features(base, x.to(self.dtype), None, blocks)
                 return invariant.head(base, x_tokens, blocks), None
             return base.forward_head(base.norm(base.blocks(x if embedded else self.embed(x)))), None
-        kernels = self.resolved_kernels
+        device = self.device  # once: kernels, graphed and trim each follow from it
+        kernels = self._kernels_on(device)
         if blocks is not None:
             x = x.to(self.dtype)
             return invariant_planned.planned(
@@ -129,7 +147,7 @@ class SlotPasses:
             kernels=kernels,
             path=path,
             gemms=self.row_gemms,
-            trim=self.resolved_trim,
+            trim=self._trim_on(device),
             head_run=None if self.graphed else plan.head_run,  # a graph would bake the value in
         )
 
@@ -137,7 +155,10 @@ class SlotPasses:
     def graphed(self) -> bool:
         """Whether inference passes run as CUDA graphs: on CUDA, while ``cuda_graphs`` is on (or on
         any device once ``use_graphs`` gave a stand-in)."""
-        return self.cuda_graphs and (self.device.type == "cuda" or self._graphs_given)
+        return self._graphed_on(self.device)
+
+    def _graphed_on(self, device: torch.device) -> bool:
+        return self.cuda_graphs and (device.type == "cuda" or self._graphs_given)
 
     def use_graphs(self, passes: GraphedPasses) -> None:
         """Run inference passes through ``passes``: a stand-in that replays nothing lets a benchmark
@@ -153,23 +174,32 @@ class SlotPasses:
     def slots(self) -> AdapterSlots:
         """The device slots of the adapters this engine runs (routing/slots.py), for its current device and
         dtype: after a move, new (empty) slots, filled again as passes need them."""
+        return self._slots_on(*self._placement())
+
+    def _slots_on(self, device: torch.device, dtype: torch.dtype) -> AdapterSlots:
         slots = self._slots
-        if slots is None or slots.device != self.device or slots.dtype != self.dtype:
-            slots = self._slots = AdapterSlots(self.spec, self.device, self.dtype)
+        if slots is None or slots.device != device or slots.dtype != dtype:
+            slots = self._slots = AdapterSlots(self.spec, device, dtype)
         return slots
 
     @property
     def resolved_trim(self) -> bool:
         """Whether the torch kernels' joined pass trims its last block: ``trim_last_block`` unless
         None, which is on the CPU (where it measured ~6 points of R faster) and off elsewhere."""
+        return self._trim_on(self.device)
+
+    def _trim_on(self, device: torch.device) -> bool:
         if self.trim_last_block is not None:
             return self.trim_last_block
-        return self.device.type == "cpu"
+        return device.type == "cpu"
 
     @property
     def resolved_kernels(self) -> str:
         """The class-token attention and heads' implementation (routing/planned.py): ``kernels``
         unless "auto", which is Triton on CUDA (when installed) and torch elsewhere."""
+        return self._kernels_on(self.device)
+
+    def _kernels_on(self, device: torch.device) -> str:
         if self.kernels != "auto":
             return self.kernels
-        return "triton" if self.device.type == "cuda" and triton_kernels.available() else "torch"
+        return "triton" if device.type == "cuda" and triton_kernels.available() else "torch"

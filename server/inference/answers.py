@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -95,7 +96,10 @@ class BatchAnswers:
                 masked = table.masked_fill(layout.padding(base.device), -torch.inf)
             top = masked.softmax(-1).topk(k, dim=-1)
             host["probs"], host["index"] = top.values, top.indices
-        host["finite"] = torch.isfinite(table).all(-1)
+        if cuda:
+            host["finite"] = torch.isfinite(table).all(-1)
+        else:  # numpy's on the host table (``wait``): the same flags, ~7 us against torch's ~20 (18x16)
+            self._table = table
         if any(w.logits for w in wants):
             host["logits"] = table
         # On a CPU the tensors are on the host already (``to`` would be one more call each).
@@ -110,8 +114,10 @@ class BatchAnswers:
         """Until the host arrays hold the values (a GPU's copies have run)."""
         if self.ready is not None:
             self.ready.synchronize()
-        self._arrays = {name: t.numpy() for name, t in self._host.items()}
-        self._all_finite = bool(self._arrays["finite"].all())  # then no request needs to look
+        self._arrays = arrays = {name: t.numpy() for name, t in self._host.items()}
+        if "finite" not in arrays:  # a CPU's table, here already
+            arrays["finite"] = np.isfinite(self._table.numpy()).all(-1)
+        self._all_finite = bool(arrays["finite"].all())  # then no request needs to look
 
     def cut(self, want: Want, tasks: Sequence[str] | None, version: int, registered: int) -> Answer:
         """Images [lo, hi)'s answer to ``tasks`` (None: the base and every adapter computed for them),
@@ -170,9 +176,10 @@ class _Layout:
     asked: dict = field(default_factory=dict)  # a request's tasks -> (names, columns, labels, classes)
     _mask: Tensor | None = None
 
-    @property
+    @cached_property
     def padded(self) -> bool:
-        """Whether some row has fewer classes than the table's width (then its padding is masked)."""
+        """Whether some row has fewer classes than the table's width (then its padding is masked):
+        the layout's, read every batch of it."""
         return bool(self.classes.min() < self.width)
 
     def padding(self, device: torch.device) -> Tensor:
