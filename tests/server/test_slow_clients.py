@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -70,10 +71,14 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     return int(lines[0].split()[1]), await reader.readexactly(int(headers["content-length"]))
 
 
-async def _trickle(port: int, head: bytes, drip: bytes, give_up: float) -> tuple[float, bytes]:
-    """Sends ``head`` then ``drip`` every TRICKLE_EVERY until the server closes the connection.
-    Returns the seconds from connecting to the close (inf if the server held on past ``give_up``),
-    and what the server sent."""
+class Trickled(NamedTuple):
+    seconds: float  # from connecting to the server's close (inf: it held on past ``give_up``)
+    answer: bytes  # what the server sent
+    head_at: float  # seconds from connecting to the head's write (this loop may be late with it)
+
+
+async def _trickle(port: int, head: bytes, drip: bytes, give_up: float) -> Trickled:
+    """Sends ``head`` then ``drip`` every TRICKLE_EVERY until the server closes the connection."""
     loop = asyncio.get_running_loop()
     started = loop.time()  # before connecting: never later than the server's accept
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -89,6 +94,7 @@ async def _trickle(port: int, head: bytes, drip: bytes, give_up: float) -> tuple
 
     reading = asyncio.create_task(read_to_close())
     writer.write(head)
+    head_at = loop.time() - started
     while not reading.done() and loop.time() - started < give_up:
         await asyncio.wait({reading}, timeout=TRICKLE_EVERY)
         if not reading.done() and drip:
@@ -96,8 +102,8 @@ async def _trickle(port: int, head: bytes, drip: bytes, give_up: float) -> tuple
     writer.close()
     if not reading.done():
         reading.cancel()
-        return float("inf"), b""
-    return reading.result()
+        return Trickled(float("inf"), b"", head_at)
+    return Trickled(*reading.result(), head_at)
 
 
 async def _normal_clients(url: str, until: float) -> dict[str, list[float]]:
@@ -143,10 +149,24 @@ def test_tricklers_are_cut_off_and_normal_clients_keep_their_latency(slow_server
         {k: (statistics.median(baseline[k]), statistics.median(v)) for k, v in latencies.items()},
     )
 
-    for (seconds, answer), deadline in [(r, HEADER_S) for r in headers] + [(r, BODY_S) for r in bodies]:
-        assert deadline - 0.05 <= seconds <= deadline + SLACK, (deadline, seconds)
-        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
-    error = json.loads(bodies[0][1].split(b"\r\n\r\n", 1)[1])["error"]
+    late = 0
+    for (seconds, answer, head_at), deadline in [(r, HEADER_S) for r in headers] + [
+        (r, BODY_S) for r in bodies
+    ]:
+        assert seconds <= deadline + SLACK, (deadline, seconds)
+        if head_at > HEADER_S - 0.05:
+            # With 400 connections opening at once this loop can write a head after the server's
+            # header deadline has passed: the server then rightly closed a connection that had said
+            # nothing, without a 408 (seen in a full CI run). Every head sent in time gets its 408.
+            late += 1
+            continue
+        assert deadline - 0.05 <= seconds, (deadline, seconds)
+        assert answer.startswith(b"HTTP/1.1 408 "), (answer[:200], deadline, seconds, head_at)
+    assert late <= n // 4, (
+        f"{late} of {2 * n} heads written after the header deadline: the test's loop is starved"
+    )
+    refused = next(r.answer for r in bodies if r.head_at <= HEADER_S - 0.05)  # a body's 408
+    error = json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["type"] == "RequestTimeoutError" and "body" in error["message"]
     for name, during in latencies.items():
         before = statistics.median(baseline[name])

@@ -85,7 +85,7 @@ def test_header_deadline_on_both_parsers(http: str) -> None:
         )
 
     with _serve(http, seconds) as port:
-        (t_seconds, t_answer), (s_seconds, s_answer), statuses = asyncio.run(main(port))
+        (t_seconds, t_answer, _), (s_seconds, s_answer, _), statuses = asyncio.run(main(port))
     assert seconds - 0.05 <= t_seconds <= seconds + SLACK and t_answer.startswith(b"HTTP/1.1 408 ")
     assert seconds - 0.05 <= s_seconds <= seconds + SLACK and s_answer == b""
     assert statuses == [200, 200, 200]
