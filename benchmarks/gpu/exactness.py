@@ -9,17 +9,17 @@ routed against unrouted; the real DeiT-Tiny when the shared data is there; and `
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEIT_TINY, REPO
+from benchmarks.common import DEIT_TINY
 from memvit.memory_core import LiveAdapters, MemoryViT
 from memvit.memory_core.oracle.reference import DenseMemoryViT
 from tests.factories import random_adapter
 
 from .plan import DTYPES, Plan, engine, images
+from .pytest_run import run_pytest
 from .report import Budget, StepReport, goal
 
 # Max |difference| of logits (magnitude ~1-10) against the float32 dense reference.
@@ -50,7 +50,8 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
     if plan.device.type != "cuda":
         report.note("pytest -m cuda: not run (no CUDA device)")
     elif budget.allows(plan.pytest_s + 30):
-        report.attempt("pytest -m cuda", {}, _pytest_cuda, min(plan.pytest_s, budget.left() - 30))
+        timeout = min(plan.pytest_s, budget.left() - 30)
+        report.attempt("pytest -m cuda", {}, _pytest_cuda, timeout, report.out)
     else:
         report.note("pytest -m cuda: not run (budget spent); run it alone: python3 -m pytest -m cuda tests")
     return "done"
@@ -106,23 +107,8 @@ def _real(dtype: str, plan: Plan) -> dict:
     }
 
 
-def _pytest_cuda(timeout: float) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfE", "-p", "no:cacheprovider", "tests"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    failing = [line.split(" ", 1)[1].split(" - ")[0] for line in failed]
-    return {
-        "exit code": proc.returncode,
-        "summary": lines[-1] if lines else proc.stderr[-300:],
-        "failing": ", ".join(failing) if failing else "-",
-        "goal: passes": goal(proc.returncode, "==", 0),
-    }
+def _pytest_cuda(timeout: float, out_dir: Path) -> dict:
+    return run_pytest(["tests"], timeout, out_dir, "pytest-cuda")
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -22,7 +22,7 @@ from typing import Any
 
 DEIT, B16 = "deit_tiny_patch16_224", "vit_base_patch16_224"
 BOTH = (DEIT, B16)
-BUDGET_S = 480.0  # the suite's; the install and import check before it take about 20 s
+BUDGET_S = 510.0  # the suite's; the install and import check before it take about 20 s
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,9 @@ class Part:
 ALL: tuple[Part, ...] = (
     # Python, CUDA and cuBLAS start-up (~10 s); 2 shapes x 2 dtypes x (base, fused, routed, dense)
     # at batch 4 with Triton's first compiles (~25 s); the real DeiT-Tiny; ``pytest -m cuda`` (the
-    # graph and kernel tests on the device; Triton compiles for the tests' shapes), cut at 60 s.
-    Part("exactness", {"archs": BOTH, "dtypes": ("fp32", "bf16"), "pytest_s": 60.0}, 75, 30),
+    # graph and kernel tests on the device; Triton compiles for the tests' shapes: 46 s of tests in
+    # 57 s on 2026-11-27, past 60 s on 2026-11-28 with the kernels' own invariance test), cut at 120 s.
+    Part("exactness", {"archs": BOTH, "dtypes": ("fp32", "bf16"), "pytest_s": 120.0}, 135, 30),
     # 2 shapes x bf16 x batch 64, 256: base vs timm, fused K = 8, 64, 1000 (m = 1), dense K = 64
     # (20 rows, 0.2-3 s each on the H200, a capture per shape and K: ~45 s with the engines and
     # 1,000 adapters per shape); tries at batch 64, ~19 s a shape: 4 SDPA backends, graphs on/off and
@@ -54,28 +55,29 @@ ALL: tuple[Part, ...] = (
             "ms": (1,),
             "tries_on": BOTH,
         },
-        48,
+        35,
         40,
     ),
     # 2 shapes x batch 64, 256, 1,000 resident, 1 and 8 tasks per image (2-4 s a row on the H200);
     # then ViT-B/16 with 100,000 resident (a bank's values on the device; prepared and installed in
     # ~20-30 s, est.).
-    Part("routing", {"archs": BOTH, "dtypes": ("bf16",), "batches": (64, 256)}, 35, 20),
-    # The op probe, then 2 shapes x bf16, fp32 at batch 64 (21 s on the H200) and 2 block sizes each.
-    Part("invariance", {"archs": BOTH, "dtypes": ("bf16", "fp32"), "batches": (64,)}, 55, 30),
+    Part("routing", {"archs": BOTH, "dtypes": ("bf16",), "batches": (64, 256)}, 28, 20),
+    # The op probe, then 2 shapes x bf16, fp32 at batch 64 (~24 s on the H200); the block sizes'
+    # tries are decided (invariance.py ``tried``: none now).
+    Part("invariance", {"archs": BOTH, "dtypes": ("bf16", "fp32"), "batches": (64,)}, 30, 30),
     # 2 shapes x 5 passes (the all-tasks K = 1,000 among them) x graphs on/off, 3 recorded passes
-    # each, bf16 batch 64 (~1 s a row).
-    Part("profile", {"archs": BOTH, "dtypes": ("bf16",), "batches": (64,)}, 15, 15),
+    # each, bf16 batch 64 and 256 (8 s for batch 64 on the H200).
+    Part("profile", {"archs": BOTH, "dtypes": ("bf16",), "batches": (64, 256)}, 20, 15),
     # ViT-B/16 bf16 with 1,000, 10,000 and 100,000 resident: 10,000 random adapters made on the host
     # (~5 s), 100,000 from a bank on the device (~30 s, est.), each pass eager then graphed (the
     # unrouted one at 10,000 rows per image: ~0.3 s a pass; not run at 100,000).
-    Part("memory", {"archs": (B16,), "dtypes": ("bf16",)}, 60, 45),
+    Part("memory", {"archs": (B16,), "dtypes": ("bf16",)}, 45, 45),
     # 2 shapes x batch 64, 256, fp32 (16 s on the H200 with the eager step). bfloat16, the profiled
     # step, the end-to-end regime and the trainer's CUDA tests are ``--steps training``'s (docs/gpu.md).
     Part(
         "training",
         {"archs": BOTH, "train_batches": (64, 256), "train_precisions": ("fp32",), "train_extras": False},
-        20,
+        25,
         30,
     ),
     # The real DeiT-Tiny in the default front end on a GPU host (8 API processes and one model
@@ -83,7 +85,8 @@ ALL: tuple[Part, ...] = (
     # the group's not timed alone yet), each
     # photo alone, 6 s of full load with its drain and the load workers' start (~8 s), 6 s at half of
     # it, the two keys (3 s alone, 6 s beside the flood: ~13 s); then ViT-B/16 in bf16, its bounds,
-    # start and full load (~28 s). A model starts with 3 x 6 + 60 s left. One process, the replicas
-    # and the CPU-decode variant are a second command's (docs/gpu.md).
-    Part("server", {"server_models": BOTH, "server_seconds": 6.0, "server_variants": 1}, 75, 80),
+    # start and full load (~28 s): 147 s in all on the H200 (2026-11-28). A model starts with
+    # 3 x 6 + 60 s left. One process, the replicas and the CPU-decode variant are a second command's
+    # (docs/gpu.md).
+    Part("server", {"server_models": BOTH, "server_seconds": 6.0, "server_variants": 1}, 150, 80),
 )

@@ -20,12 +20,10 @@ A failed row keeps, beside its error, where it was raised (``where``: traced.py)
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import REPO
 from memvit.adapters.training import TrainConfig
 from memvit.adapters.training.step import TrainStep
 from memvit.adapters.training.step_graph import WARM_UP
@@ -34,6 +32,7 @@ from memvit.adapters.training.variant import Variant
 from . import training_regime
 from .plan import Plan, engine, images, rate, ratio, timed_rounds
 from .profiling import profiled_pass
+from .pytest_run import run_pytest
 from .report import Budget, StepReport, goal
 from .step_ops import step_ops
 from .traced import traced
@@ -72,10 +71,11 @@ def run(plan: Plan, report: StepReport, budget: Budget) -> str:
         report.note("pytest -m cuda (trainer): not run (no CUDA device)")
     elif budget.allows(90):
         timeout = min(plan.pytest_s, budget.left() - 30)
-        report.attempt("pytest -m cuda (trainer)", {}, traced(_pytest_cuda), timeout)
+        report.attempt("pytest -m cuda (trainer)", {}, traced(_pytest_cuda), timeout, report.out)
     else:
         report.note(
-            "pytest -m cuda (trainer): not run (budget spent); run it alone: " + " ".join(_pytest_args())
+            "pytest -m cuda (trainer): not run (budget spent); run it alone: python3 -m pytest -m cuda "
+            + " ".join(PYTEST)
         )
     return "done"
 
@@ -179,17 +179,5 @@ def _profiled_calls(arch: str, precision: str, plan: Plan) -> dict[str, dict]:
     }
 
 
-def _pytest_args() -> list[str]:
-    return [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *PYTEST]
-
-
-def _pytest_cuda(timeout: float) -> dict:
-    proc = subprocess.run(_pytest_args(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    return {
-        "exit code": proc.returncode,
-        "summary": lines[-1] if lines else proc.stderr[-300:],
-        "failed": "; ".join(failed)[:1500],
-        "goal: passes": goal(proc.returncode, "==", 0),
-    }
+def _pytest_cuda(timeout: float, out_dir: Path) -> dict:
+    return run_pytest(list(PYTEST), timeout, out_dir, "pytest-cuda-trainer")

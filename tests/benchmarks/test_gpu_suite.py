@@ -105,8 +105,11 @@ def test_all_covers_the_goals_table_in_one_command() -> None:
     profile = plan_of("profile")
     assert profile.archs[0] == deit and profile.dtypes[0] == "bf16" and profile.batches[0] == 64
     assert profile.loaded == 1000
-    # Inside 9 minutes with the install and import check (~20 s), with room for a slow start.
-    assert sum(part.estimate_s for part in ALL) <= 0.8 * BUDGET_S and BUDGET_S + 30 <= 540
+    # Inside 9 minutes with the install and import check (~20 s). The estimates are the H200's
+    # measured seconds (2026-11-28) with a few seconds each to spare; the budget keeps 8% over them
+    # for a slow start, and a step that overruns is cut short (its rows so far kept), not the rest.
+    assert sum(part.estimate_s for part in ALL) <= 0.92 * BUDGET_S and BUDGET_S + 30 <= 540
+    assert profile.batches[:2] == (64, 256)  # the engine's goal: wall minus busy at both batches
     # Where every step takes its estimate, none is cut short by the reserves of the steps after it.
     for i, part in enumerate(ALL):
         before = sum(p.estimate_s for p in ALL[:i])
