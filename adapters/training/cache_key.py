@@ -61,11 +61,12 @@ def cache_key(engine: MemoryViT, samples: Samples, spec: CacheSpec, decode: str)
     """Everything a cache's numbers depend on; a cache serves only a request with an equal key."""
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in engine.data_config().items()}
     # The base's pass in another precision computes other numbers; float32 keys as before precisions.
-    # ``base``: that pass runs the base held in the precision's dtype (mixed_pass.held_in), not under
-    # autocast over its float32 weights as caches built before it did, which are refused.
+    # ``base``: that pass runs the base held in the precision's dtype, its norms too (mixed_pass.held_in);
+    # caches built under autocast over the float32 weights, or with the norms' scales in float32,
+    # hold other numbers and are refused.
     precision = {}
     if spec.precision != "float32":
-        precision = {"precision": spec.precision, "base": f"held in {spec.precision}"}
+        precision = {"precision": spec.precision, "base": f"held in {spec.precision}, norms too"}
     return {
         "format": FORMAT,
         "base_model": engine.spec.arch,

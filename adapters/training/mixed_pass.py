@@ -12,17 +12,23 @@ bfloat16, casts none of that. On an H200 the bfloat16 step took 2.9 inference pa
 batch 64 and 1.6-1.9 at ViT-B/16, against 1.1-1.4 in float32.
 
 So the base rows run as a bfloat16 engine runs them: through a bfloat16 copy of the frozen base,
-made once per run (half the float32 base's memory), without autocast: no weight is cast again,
-the residual stream stays bfloat16 (the norms keep float32 scales and shifts: ``held_in``). The
-class-token rows, which carry the gradients, run under autocast as before, reading the copy's
-weights: autocast casts a float32 weight to the same bfloat16 values the copy holds and computes
-norms in float32 from the same float32 scales, so those rows compute what they did, but for the
-base keys and values they read, now from a bfloat16 base as a bfloat16 engine serves them (and a
-LayerScale's scales, which autocast leaves alone, now read rounded to bfloat16). Now
-per step: 311 casts, all in the class-token rows (1.7 M elements at DeiT-Tiny batch 8, the images'
-own cast included), and 1.2-1.3x an inference pass's bytes read. The adapters' parameters,
-gradients and optimiser stay float32. Float32 runs never come here: they run the engine's own
-split path, bit for bit as before.
+made once per run (half the float32 base's memory), without autocast: no weight is cast again, the
+residual stream stays bfloat16. Each norm of the copy is held twice (``HeldNorm``): in bfloat16 for
+a bfloat16 input, the base rows, as a bfloat16 engine holds it, and in float32 for a float32 input,
+the class-token rows. Neither device takes both dtypes in one norm call: CUDA's layer norm refuses
+float32 scales with a bfloat16 input ("expected scalar type BFloat16 but found Float",
+pytorch/pytorch#135969), which a copy with float32 norms gave its base rows: the five bfloat16
+trainer tests that failed on an H200 ran it (their messages were not kept); the CPU's refuses
+bfloat16 scales with a float32 input, which the class-token rows give a bfloat16 norm (the CPU's
+autocast leaves layer norms alone; CUDA's computes them in float32). The class-token rows, which
+carry the gradients, run under autocast as before, reading the copy's weights: autocast casts a
+float32 weight to the same bfloat16 values the copy holds and their norms read the same float32
+scales, so those rows compute what they did, but for the base keys and values they read, now from a
+bfloat16 base as a bfloat16 engine serves them (and a LayerScale's scales, which autocast leaves
+alone, now read rounded to bfloat16). Now per step: 311 casts, all in the class-token rows (1.7 M
+elements at DeiT-Tiny batch 8, the images' own cast included), and 1.2-1.3x an inference pass's
+bytes read. The adapters' parameters, gradients and optimiser stay float32. Float32 runs never come
+here: they run the engine's own split path, bit for bit as before.
 """
 
 from __future__ import annotations
@@ -40,12 +46,26 @@ from .device import PRECISIONS, autocast
 NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
+class HeldNorm(nn.Module):
+    """A norm of the held base, held in two dtypes: a ``dtype`` input (the base rows) is normed with
+    scales in ``dtype``, as an engine in that dtype norms it; any other input (the class-token rows'
+    float32) with the original float32 scales."""
+
+    def __init__(self, norm: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.full = norm
+        self.low = copy.deepcopy(norm).to(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.low(x) if x.dtype == self.dtype else self.full(x)
+
+
 def held_in(engine: MemoryViT, dtype: torch.dtype) -> nn.Module:
     """A copy of the engine's frozen base in ``dtype``, as an engine in that dtype holds it, except
-    its norms' scales and shifts, which stay float32: a norm reads a bfloat16 input with them and
-    returns bfloat16 (the base rows), and under autocast the class-token rows' norms compute in
-    float32 from exactly the float32 values they read before. Eval mode (no dropout, as
-    ``MemoryViT.train`` keeps the base), no gradients."""
+    that each norm is a ``HeldNorm``: in ``dtype`` for the base rows, float32 for the class-token
+    rows. Eval mode (no dropout, as ``MemoryViT.train`` keeps the base), no gradients; the engine's
+    own base is left as it is."""
     # The converted tensors go in deepcopy's memo, so they are the copy's: no float32 copy of the
     # whole base is made first (at ViT-L on a full GPU, that one could be the allocation too many).
     converted: dict[int, Tensor] = {}
@@ -58,7 +78,13 @@ def held_in(engine: MemoryViT, dtype: torch.dtype) -> nn.Module:
         for b in module.buffers(recurse=False):
             if b.is_floating_point():
                 converted[id(b)] = b.detach().to(dtype)
-    return copy.deepcopy(engine.base, converted).eval().requires_grad_(False)
+    held = copy.deepcopy(engine.base, converted)
+    norms = [(parent, name) for parent in held.modules() for name, child in parent.named_children()]
+    for parent, name in norms:
+        child = getattr(parent, name)
+        if isinstance(child, NORMS):
+            setattr(parent, name, HeldNorm(child, dtype))
+    return held.eval().requires_grad_(False)
 
 
 class HeldBase:
