@@ -72,6 +72,14 @@ class Settings(BaseSettings):
     # A Server-Timing header on /classify and OIP answers: the request's stages in milliseconds.
     server_timing: bool = Field(False, description="say each answer's stage times in a Server-Timing header")
     max_images_per_request: int = Field(16, ge=1)
+    # The interpreter's GIL switch interval in the process that runs the engine (sys.setswitchinterval):
+    # each tensor operation of the engine's stages releases the GIL and takes it back, and beside a
+    # thread running Python it may wait up to the interval (5 ms, Python's default) to get it.
+    # None: Python's. On the 2-core build machine a shorter one made no difference (RESULTS §3.15);
+    # the GPU suite's server step measures the default front end with 0.5 ms beside it.
+    gil_switch_ms: float | None = Field(
+        None, gt=0, le=100, description="GIL switch interval of the engine's process, ms (default: Python's)"
+    )
     # Images are decoded and fused passes filled by the service each key has received, by its weight
     # (server/inference/fair_queue.py); false: by arrival, as before keys had shares.
     fair_batching: bool = Field(True, description="share passes and decoders between keys by weight")

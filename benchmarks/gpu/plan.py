@@ -54,7 +54,7 @@ class Plan:
     server_seconds: float = 20.0
     server_clients: tuple[int, ...] = (64,)
     server_models: tuple[str, ...] = ("deit_tiny_patch16_224", "vit_base_patch16_224")
-    server_variants: int = 4  # of server.VARIANTS, for the first model (the others get the first)
+    server_variants: int = 5  # of server.VARIANTS, for the first model (the others get the first)
     # Engine variants tried against the default, each reported: SDPA backends of the base path, CUDA
     # graphs on vs off, Triton vs torch kernels, the rows' products joined vs apart (tries.py); on
     # these shapes, at the smallest batch.

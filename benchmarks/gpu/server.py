@@ -41,13 +41,24 @@ from .stage_metrics import stage_means, stage_sums
 # ``server_variants`` first variants, the others the first alone at full load. The first is the
 # default front end on a GPU host (server/cli/serve.py: API processes before one model process, chosen
 # by the 2026-11-27 run: 2,000 img/s against 1,560 for 8 replicas and 680 for one process), where the
-# goals are judged (and the two keys measured); then one process, the replicas, and the CPU decoders.
+# goals are judged (and the two keys measured); then the same with a 0.5 ms GIL switch interval in the
+# model process (its decode stage took 7.1 ms a batch of 12 on 2026-11-28, 2.4x the decoder alone),
+# one process, the replicas, and the CPU decoders.
 API_PROCESSES = "8"
 VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
     (
         f"{API_PROCESSES} API processes, one model process (default)",
         {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "model-process"},
         ("full", "half"),
+    ),
+    (
+        f"{API_PROCESSES} API processes, one model process, GIL switch 0.5 ms",
+        {
+            "MEMVIT_API_PROCESSES": API_PROCESSES,
+            "MEMVIT_FRONT_END": "model-process",
+            "MEMVIT_GIL_SWITCH_MS": "0.5",
+        },
+        ("full",),
     ),
     (
         "one process, JPEG decode on the device",
@@ -69,7 +80,10 @@ VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
 
 def variants(device: str) -> tuple:
     """``VARIANTS``, the device's default front end first: on a CPU (``--cpu-smoke``) one process."""
-    return VARIANTS if device == "cuda" else (VARIANTS[1], VARIANTS[0], *VARIANTS[2:])
+    if device == "cuda":
+        return VARIANTS
+    (one,) = [v for v in VARIANTS if v[0].startswith("one process, JPEG decode on the device")]
+    return (one, *[v for v in VARIANTS if v is not one])
 
 
 SERVER_DTYPE = {"vit_base_patch16_224": "bf16"}  # ViT-B/16 is served, and judged, in bfloat16

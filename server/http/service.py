@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -71,6 +72,9 @@ def build_engine(settings: Settings) -> MemoryViT:
         engine = MemoryViT.from_timm(settings.model, weights=settings.weights, labels=labels, **like)
     engine.cuda_graphs, engine.kernels = settings.cuda_graphs, settings.kernels
     exact_float32(engine.device, engine.dtype)  # a float32 server answers in float32, whatever the batch
+    if settings.gil_switch_ms is not None:  # this process runs the engine's threads (settings.py)
+        sys.setswitchinterval(settings.gil_switch_ms / 1e3)
+        log.info("GIL switch interval %.2f ms", settings.gil_switch_ms)
     return engine
 
 

@@ -97,6 +97,25 @@ def test_the_resident_set_must_hold_one_request(monkeypatch) -> None:
     assert Settings(_env_file=None).resident_adapters == 10
 
 
+def test_the_gil_switch_interval_reaches_the_engines_process(monkeypatch, tiny_weights) -> None:
+    import sys
+
+    from memvit.server.http.app import build_engine
+
+    before = sys.getswitchinterval()
+    try:
+        build_engine(Settings(_env_file=None, weights=tiny_weights))
+        assert sys.getswitchinterval() == before  # unset: Python's own
+        monkeypatch.setenv("MEMVIT_GIL_SWITCH_MS", "0.5")
+        build_engine(Settings(_env_file=None, weights=tiny_weights))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+    monkeypatch.setenv("MEMVIT_GIL_SWITCH_MS", "0")
+    with pytest.raises(ValidationError, match="gil_switch_ms"):
+        Settings(_env_file=None)
+
+
 def test_the_gpu_engine_settings_reach_the_engine(monkeypatch, tiny_weights) -> None:
     from memvit.server.http.app import build_engine, preflight
 
