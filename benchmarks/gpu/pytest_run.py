@@ -41,8 +41,9 @@ def pytest_runtest_logreport(report: Any) -> None:
 
 
 def run_pytest(paths: list[str], timeout: float, out_dir: Path, name: str) -> dict[str, Any]:
-    """``pytest -m cuda paths`` in a child process, stopped after ``timeout`` s; the outcomes so far
-    kept as ``out_dir/<name>.jsonl``. Returns the report's row: counts, failing tests, the goal."""
+    """``pytest -m cuda paths`` (paths and options) in a child process, stopped after ``timeout`` s;
+    the outcomes so far kept as ``out_dir/<name>.jsonl``. Returns the report's row: counts, failing
+    tests, the goal."""
     outcomes = Path(out_dir) / f"{name}.jsonl"
     outcomes.unlink(missing_ok=True)
     args = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider"]
