@@ -3,10 +3,11 @@ and why.
 
 pytest prints its failures' summary at the end of a session: on 2026-11-28 a run cut at its limit
 (its test time had grown past it) left only a line of dots, five of them F, and the lease was
-spent. So the run loads this module as a plugin (``-p benchmarks.gpu.pytest_run``), which writes
-every test's outcome as it is reported, one JSON line each (the failure's text cut to its last 1,500
-characters), to the file named by ``MEMVIT_PYTEST_OUTCOMES``; the runner reads that file whether
-pytest finished or was stopped, and keeps it beside the step's report.
+spent. So the run loads a plugin (``-p benchmarks.pytest_outcomes``, which imports nothing but the
+standard library), which writes every test's outcome as it is reported, one JSON line each (the
+failure's text cut to its last 1,500 characters), to the file named by ``MEMVIT_PYTEST_OUTCOMES``;
+the runner reads that file whether pytest finished or was stopped, and keeps it beside the step's
+report.
 """
 
 from __future__ import annotations
@@ -20,24 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO
+from benchmarks.pytest_outcomes import OUTCOMES
 
 from .report import goal
-
-OUTCOMES = "MEMVIT_PYTEST_OUTCOMES"
-
-
-def pytest_runtest_logreport(report: Any) -> None:
-    """pytest's hook, once per phase of each test: the call's outcome, and a setup or teardown's
-    when it failed (an error) or skipped."""
-    path = os.environ.get(OUTCOMES)
-    if not path or (report.when != "call" and report.passed):
-        return
-    outcome = report.outcome if report.when == "call" or report.skipped else "error"
-    line = {"test": report.nodeid, "outcome": outcome, "when": report.when, "s": round(report.duration, 2)}
-    if report.failed:
-        line["message"] = report.longreprtext[-1500:]
-    with open(path, "a", encoding="utf-8") as out:
-        out.write(json.dumps(line) + "\n")
 
 
 def run_pytest(paths: list[str], timeout: float, out_dir: Path, name: str) -> dict[str, Any]:
@@ -47,7 +33,7 @@ def run_pytest(paths: list[str], timeout: float, out_dir: Path, name: str) -> di
     outcomes = Path(out_dir) / f"{name}.jsonl"
     outcomes.unlink(missing_ok=True)
     args = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider"]
-    args += ["-p", "benchmarks.gpu.pytest_run", *paths]
+    args += ["-p", "benchmarks.pytest_outcomes", *paths]
     env = {**os.environ, OUTCOMES: str(outcomes)}
     proc = subprocess.Popen(
         args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
