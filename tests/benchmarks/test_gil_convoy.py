@@ -22,6 +22,6 @@ def test_the_smoke_run_prints_a_row_per_interval(capsys) -> None:
     main(["--smoke"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [row.split("|")[1].strip() for row in rows] == ["5", "0.25"]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "0.25"]
     assert all(float(row.split("|")[2]) > 0 for row in rows)
     assert sys.getswitchinterval() == before
