@@ -143,6 +143,10 @@ class ServerProcess:
         return None if self.proc is None else self.proc.pid
 
     def start(self, timeout: float = 60.0) -> ServerProcess:
+        return self.spawn().wait_ready(timeout)
+
+    def spawn(self) -> ServerProcess:
+        """The process started, not waited for (``wait_ready``): several can load at once."""
         self.proc = subprocess.Popen(
             [self.python, "-m", "memvit.server.cli", "serve"],
             cwd=self.cwd,
@@ -151,6 +155,9 @@ class ServerProcess:
             stderr=self.stderr,
             text=True,
         )
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> ServerProcess:
         try:
             wait_ready(self.url, timeout, self.proc)
         except (TimeoutError, RuntimeError):

@@ -118,9 +118,13 @@ def test_sigkill_during_registrations_never_corrupts_the_store(
 @pytest.mark.parametrize("poll", ["0.2"])
 def test_two_servers_on_one_store_converge(tiny_weights, store_location, make_bundle, poll) -> None:
     store = store_location
-    a = ServerProcess(tiny_weights, store, MEMVIT_STORE_POLL_SECONDS=poll).start()
-    b = ServerProcess(tiny_weights, store, MEMVIT_STORE_POLL_SECONDS=poll).start()
+    # Both loading at once, as a deployment's replicas start (two imports of torch on two cores: one
+    # start's time, not two); the store's creation is made for it (create-if-absent, compare-and-swap).
+    a = ServerProcess(tiny_weights, store, MEMVIT_STORE_POLL_SECONDS=poll).spawn()
+    b = ServerProcess(tiny_weights, store, MEMVIT_STORE_POLL_SECONDS=poll).spawn()
     try:
+        a.wait_ready()
+        b.wait_ready()
         assert _register(a.url, make_bundle("shared", m=1)) == 201
         _eventually(lambda: _check(_live(b.url)["names"] == ["shared"]))
         assert _register(b.url, make_bundle("shared", m=5, seed=3), replace=True) == 201
