@@ -54,14 +54,16 @@ def main(argv: list[str] | None = None) -> None:
                 where = root / f"linger-{linger}"
                 where.mkdir()
                 servers[linger] = start(
-                    f"{args.configs} device", weights, where, bundles, None, None, site_dir(where)
+                    f"{args.configs} device", weights, where, bundles, None, None, site_dir(where), wait=False
                 )
             os.environ.pop("MEMVIT_BATCH_LINGER")
+            for server in servers.values():  # they load at once (each took its environment at start)
+                server.wait_ready(300)
             requests = {
                 n: classify_requests("127.0.0.1", s.port, [padded_jpeg()]) for n, s in servers.items()
             }
-            for n, s in servers.items():  # warm-up
-                asyncio.run(load("127.0.0.1", s.port, requests[n], 16, 3.0))
+            for n, s in servers.items():  # warm-up, no longer than a phase (as front_end_cpu's)
+                asyncio.run(load("127.0.0.1", s.port, requests[n], 16, min(args.seconds, 3.0)))
             for r in range(args.rounds):
                 for clients in args.clients:
                     for n in args.lingers if r % 2 == 0 else args.lingers[::-1]:

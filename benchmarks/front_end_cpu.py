@@ -138,9 +138,11 @@ def start(
     then: Path | None,
     threads: int | None = None,
     stub: Path | None = None,
+    wait: bool = True,
 ) -> ServerProcess:
     """``name``: "<config> <decode>", e.g. "2 device", and " then" for ``then``'s code (see the
-    module's doc)."""
+    module's doc). ``wait=False``: started, not yet ready (``wait_ready(300)``), so that several
+    servers load at once."""
     config, decode, *was = name.split()
     paths = [str(p) for p in (then if was else None, stub) if p is not None]
     extra = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
@@ -151,7 +153,7 @@ def start(
     store.mkdir()
     for adapter, data in bundles.items():
         (store / f"{adapter}.safetensors").write_bytes(data)
-    return ServerProcess(
+    server = ServerProcess(
         weights,
         store,
         stderr=None,
@@ -162,7 +164,8 @@ def start(
         MEMVIT_API_PROCESSES=processes,
         MEMVIT_FRONT_END=mode or "model-process",
         **extra,
-    ).start(timeout=300)
+    )
+    return server.start(timeout=300) if wait else server.spawn()
 
 
 def ms(seconds: float | None) -> str:
