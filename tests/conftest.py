@@ -23,6 +23,9 @@ from PIL import Image
 from benchmarks.common import DEIT_TINY, IMAGENET_LABELS, REPO, SHARED_DATA  # noqa: F401
 from memvit.memory_core import MemoryViT, save_base
 from tests.factories import TINY, VARIANTS, random_adapter, randomize, tiny_base, tiny_engine  # noqa: F401
+from tests.http_clients import share_default_ssl_context
+
+share_default_ssl_context()  # every httpx client of the tests on one SSL context (tests/http_clients.py)
 
 TOL = 1e-5  # float32 on CPU: the exactness contract (docs/design.md §2.6)
 
