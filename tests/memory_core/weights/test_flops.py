@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from memvit.memory_core import AdapterCost, MemoryViT, adapter_flops, base_flops, flop_ratio, uniform_adapters
+from memvit.memory_core import (
+    AdapterCost,
+    MemoryViT,
+    ViTSpec,
+    adapter_flops,
+    base_flops,
+    flop_ratio,
+    uniform_adapters,
+)
+
+
+@functools.cache
+def spec_of(arch: str) -> ViTSpec:
+    """An architecture's spec (a frozen dataclass), its model built once for the module: ViT-B/32's
+    random init takes ~1.4 s."""
+    return MemoryViT.from_timm(arch).spec
 
 
 @pytest.mark.parametrize(
@@ -17,12 +34,12 @@ from memvit.memory_core import AdapterCost, MemoryViT, adapter_flops, base_flops
     ],
 )
 def test_ratio_matches_design_table(arch: str, k: int, m: int, expected: float) -> None:
-    spec = MemoryViT.from_timm(arch).spec
+    spec = spec_of(arch)
     assert flop_ratio(spec, uniform_adapters(k, m, 1000)) == pytest.approx(expected, abs=6e-4)
 
 
 def test_base_flops_by_hand() -> None:
-    spec = MemoryViT.from_timm("vit_base_patch32_224").spec
+    spec = spec_of("vit_base_patch32_224")
     T, D, F, L = 50, 768, 3072, 12
     per_layer = 2 * T * (4 * D * D + 2 * D * F) + 4 * T * T * D
     assert base_flops(spec) == 2 * 49 * (3 * 32 * 32) * D + L * per_layer + 2 * 1000 * D
