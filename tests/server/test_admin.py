@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import pytest
 from pydantic import SecretStr
@@ -83,11 +85,31 @@ def test_an_explicit_no_is_kept_on_loopback(monkeypatch) -> None:
     assert loopback_admin_default(Settings(_env_file=None)).allow_anonymous_admin is False
 
 
-@pytest.mark.parametrize("host,status", [("127.0.0.1", 201), ("0.0.0.0", 403)])
-def test_memvit_serve_without_a_token(tiny_weights, store, make_bundle, host, status) -> None:
+SERVE_HOSTS = [("127.0.0.1", 201), ("0.0.0.0", 403)]
+
+
+@pytest.fixture(scope="module")
+def serving_without_a_token(tiny_weights, tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
+    """``memvit serve`` with no token on each address, each on its own new store, loading at once (two
+    imports of torch on two cores: about one start's time, not two). Each test waits for its own."""
+    servers = {
+        host: ServerProcess(
+            tiny_weights, tmp_path_factory.mktemp("admin") / "store", MEMVIT_HOST=host, MEMVIT_ADMIN_TOKEN=""
+        ).spawn()
+        for host, _ in SERVE_HOSTS
+    }
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.mark.parametrize("host,status", SERVE_HOSTS)
+def test_memvit_serve_without_a_token(serving_without_a_token, make_bundle, host, status) -> None:
     """The real command: on loopback it stays convenient (and says so); bound to every address, as in
     the Docker image, management is refused."""
-    server = ServerProcess(tiny_weights, store, MEMVIT_HOST=host, MEMVIT_ADMIN_TOKEN="").start()
+    server = serving_without_a_token[host].wait_ready(120)
     try:
         r = httpx.post(f"{server.url}/adapters", files={"bundle": ("b", make_bundle("x").to_bytes())})
     finally:
