@@ -123,8 +123,8 @@ def test_two_servers_on_one_store_converge(tiny_weights, store_location, make_bu
     a = ServerProcess(tiny_weights, store, MEMVIT_STORE_POLL_SECONDS=poll).spawn()
     b = ServerProcess(tiny_weights, store, MEMVIT_STORE_POLL_SECONDS=poll).spawn()
     try:
-        a.wait_ready()
-        b.wait_ready()
+        a.wait_ready(120)
+        b.wait_ready(120)
         assert _register(a.url, make_bundle("shared", m=1)) == 201
         _eventually(lambda: _check(_live(b.url)["names"] == ["shared"]))
         assert _register(b.url, make_bundle("shared", m=5, seed=3), replace=True) == 201
