@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -89,14 +90,31 @@ def test_base_accuracy_reproduces_on_fashion_mnist() -> None:
     assert accuracy == pytest.approx(MANIFEST["base"]["test_accuracy"], abs=0.03)
 
 
-def test_serve_with_nothing_configured_serves_the_demo(tmp_path) -> None:
-    server = ServerProcess(None, tmp_path / "store").start()
+@pytest.fixture(scope="module")
+def demo_servers(tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
+    """``memvit serve`` with nothing configured, for each of the two tests below, each on its own new
+    store, loading at once (two imports of torch on two cores: about one start's time, not two). Each
+    test waits for its own."""
+    servers = {
+        test: ServerProcess(None, tmp_path_factory.mktemp("demo") / "store").spawn()
+        for test in ("serve", "delete")
+    }
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def test_serve_with_nothing_configured_serves_the_demo(demo_servers) -> None:
+    server = demo_servers["serve"].wait_ready(120)
+    store = Path(server.env["MEMVIT_ADAPTER_STORE"])
     try:
         assert httpx.get(f"{server.url}/readyz").status_code == 200
         listed = httpx.get(f"{server.url}/adapters").json()
         assert [a["name"] for a in listed["adapters"]] == ["digits", "orientation"]
         # The empty store was seeded with the demo's bundles (through the journal, as registrations).
-        seeded = (tmp_path / "store" / "bundles").glob("*/*.safetensors")
+        seeded = (store / "bundles").glob("*/*.safetensors")
         assert sorted(p.parent.name for p in seeded) == [p.stem for p in demo_adapters()]
         assert listed["registry"] == {"version": 2, "adapters": 2}
         png = io.BytesIO()
@@ -110,10 +128,10 @@ def test_serve_with_nothing_configured_serves_the_demo(tmp_path) -> None:
         server.stop()
 
 
-def test_deleted_demo_adapters_stay_deleted_across_restarts(tmp_path) -> None:
+def test_deleted_demo_adapters_stay_deleted_across_restarts(demo_servers) -> None:
     """An empty store is seeded once in its life: deleting the demo adapters is never undone."""
-    store = tmp_path / "store"
-    server = ServerProcess(None, store).start()
+    server = demo_servers["delete"].wait_ready(120)
+    store = Path(server.env["MEMVIT_ADAPTER_STORE"])
     try:
         for name in ("digits", "orientation"):
             assert httpx.delete(f"{server.url}/adapters/{name}").status_code == 200
