@@ -31,10 +31,19 @@ from memvit.server.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, never one this process handed out before: servers started at once each pick
+    theirs before any of them binds it."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_ready(url: str, timeout: float = 30.0, process: subprocess.Popen | None = None) -> None:
