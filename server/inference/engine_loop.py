@@ -1,7 +1,7 @@
 """The engine loop: requests gathered into batches, and each batch through the device's three stages,
 every one on a thread of its own, with no event loop anywhere on the way.
 
-    submit (any thread) -> [batcher] -> [decode] -> [pass] -> [collector] -> each request's sink
+    submit (any thread) -> [batcher + decode] -> [pass] -> [collector] -> each request's sink
 
 - The *batcher* takes the first waiting request, then more, until ``max_batch`` images or
   ``max_wait`` seconds. It waits only for requests that are on their way (``announce``d while their
@@ -11,6 +11,11 @@ every one on a thread of its own, with no event loop anywhere on the way.
   reads the live adapter set once, so every request in it is answered by that one snapshot; a
   request asking for an adapter the snapshot no longer has fails alone. Routing costs each request
   what it asks for, never what else is resident.
+- The batcher runs on the decode stage's thread: a batch forms when the decoder is free to take it.
+  Formed ahead (while the batch before decodes), the requests of one decoder cycle were split
+  between batches waiting their turn, each paying the decoder's and the pass's fixed costs, and a
+  light key's request arriving meanwhile waited behind them all; formed late, a batch holds every
+  request that came while the one before decoded, and the fair queue picks them when it matters.
 - *decode*, *pass* and *collector* are the device runner's three stages (inference/device_runner.py),
   each batch handed from one to the next: on a GPU, ``depth`` batches (3) in flight, one decoded, one
   computing, one read back; on a CPU one (a second would hold images back from a batch forming).
@@ -79,15 +84,15 @@ class EngineLoop:
         self._in_flight = 0  # batches formed and not yet answered
         self._running = False
         self._threads: list[threading.Thread] = []
-        self._stages = [queue.SimpleQueue() for _ in range(3)]  # to decode, to pass, to collect
+        self._stages = [queue.SimpleQueue() for _ in range(2)]  # to pass, to collect
 
     # -- from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
         """Capture the graphs the passes will replay (before any stage runs), then start the stages."""
         self._warm_up()
         self._running = True
-        work = [self._batcher, self._decoding, self._passing, self._collecting]
-        names = ["engine-batcher", "engine-decode", "engine-pass", "engine-collect"]
+        work = [self._batcher, self._passing, self._collecting]
+        names = ["engine-batcher", "engine-pass", "engine-collect"]
         if self.depth == 1:  # one batch in flight: its stages in turn, on the batcher's thread
             work, names = work[:1], names[:1]
         self._threads = [
@@ -145,6 +150,8 @@ class EngineLoop:
 
     # -- the batcher -----------------------------------------------------------------------------------
     def _batcher(self) -> None:
+        """Forms a batch, routes it and decodes it (a GPU's decode queues on the prep stream), then the
+        next: so a batch forms only once the decoder is free for it (see the module's docstring)."""
         while True:
             batch = self._form()
             if batch is None:
@@ -163,7 +170,7 @@ class EngineLoop:
                 continue
             if self.depth == 1:
                 self._run_inline(batch)
-            else:
+            elif self._decode(batch):
                 self._stages[0].put(batch)
 
     def _pools_grew(self) -> bool:
@@ -270,22 +277,16 @@ class EngineLoop:
         if self._decode(batch) and self._launch(batch):
             self._collect(batch)
 
-    def _decoding(self) -> None:
-        self._stage(0, self._decode)
-
     def _passing(self) -> None:
-        self._stage(1, self._launch)
-
-    def _collecting(self) -> None:
-        while (batch := self._stages[2].get()) is not None:
-            self._collect(batch)
-
-    def _stage(self, index: int, step: Callable[[Batch], bool]) -> None:
-        inbox, outbox = self._stages[index], self._stages[index + 1]
+        inbox, outbox = self._stages
         while (batch := inbox.get()) is not None:
-            if step(batch):
+            if self._launch(batch):
                 outbox.put(batch)
         outbox.put(None)
+
+    def _collecting(self) -> None:
+        while (batch := self._stages[1].get()) is not None:
+            self._collect(batch)
 
     def _finish(self, batch: Batch, finished: list[tuple[Job, Result]]) -> None:
         self._deliver(finished)
