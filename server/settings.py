@@ -69,6 +69,13 @@ class Settings(BaseSettings):
     decode_device: Literal["auto", "device", "cpu"] = Field(
         "auto", description="decode JPEGs on the model's device: auto (on a GPU), device, or cpu"
     )
+    # On a GPU, the threads that form batches and put their images on the device, each with a decoder
+    # and a stream of its own (server/inference/engine_loop.py): torchvision's GPU decoder is one object
+    # behind a lock, so a second thread overlaps the rest of a batch's decode stage (the checks, the
+    # preprocessing, the GIL) with the other's decoder call. 1 on a CPU whatever this says.
+    device_decode_threads: int = Field(
+        1, ge=1, le=4, description="threads decoding batches on the GPU, each with its own stream"
+    )
     # A Server-Timing header on /classify and OIP answers: the request's stages in milliseconds.
     server_timing: bool = Field(False, description="say each answer's stage times in a Server-Timing header")
     max_images_per_request: int = Field(16, ge=1)

@@ -41,15 +41,25 @@ from .stage_metrics import stage_means, stage_sums
 # ``server_variants`` first variants, the others the first alone at full load. The first is the
 # default front end on a GPU host (server/cli/serve.py: API processes before one model process, chosen
 # by the 2026-11-27 run: 2,000 img/s against 1,560 for 8 replicas and 680 for one process), where the
-# goals are judged (and the two keys measured); then the same with a 0.5 ms GIL switch interval in the
-# model process (its decode stage took 7.1 ms a batch of 12 on 2026-11-28, 2.4x the decoder alone),
-# one process, the replicas, and the CPU decoders.
+# goals are judged (and the two keys measured); then the same with two decode threads and with a 0.5
+# ms GIL switch interval in the model process (its decode stage took 7.1 ms a batch of 12 on
+# 2026-11-28, 2.4x the decoder alone, and bounded the group), one process, the replicas, and the CPU
+# decoders (the sixth: beyond the default ``server_variants``).
 API_PROCESSES = "8"
 VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
     (
         f"{API_PROCESSES} API processes, one model process (default)",
         {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "model-process"},
         ("full", "half"),
+    ),
+    (
+        f"{API_PROCESSES} API processes, one model process, 2 decode threads",
+        {
+            "MEMVIT_API_PROCESSES": API_PROCESSES,
+            "MEMVIT_FRONT_END": "model-process",
+            "MEMVIT_DEVICE_DECODE_THREADS": "2",
+        },
+        ("full",),
     ),
     (
         f"{API_PROCESSES} API processes, one model process, GIL switch 0.5 ms",

@@ -172,7 +172,7 @@ def _load(settings: Settings, metrics: Metrics) -> tuple[MemoryViT, AdapterRegis
         device_decoder = DeviceDecoder(cpu, engine.device)
     loop = EngineLoop(
         registry.live,
-        DeviceRunner(engine, device_decoder),
+        DeviceRunner(engine, device_decoder, lanes=settings.device_decode_threads),
         max_batch=settings.max_batch,
         max_wait=settings.max_wait_ms / 1000,
         linger=settings.batch_linger,

@@ -99,6 +99,14 @@ class DeviceDecoder:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.barrier = True  # off only where a test shows what it prevents (tests/server/test_cuda_decode.py)
 
+    def twin(self) -> DeviceDecoder:
+        """A decoder for another thread: the same checks and preprocessing, a stream of its own (its
+        barrier then waits for its own batches only). torchvision's GPU decoder is one object behind
+        a lock, so two threads overlap everything but the decoder's own call."""
+        twin = DeviceDecoder(self.cpu, self.device)
+        twin.barrier = self.barrier
+        return twin
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """One image's input (C, H, W)."""

@@ -128,18 +128,34 @@ def _joined(pieces: list[Answer]) -> Answer:
     )
 
 
+@dataclass(frozen=True)
+class _Lane:
+    """What one decode thread uses: its decoder (None: images arrive decoded) and its prep stream."""
+
+    decoder: DeviceDecoder | None
+    prep: torch.cuda.Stream | None
+
+
 class DeviceRunner:
     """Runs batches on ``engine``'s device; ``decoder`` decodes JPEGs there (None: images arrive
-    decoded)."""
+    decoded). ``lanes``: how many threads may decode at once, each with a decoder and a prep stream
+    of its own (``decode(items, lane)``); the pass and the answers are one stream's."""
 
-    def __init__(self, engine: MemoryViT, decoder: DeviceDecoder | None = None) -> None:
+    def __init__(self, engine: MemoryViT, decoder: DeviceDecoder | None = None, *, lanes: int = 1) -> None:
+        if lanes < 1:
+            raise ValueError(f"lanes must be at least 1, got {lanes}")
         self.engine = engine
         self.decoder = decoder
         self.cuda = engine.device.type == "cuda"
-        self.prep = None
-        if self.cuda:  # the decoder's stream when there is one: its barrier covers the copies too
-            self.prep = decoder.stream if decoder is not None else torch.cuda.Stream(engine.device)
+        decoders = [decoder] + [decoder.twin() if decoder is not None else None for _ in range(lanes - 1)]
+        self.lanes = [_Lane(d, self._prep_stream(d)) for d in decoders]
         self.staging = PinnedStaging() if self.cuda else None
+
+    def _prep_stream(self, decoder: DeviceDecoder | None) -> torch.cuda.Stream | None:
+        if not self.cuda:
+            return None
+        # the decoder's stream when there is one: its barrier covers the copies too
+        return decoder.stream if decoder is not None else torch.cuda.Stream(self.engine.device)
 
     def run(
         self, items: Sequence[Item], adapter_set: AdapterSet, tasks: list | None, wants: list[Want]
@@ -148,31 +164,35 @@ class DeviceRunner:
         return self.collect(self.launch(self.decode(items), adapter_set, tasks, wants))
 
     # -- stage 1: the images on the device ---------------------------------------------------------
-    def decode(self, items: Sequence[Item]) -> Decoded:
+    def decode(self, items: Sequence[Item], lane: int = 0) -> Decoded:
+        """The batch's images on the device, by decode thread ``lane``'s decoder and stream."""
         clock = _Clock(self.cuda)
         failed: dict[int, ServiceError] = {}
-        with torch.inference_mode(), torch.cuda.stream(self.prep) if self.cuda else _nothing():
-            x = self._images(items, failed, clock)
+        use = self.lanes[lane]
+        with torch.inference_mode(), torch.cuda.stream(use.prep) if self.cuda else _nothing():
+            x = self._images(items, failed, clock, use)
             ready = None
             if self.cuda:
                 ready = torch.cuda.Event()
-                ready.record(self.prep)
+                ready.record(use.prep)
         return Decoded(x, failed, clock, ready)
 
-    def _images(self, items: Sequence[Item], failed: dict[int, ServiceError], clock: _Clock) -> Tensor:
+    def _images(
+        self, items: Sequence[Item], failed: dict[int, ServiceError], clock: _Clock, use: _Lane
+    ) -> Tensor:
         on_cpu = [i for i, item in enumerate(items) if isinstance(item, Tensor)]
         encoded = [i for i, item in enumerate(items) if not isinstance(item, Tensor)]
         if not encoded:  # every image decoded on the CPU: the staged copy is the batch
-            return self._copied(list(items), clock)
-        clock.start("decode", self.prep)
-        decoded, refused = self.decoder.decode_batch([items[i] for i in encoded])
-        clock.stop("decode", self.prep)
+            return self._copied(list(items), clock, use.prep)
+        clock.start("decode", use.prep)
+        decoded, refused = use.decoder.decode_batch([items[i] for i in encoded])
+        clock.stop("decode", use.prep)
         failed.update({encoded[i]: why for i, why in refused.items()})
         if not on_cpu:
             return decoded
         x = torch.empty(len(items), *decoded.shape[1:], device=self.engine.device)
         x.index_copy_(0, self._index(encoded), decoded)
-        x.index_copy_(0, self._index(on_cpu), self._copied([items[i] for i in on_cpu], clock))
+        x.index_copy_(0, self._index(on_cpu), self._copied([items[i] for i in on_cpu], clock, use.prep))
         return x
 
     def _index(self, rows: list[int]) -> Tensor:
@@ -183,16 +203,17 @@ class DeviceRunner:
             return index
         return index.pin_memory().to(self.engine.device, non_blocking=True)
 
-    def _copied(self, images: list[Tensor], clock: _Clock) -> Tensor:
+    def _copied(self, images: list[Tensor], clock: _Clock, prep: torch.cuda.Stream | None) -> Tensor:
         """CPU-decoded images on the device: through pinned memory, on the prep stream (GPU)."""
         if not self.cuda:
             return torch.stack(images).to(self.engine.device)
+        # the staging buffers are shared by the lanes: each is held by one copy at a time (staging.py)
         slot, staged = self.staging.stage((len(images), *images[0].shape), images[0].dtype)
         torch.stack(images, out=staged)
-        clock.start("copy", self.prep)
+        clock.start("copy", prep)
         target = torch.empty(staged.shape, dtype=staged.dtype, device=self.engine.device)
-        self.staging.send(slot, staged, target, stream=self.prep)
-        clock.stop("copy", self.prep)
+        self.staging.send(slot, staged, target, stream=prep)
+        clock.stop("copy", prep)
         return target
 
     # -- stage 2: the pass and its answers ----------------------------------------------------------

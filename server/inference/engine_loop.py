@@ -69,6 +69,8 @@ class EngineLoop:
         count: Callable[[list[tuple[Job, Answer]]], None] | None = None,
         linger: float = 0.0,
     ) -> None:
+        """``depth``: batches in flight (None: 3 on a GPU, 1 on a CPU); with more than one, the
+        runner's ``lanes`` decode threads each form and decode batches (on a CPU one runs all)."""
         self.live, self.runner = live, runner
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.metrics, self.fair, self.registered = metrics, fair, registered
@@ -76,6 +78,8 @@ class EngineLoop:
         self._warmed: int | None = None  # the slot pools' generation they were captured for
         self.count = count  # what a batch answered, counted for the keys that asked (usage, metrics)
         self.depth = depth if depth is not None else (3 if runner.cuda else 1)
+        self.lanes = len(runner.lanes) if self.depth > 1 else 1  # decode threads
+        self._forming = threading.Lock()  # one decode thread forms and routes a batch at a time
         self._queue: FairQueue[Job] = FairQueue()
         self._gap = ArrivalGap(linger)  # a batch's wait for requests not announced (arrivals.py)
         self._lock = threading.Condition()
@@ -91,13 +95,13 @@ class EngineLoop:
         """Capture the graphs the passes will replay (before any stage runs), then start the stages."""
         self._warm_up()
         self._running = True
-        work = [self._batcher, self._passing, self._collecting]
-        names = ["engine-batcher", "engine-pass", "engine-collect"]
-        if self.depth == 1:  # one batch in flight: its stages in turn, on the batcher's thread
-            work, names = work[:1], names[:1]
-        self._threads = [
-            threading.Thread(target=w, name=n, daemon=True) for w, n in zip(work, names, strict=True)
+        work: list[tuple[Callable[..., None], str, tuple]] = [
+            (self._batcher, "engine-batcher" + (f"-{lane}" if lane else ""), (lane,))
+            for lane in range(self.lanes)
         ]
+        if self.depth > 1:  # else one batch in flight: its stages in turn, on the batcher's thread
+            work += [(self._passing, "engine-pass", ()), (self._collecting, "engine-collect", ())]
+        self._threads = [threading.Thread(target=w, name=n, args=a, daemon=True) for w, n, a in work]
         for thread in self._threads:
             thread.start()
 
@@ -149,29 +153,31 @@ class EngineLoop:
             self._lock.notify_all()
 
     # -- the batcher -----------------------------------------------------------------------------------
-    def _batcher(self) -> None:
-        """Forms a batch, routes it and decodes it (a GPU's decode queues on the prep stream), then the
-        next: so a batch forms only once the decoder is free for it (see the module's docstring)."""
+    def _batcher(self, lane: int) -> None:
+        """Forms a batch, routes it and decodes it with the runner's ``lane`` (a GPU's decode queues on
+        its prep stream), then the next: so a batch forms only once a decoder is free for it (see the
+        module's docstring). Decode threads form one at a time; each decodes on its own."""
         while True:
-            batch = self._form()
-            if batch is None:
-                self._stages[0].put(None)  # the stages' threads (if any) stop in turn
-                return
-            if self._pools_grew():  # recapture with every other stage idle (CUDA forbids a capture
-                with self._lock:  # while other threads sync or queue work), before this batch
-                    while self._in_flight > 1:
-                        self._lock.wait()
-                self._warm_up()
-            try:
-                self._route(batch)
-            except Exception as exc:  # never leave a client hanging
-                log.exception("routing a batch failed")
-                self._finish(batch, [(job, exc) for job in batch.jobs])
-                continue
+            with self._forming:
+                batch = self._form()
+                if batch is None:
+                    break
+                if self._pools_grew():  # recapture with every other stage idle (CUDA forbids a
+                    with self._lock:  # capture while other threads sync or queue work); the other
+                        while self._in_flight > 1:  # decode threads finish theirs, then wait here
+                            self._lock.wait()
+                    self._warm_up()
+                try:
+                    self._route(batch)
+                except Exception as exc:  # never leave a client hanging
+                    log.exception("routing a batch failed")
+                    self._finish(batch, [(job, exc) for job in batch.jobs])
+                    continue
             if self.depth == 1:
                 self._run_inline(batch)
-            elif self._decode(batch):
+            elif self._decode(batch, lane):
                 self._stages[0].put(batch)
+        self._stages[0].put(None)  # the pass thread (if any) stops once every decode thread has
 
     def _pools_grew(self) -> bool:
         return self.warm is not None and self.runner.engine.slots.generation != self._warmed
@@ -226,14 +232,14 @@ class EngineLoop:
 
     # -- the stages ------------------------------------------------------------------------------------
     # Each step runs a batch through its stage; False: the batch is done with (answered or failed).
-    def _decode(self, batch: Batch) -> bool:
+    def _decode(self, batch: Batch, lane: int = 0) -> bool:
         if not batch.jobs:
             self._finish(batch, [])
             return False
         batch.started = time.perf_counter()
         self.metrics.batch_size.observe(sum(job.size for job in batch.jobs))
         return self._step(
-            batch, lambda: self.runner.decode([item for job in batch.jobs for item in job.items])
+            batch, lambda: self.runner.decode([item for job in batch.jobs for item in job.items], lane)
         )
 
     def _launch(self, batch: Batch) -> bool:
@@ -279,8 +285,12 @@ class EngineLoop:
 
     def _passing(self) -> None:
         inbox, outbox = self._stages
-        while (batch := inbox.get()) is not None:
-            if self._launch(batch):
+        running = self.lanes  # decode threads still forming batches
+        while running:
+            batch = inbox.get()
+            if batch is None:
+                running -= 1
+            elif self._launch(batch):
                 outbox.put(batch)
         outbox.put(None)
 

@@ -116,6 +116,27 @@ def test_the_gil_switch_interval_reaches_the_engines_process(monkeypatch, tiny_w
         Settings(_env_file=None)
 
 
+def test_the_device_decode_threads_reach_the_engine_loop(monkeypatch, tiny_weights, tmp_path) -> None:
+    """``MEMVIT_DEVICE_DECODE_THREADS``: the runner's decode lanes (a decoder each); on a CPU one decode
+    thread runs them all (one batch in flight)."""
+    from memvit.server.http.service import _load
+    from memvit.server.telemetry.metrics import Metrics
+
+    monkeypatch.setenv("MEMVIT_DEVICE_DECODE_THREADS", "2")
+    settings = Settings(_env_file=None, weights=tiny_weights, adapter_store=tmp_path / "store",
+                        decode_device="device")  # fmt: skip
+    _, _, loop = _load(settings, Metrics())
+    try:
+        first, second = (lane.decoder for lane in loop.runner.lanes)
+        assert first is not None and second is not None and first is not second
+        assert loop.lanes == 1 and loop.depth == 1
+    finally:
+        loop.stop()
+    monkeypatch.setenv("MEMVIT_DEVICE_DECODE_THREADS", "0")
+    with pytest.raises(ValidationError, match="device_decode_threads"):
+        Settings(_env_file=None)
+
+
 def test_the_gpu_engine_settings_reach_the_engine(monkeypatch, tiny_weights) -> None:
     from memvit.server.http.app import build_engine, preflight
 

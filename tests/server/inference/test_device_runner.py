@@ -106,3 +106,22 @@ def test_an_image_that_never_fits_answers_503_and_the_others_are_answered(setup,
         ran.cut(wants[1], None, 1, 3)
     assert refused.value.status == 503 and refused.value.headers() == {"Retry-After": "1"}
     assert len(ran.cut(wants[0], None, 1, 3)) == 2 and len(ran.cut(wants[2], None, 1, 3)) == 2
+
+
+def test_each_decode_lane_has_its_own_decoder_and_the_same_answers(setup) -> None:
+    """Two decode threads (``lanes=2``): the second lane's decoder is the first's twin (its own
+    preprocessing, the same barrier setting) and decodes a mixed batch to the same bits."""
+    engine, _, device, _ = setup
+    device.barrier = False  # a setting the twin must copy
+    try:
+        runner = DeviceRunner(engine, device, lanes=2)
+    finally:
+        device.barrier = True
+    first, second = (lane.decoder for lane in runner.lanes)
+    assert first is device and second is not device and second.barrier is False
+    assert second.preprocess is not device.preprocess and second.cpu is device.cpu
+    items = [device.prepare(b, f"i{k}") for k, b in enumerate(uploads())]
+    one, two = runner.decode(items, 0), runner.decode(items, 1)
+    assert torch.equal(one.x, two.x) and one.failed == two.failed == {}
+    with pytest.raises(ValueError, match="lanes"):
+        DeviceRunner(engine, device, lanes=0)

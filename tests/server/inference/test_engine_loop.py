@@ -46,9 +46,9 @@ def submit(loop: EngineLoop, x: torch.Tensor, adapters=None, tasks=None, announc
     return future
 
 
-def engine_loop(live: LiveAdapters, max_wait: float = 0.0, **kw) -> tuple[EngineLoop, list]:
-    loop = EngineLoop(live, DeviceRunner(live.engine), max_batch=8, max_wait=max_wait, max_queue=64,
-                      metrics=Metrics(), **kw)  # fmt: skip
+def engine_loop(live: LiveAdapters, max_wait: float = 0.0, lanes: int = 1, **kw) -> tuple[EngineLoop, list]:
+    loop = EngineLoop(live, DeviceRunner(live.engine, lanes=lanes), max_batch=8, max_wait=max_wait,
+                      max_queue=64, metrics=Metrics(), **kw)  # fmt: skip
     sizes: list = []
     launch = loop.runner.launch
 
@@ -155,9 +155,9 @@ def _fair_run(
     passes: list[list[float]] = []
     decode = loop.runner.decode
 
-    def recording(items):
+    def recording(items, *lane):
         passes.append([float(item[0, 0, 0]) for item in items])
-        return decode(items)
+        return decode(items, *lane)
 
     loop.runner.decode = recording
     futures = []
@@ -233,11 +233,11 @@ def _held_first_decode(loop: EngineLoop) -> tuple[threading.Event, threading.Eve
     ``started`` is set once it has begun. Later decodes run at once."""
     started, release, decode = threading.Event(), threading.Event(), loop.runner.decode
 
-    def held(items):
+    def held(items, *lane):
         if not started.is_set():
             started.set()
             release.wait(10)
-        return decode(items)
+        return decode(items, *lane)
 
     loop.runner.decode = held
     return started, release
@@ -273,9 +273,9 @@ def test_on_a_pipelined_device_a_light_key_takes_the_next_batch(engine) -> None:
     flows: list[list[str]] = []
     decode = loop.runner.decode
 
-    def recording(items):
+    def recording(items, *lane):
         flows.append(["light" if float(item[0, 0, 0]) == 100.0 else "heavy" for item in items])
-        return decode(items)
+        return decode(items, *lane)
 
     loop.runner.decode = recording
     x = images(engine, 13)
@@ -294,10 +294,37 @@ def test_on_a_pipelined_device_a_light_key_takes_the_next_batch(engine) -> None:
     assert flows[0] == ["heavy"] * 4 and "light" in flows[1], flows
 
 
-def test_graphs_are_captured_at_start_and_again_once_the_pools_grow(engine) -> None:
+def test_two_decode_threads_decode_two_batches_at_once(engine) -> None:
+    """With two lanes, a second decode thread forms and decodes a batch while the first one's decode
+    is still running, each on its own lane; every answer is the image's own."""
+    loop, sizes = engine_loop(LiveAdapters(engine), depth=3, lanes=2)
+    started, release = _held_first_decode(loop)
+    lanes: list[int] = []
+    decode = loop.runner.decode
+    loop.runner.decode = lambda items, lane=0: lanes.append(lane) or decode(items, lane)
+    x = images(engine, 3)
+    loop.start()
+    try:
+        first = submit(loop, x[:1])
+        assert started.wait(10)
+        second = submit(loop, x[1:])
+        answer = second.result(10)  # answered while the first batch is still decoding
+        assert not first.done()
+        release.set()
+        alone = first.result(10)
+    finally:
+        loop.stop()
+    assert sorted(lanes) == [0, 1] and [s for s, _ in sizes] == [2, 1]
+    torch.testing.assert_close(torch.from_numpy(answer.task_logits(0)), engine(x[1:]).base)
+    torch.testing.assert_close(torch.from_numpy(alone.task_logits(0)), engine(x[:1]).base)
+
+
+@pytest.mark.parametrize("depth, lanes", [(None, 1), (3, 2)], ids=["cpu", "two-decode-threads"])
+def test_graphs_are_captured_at_start_and_again_once_the_pools_grow(engine, depth, lanes) -> None:
     live = LiveAdapters(engine)
     warmed: list[tuple[str, ...]] = []
-    loop, _ = engine_loop(live, warm=lambda adapters: warmed.append(tuple(adapters.names)) or 0)
+    warm = lambda adapters: warmed.append(tuple(adapters.names)) or 0  # noqa: E731
+    loop, _ = engine_loop(live, warm=warm, depth=depth, lanes=lanes)
     loop.start()
     try:
         assert warmed == [()]  # before any stage ran
