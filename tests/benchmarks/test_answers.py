@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from benchmarks.answers import check, reason_of
+from benchmarks.answers import Expected, check, prepared, reason_of
 
 REF = {"base": [2.0, 1.0, -1.0], "a": [0.5, 0.4996, 0.0]}  # a: top-2 margin 4e-4, under 1e-3
 
@@ -37,3 +37,23 @@ def test_reasons_to_count_answers_by() -> None:
     assert reason_of(500, body, "photo-0", refs, 1e-3) == "500 NonFiniteOutputError: internal error"
     assert reason_of(503, b"<html>", "photo-0", refs, 1e-3) == "503 unparsed: <html>"
     assert reason_of(200, b"{}", "photo-0", refs, 1e-3) == "200 wrong: unreadable answer (KeyError)"
+
+
+def test_prepared_references_say_the_same() -> None:
+    """A load prepares each reference once (``prepared``); every reason is the raw reference's."""
+    refs = {"photo-0": REF}
+    ready = prepared(refs)
+    flipped = answer({**REF, "base": [1.5, 1.55, -1.0]})  # within 0.6, but not the top-1 (margin 1)
+    bodies = [answer(REF), answer({**REF, "base": [9, 1, 1]}), flipped, answer({"base": REF["base"]})]
+    bodies += [answer({**REF, "base": [math.inf, 1.0, -1.0]}), answer({**REF, "a": [0.0, 0.6]})]
+    for body in bodies:
+        assert reason_of(200, body, "photo-0", ready, 0.6) == reason_of(200, body, "photo-0", refs, 0.6)
+    assert reason_of(200, flipped, "photo-0", ready, 0.6) == "200 wrong: base: top-1 differs"
+
+
+def test_the_margin_is_the_top_two_logits_apart() -> None:
+    assert Expected.of([1.0, 3.0, 2.0]).top1 == 1 and Expected.of([1.0, 3.0, 2.0]).margin == 1.0
+    tied = Expected.of([3.0, 1.0, 3.0])  # a tie at the top: no margin, either may win
+    assert tied.top1 == 0 and tied.margin == 0.0
+    assert check({"t": [2.0, 1.0, 3.0]}, {"t": [3.0, 1.0, 3.0]}, 1.5) is None
+    assert Expected.of([5.0]).margin == math.inf
