@@ -36,15 +36,43 @@ def roles(pid: int) -> dict[int, str]:
     return {pid: "supervisor" if found else "server", **found}
 
 
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid``'s threads by the name the kernel shows (memvit names its engine and
+    link threads: server/telemetry/os_names.py); threads of one name summed (torch's intra-op pool
+    and other unnamed threads carry the process's name)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 class RoleClock:
-    """CPU seconds by role between ``__init__`` and ``seconds()`` (processes found at the start)."""
+    """CPU seconds by role between ``__init__`` and ``seconds()`` (processes found at the start), and
+    by thread of the process that runs the engine (``threads()``: the model process, or the one)."""
 
     def __init__(self, pid: int) -> None:
         self.roles = roles(pid)
         self.before = {p: cpu_seconds(p) for p in self.roles}
+        engine = [p for p, role in self.roles.items() if role in ("model", "server")]
+        self.engine = engine[0] if engine else None
+        self.threads_before = thread_seconds(self.engine) if self.engine is not None else {}
 
     def seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for p, role in self.roles.items():
             out[role] = out.get(role, 0.0) + cpu_seconds(p) - self.before[p]
         return out
+
+    def threads(self) -> dict[str, float]:
+        """The engine's process's CPU seconds since ``__init__`` by thread name, busiest first (a
+        thread started since counts from its start)."""
+        if self.engine is None:
+            return {}
+        now = thread_seconds(self.engine)
+        spent = {name: now[name] - self.threads_before.get(name, 0.0) for name in now}
+        return dict(sorted(((n, s) for n, s in spent.items() if s > 0), key=lambda kv: -kv[1]))

@@ -212,9 +212,9 @@ class Served:
 
 def _load(common: dict, clients: int, plan: Plan, limit: float | None, rate: float | None) -> dict:
     server = common["server"]
-    before, clock = stage_sums(server.url), RoleClock(server.pid)
+    before, clock, began = stage_sums(server.url), RoleClock(server.pid), time.perf_counter()
     got = _run(common, common["requests"], clients, plan, rate=rate)
-    cpu = clock.seconds()
+    cpu, threads, wall = clock.seconds(), clock.threads(), time.perf_counter() - began
     stages = stage_means(before, stage_sums(server.url))
     share = got.throughput / limit if limit else None
     images = max(got.ok, 1)
@@ -230,6 +230,9 @@ def _load(common: dict, clients: int, plan: Plan, limit: float | None, rate: flo
         "server / bound": share,
         **{f"cpu ms/img {role}": 1e3 * seconds / images for role, seconds in cpu.items() if seconds > 0},
         "cpu ms/img load generator": 1e3 * got.client_cpu_s / images,
+        # which of the engine's threads is busy: a decode thread near 1,000 ms a second is the limit
+        "engine threads cpu ms/img": {name: 1e3 * s / images for name, s in threads.items()},
+        "engine threads busy": {name: s / wall for name, s in threads.items()},  # of the wall clock
         **stages,
     }
     if got.examples:

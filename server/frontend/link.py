@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RetryLaterError
+from ..telemetry.os_names import os_named
 
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!I")
@@ -82,7 +83,9 @@ class Connection:
         self._ready = threading.Condition()
         self._sending = False  # a thread (the writer, or a sender) is writing to the socket now
         self._closed = False
-        self._writer = threading.Thread(target=self._write, name=f"link-write-{peer}", daemon=True)
+        self._writer = threading.Thread(
+            target=os_named(f"link-write-{peer}", self._write), name=f"link-write-{peer}", daemon=True
+        )
         self._writer.start()
 
     def answer(self, call_id: int, ok: bool, result: Any) -> None:
@@ -187,7 +190,8 @@ class LinkServer:
         listener.bind(str(self.path))
         listener.listen(256)
         self._listener = listener
-        threading.Thread(target=self._accept, name="link-accept", daemon=True).start()
+        accept = os_named("link-accept", self._accept)
+        threading.Thread(target=accept, name="link-accept", daemon=True).start()
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -218,9 +222,9 @@ class LinkServer:
             connection = Connection(sock, peer)
             with self._lock:
                 self._connections[peer] = connection
-            threading.Thread(
-                target=self._read, args=(connection,), name=f"link-read-{peer}", daemon=True
-            ).start()
+            name = f"link-read-{peer}"
+            read = os_named(name, self._read)
+            threading.Thread(target=read, args=(connection,), name=name, daemon=True).start()
 
     def _read(self, connection: Connection) -> None:
         sock, buffer = connection.sock, bytearray()

@@ -22,9 +22,6 @@ here is inherited):
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import logging
 import multiprocessing
 import shutil
@@ -39,6 +36,7 @@ from multiprocessing.context import SpawnProcess
 from pathlib import Path
 
 from ..settings import Settings
+from ..telemetry.os_names import set_os_name
 from .api_process import api_main
 from .model_process import model_main
 from .standin import StandIn
@@ -78,9 +76,7 @@ def comm_name(name: str) -> str:
 
 def run_named(name: str, target: Callable[..., None], *args: object) -> None:
     """A child's entry point: ``target(*args)`` under ``name`` (``comm_name``)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    set_os_name(name)
     target(*args)
 
 

@@ -40,6 +40,7 @@ from memvit.memory_core import AdapterSet, LiveAdapters
 
 from ..errors import OverloadedError, RetryLaterError
 from ..telemetry.metrics import Metrics
+from ..telemetry.os_names import os_named
 from .answers import Answer
 from .arrivals import ArrivalGap
 from .device_runner import DeviceRunner
@@ -96,12 +97,14 @@ class EngineLoop:
         self._warm_up()
         self._running = True
         work: list[tuple[Callable[..., None], str, tuple]] = [
-            (self._batcher, "engine-batcher" + (f"-{lane}" if lane else ""), (lane,))
+            (self._batcher, "engine-batcher" + (str(lane) if lane else ""), (lane,))  # 15 bytes at most
             for lane in range(self.lanes)
         ]
         if self.depth > 1:  # else one batch in flight: its stages in turn, on the batcher's thread
             work += [(self._passing, "engine-pass", ()), (self._collecting, "engine-collect", ())]
-        self._threads = [threading.Thread(target=w, name=n, args=a, daemon=True) for w, n, a in work]
+        self._threads = [
+            threading.Thread(target=os_named(n, w), name=n, args=a, daemon=True) for w, n, a in work
+        ]
         for thread in self._threads:
             thread.start()
 
