@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,7 +170,7 @@ class DeviceRunner:
         clock = _Clock(self.cuda)
         failed: dict[int, ServiceError] = {}
         use = self.lanes[lane]
-        with torch.inference_mode(), torch.cuda.stream(use.prep) if self.cuda else _nothing():
+        with torch.inference_mode(), torch.cuda.stream(use.prep) if self.cuda else nullcontext():
             x = self._images(items, failed, clock, use)
             ready = None
             if self.cuda:
@@ -292,11 +293,3 @@ def _within(wants: list[Want], lo: int, hi: int) -> list[Want]:
         for w in wants
         if w.lo < hi and lo < w.hi
     ]
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -1,27 +1,19 @@
 """The engine loop: requests gathered into batches, and each batch through the device's three stages,
-every one on a thread of its own, with no event loop anywhere on the way.
+every one on a thread of its own, with no event loop anywhere on the way (docs/design.md §5).
 
     submit (any thread) -> [batcher + decode] -> [pass] -> [collector] -> each request's sink
 
 - The *batcher* takes the first waiting request, then more, until ``max_batch`` images or
-  ``max_wait`` seconds. It waits only for requests that are on their way (``announce``d while their
-  images decode) or, optionally, while they arrive densely, for the next (inference/arrivals.py): a
-  lone request runs at once instead of sitting out ``max_wait`` for nobody. Which request is next is
-  the fair queue's choice (inference/fair_queue.py): the key served least, by weight. Each batch
-  reads the live adapter set once, so every request in it is answered by that one snapshot; a
-  request asking for an adapter the snapshot no longer has fails alone. Routing costs each request
-  what it asks for, never what else is resident.
-- The batcher runs on the decode stage's thread: a batch forms when the decoder is free to take it.
-  Formed ahead (while the batch before decodes), the requests of one decoder cycle were split
-  between batches waiting their turn, each paying the decoder's and the pass's fixed costs, and a
-  light key's request arriving meanwhile waited behind them all; formed late, a batch holds every
-  request that came while the one before decoded, and the fair queue picks them when it matters.
-- *decode*, *pass* and *collector* are the device runner's three stages (inference/device_runner.py),
-  each batch handed from one to the next: on a GPU, ``depth`` batches (3) in flight, one decoded, one
-  computing, one read back; on a CPU one (a second would hold images back from a batch forming).
-- The collector cuts each request's answer (server/inference/answers.py) and hands the batch's answers to
-  their *sinks*, one call per sink per batch: an event loop's (one wake-up for all its requests), or
-  an API process's connection (one write for all its answers, server/frontend/model_process.py).
+  ``max_wait`` seconds, waiting only for requests on their way (``announce``d) or, optionally, while
+  they arrive densely (inference/arrivals.py). The fair queue says which is next (fair_queue.py).
+  Each batch reads the live adapter set once (one snapshot answers it) and routes each request by
+  what it asks for. It runs on the decode stage's thread, so a batch forms when a decoder is free to
+  take it: batches formed ahead split one decoder cycle's requests between batches that each pay the
+  fixed costs, with a light key's request behind them all. On a GPU the runner's ``lanes`` are
+  decode threads of their own (one forms at a time); ``depth`` batches (3) are in flight, one
+  decoded, one computing, one read back; on a CPU one, its stages in turn on the batcher's thread.
+- The collector cuts each request's answer (answers.py) and hands a batch's answers to their
+  *sinks*, one call per sink per batch (an event loop's, or an API process's connection).
 
 A full queue refuses new work at once (503 + Retry-After) instead of growing, but never a key below
 its share of it.
@@ -52,7 +44,8 @@ log = logging.getLogger(__name__)
 
 class EngineLoop:
     """``fair``: requests are taken by the service each key has received (False: by arrival).
-    ``registered(version)``: adapters registered at a snapshot's version, for the answers."""
+    ``registered(version)``: adapters registered at a snapshot's version, for the answers. ``depth``:
+    batches in flight (None: 3 on a GPU, 1 on a CPU); with more, each runner lane a decode thread."""
 
     def __init__(
         self,
@@ -70,8 +63,6 @@ class EngineLoop:
         count: Callable[[list[tuple[Job, Answer]]], None] | None = None,
         linger: float = 0.0,
     ) -> None:
-        """``depth``: batches in flight (None: 3 on a GPU, 1 on a CPU); with more than one, the
-        runner's ``lanes`` decode threads each form and decode batches (on a CPU one runs all)."""
         self.live, self.runner = live, runner
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.metrics, self.fair, self.registered = metrics, fair, registered
@@ -102,10 +93,9 @@ class EngineLoop:
         ]
         if self.depth > 1:  # else one batch in flight: its stages in turn, on the batcher's thread
             work += [(self._passing, "engine-pass", ()), (self._collecting, "engine-collect", ())]
-        self._threads = [
-            threading.Thread(target=os_named(n, w), name=n, args=a, daemon=True) for w, n, a in work
-        ]
+        self._threads = [threading.Thread(target=os_named(n, w), name=n, args=a) for w, n, a in work]
         for thread in self._threads:
+            thread.daemon = True
             thread.start()
 
     def stop(self) -> None:
@@ -120,7 +110,7 @@ class EngineLoop:
         with self._lock:
             while self._queue.peek() is not None:
                 left.append(self._queue.pop())
-        self._deliver([(job, RetryLaterError("the server is stopping; retry shortly")) for job in left])
+        deliver([(job, RetryLaterError("the server is stopping; retry shortly")) for job in left])
 
     def announce(self, n: int) -> None:
         """``n`` images are decoding and will be submitted (or ``withdraw``n): a forming batch waits."""
@@ -230,7 +220,7 @@ class EngineLoop:
         first (whatever happens to the rest)."""
         refused = refuse_missing(batch, self.live.current)
         if refused:
-            self._deliver(refused)
+            deliver(refused)
         place(batch)
 
     # -- the stages ------------------------------------------------------------------------------------
@@ -302,13 +292,9 @@ class EngineLoop:
             self._collect(batch)
 
     def _finish(self, batch: Batch, finished: list[tuple[Job, Result]]) -> None:
-        self._deliver(finished)
+        deliver(finished)
         with self._lock:
             self._waiting -= batch.size
             self._in_flight -= 1
             self._lock.notify_all()
         self.metrics.queue_depth.set(self._waiting)
-
-    @staticmethod
-    def _deliver(finished: list[tuple[Job, Result]]) -> None:
-        deliver(finished)
