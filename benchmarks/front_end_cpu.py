@@ -89,6 +89,7 @@ class Round:
     client_ms: float
     rate: float
     batch: float | None = None  # mean images per batch in the phase (memvit_batch_images)
+    threads: dict[str, float] | None = None  # the engine's process's CPU seconds per request by thread
 
     @property
     def group(self) -> float:
@@ -113,11 +114,13 @@ def measure(server: ServerProcess, requests: list[bytes], clients: int, seconds:
     for role, cpu in clock.seconds().items():
         role = FRONT.get(role, role)
         per_role[role] = per_role.get(role, 0.0) + cpu / result.completed
+    threads = {name: cpu / result.completed for name, cpu in clock.threads().items()}
     time.sleep(1.2)  # the model process publishes its metrics every second (shared_metrics.py)
     after = batches(server.port)
     images, formed = after[0] - before[0], after[1] - before[1]
     mean = images / formed if formed > 0 else None
-    return Round(result.completed, result.statuses, per_role, result.client_cpu_ms, result.throughput, mean)
+    return Round(result.completed, result.statuses, per_role, result.client_cpu_ms, result.throughput, mean,
+                 threads)  # fmt: skip
 
 
 def against(checkout: Path, root: Path) -> Path:
@@ -227,8 +230,10 @@ def main(argv: list[str] | None = None) -> None:
                     results[n].append(got)
                     roles_ms = ", ".join(f"{role} {ms(v)}" for role, v in sorted(got.per_role.items()))
                     mean = "-" if got.batch is None else f"{got.batch:.1f}"
+                    busiest = ", ".join(f"{t} {ms(v)}" for t, v in list((got.threads or {}).items())[:5])
                     print(f"round {r + 1} {n}: {got.rate:.0f} req/s, CPU ms/request: {roles_ms}; "
-                          f"mean batch {mean}; statuses {got.statuses}", flush=True)  # fmt: skip
+                          f"mean batch {mean}; statuses {got.statuses}; engine's process by thread: "
+                          f"{busiest}", flush=True)  # fmt: skip
         finally:
             for server in servers.values():
                 server.stop()
