@@ -11,13 +11,18 @@ import os
 from pathlib import Path
 
 
+def _stat_seconds(stat: Path) -> float:
+    """User and system CPU seconds of a /proc ``stat`` file (a process's or one thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User and system CPU seconds ``pid`` (all its threads) has used; 0 once it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _stat_seconds(Path(f"/proc/{pid}/stat"))
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def roles(pid: int) -> dict[int, str]:
@@ -43,11 +48,10 @@ def thread_seconds(pid: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
         try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            name, seconds = (task / "comm").read_text().strip(), _stat_seconds(task / "stat")
         except OSError:  # the thread ended
             continue
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[name] = out.get(name, 0.0) + seconds
     return out
 
 

@@ -87,15 +87,14 @@ class EngineLoop:
         """Capture the graphs the passes will replay (before any stage runs), then start the stages."""
         self._warm_up()
         self._running = True
-        work: list[tuple[Callable[..., None], str, tuple]] = [
-            (self._batcher, "engine-batcher" + (str(lane) if lane else ""), (lane,))  # 15 bytes at most
-            for lane in range(self.lanes)
-        ]
+        # names of 15 bytes at most (the kernel's): engine-batcher, engine-batcher1, ...
+        work = [(self._batcher, f"engine-batcher{lane or ''}", (lane,)) for lane in range(self.lanes)]
         if self.depth > 1:  # else one batch in flight: its stages in turn, on the batcher's thread
             work += [(self._passing, "engine-pass", ()), (self._collecting, "engine-collect", ())]
-        self._threads = [threading.Thread(target=os_named(n, w), name=n, args=a) for w, n, a in work]
+        self._threads = [
+            threading.Thread(target=os_named(n, w), name=n, args=a, daemon=True) for w, n, a in work
+        ]
         for thread in self._threads:
-            thread.daemon = True
             thread.start()
 
     def stop(self) -> None:
