@@ -4,6 +4,7 @@ show; a non-finite logit is refused, never answered."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,13 +101,15 @@ def test_a_non_finite_logit_is_refused_naming_its_task(setup) -> None:
         batch.cut(Want(1, 2, 3, False), ["a", "b"], 1, 3)
 
 
-def test_a_batch_without_padding_is_each_tasks_own_softmax_and_top_k_bit_for_bit() -> None:
+def test_a_batch_without_padding_answers_each_task_as_it_alone_would_bit_for_bit() -> None:
     """Every task as wide as the base: no row is padded, so no mask is built (a mask of nothing
-    leaves the table as it is); each answer is its task's own softmax and top-k, bit for bit."""
+    leaves the table as it is); each answer is its task's own softmax and top-k (torch's, to float
+    rounding: a CPU's are numpy's), and bit for bit what a batch of that task alone answers."""
     engine = tiny_engine()
     live = LiveAdapters(engine)
     live.replace_all([random_adapter(n, engine, m=2, classes=engine.base.num_classes) for n in ("a", "b")])
-    out = engine(torch.randn(4, 3, 32, 32), live.current)
+    x = torch.randn(4, 3, 32, 32)
+    out = engine(x, live.current)
     wants = [Want(0, 2, 3, True), Want(2, 4, 5, False)]
     batch = BatchAnswers(out, engine.labels, wants)
     batch.wait()
@@ -114,8 +117,16 @@ def test_a_batch_without_padding_is_each_tasks_own_softmax_and_top_k_bit_for_bit
         answer = batch.cut(want, None, 1, 2)
         for t, task in enumerate(answer.tasks):
             probs, index = reference(out.logits()[task][want.lo : want.hi], want.top_k)
-            assert torch.equal(torch.from_numpy(answer.probs[:, t]), probs)
+            torch.testing.assert_close(torch.from_numpy(answer.probs[:, t]), probs, rtol=1e-6, atol=1e-7)
             assert torch.equal(torch.from_numpy(answer.index[:, t]), index)
+            other = (task,) if task != BASE_TASK else ("b",)  # the base: beside one adapter, not two
+            alone = engine(x, live.current, tasks=[other] * 4)
+            assert torch.equal(alone.logits()[task], out.logits()[task])  # the same logits in
+            by_itself = BatchAnswers(alone, engine.labels, wants)
+            by_itself.wait()
+            own = by_itself.cut(want, [task], 1, 2)
+            assert np.array_equal(own.probs[:, 0], answer.probs[:, t])
+            assert np.array_equal(own.index[:, 0], answer.index[:, t])
 
 
 def test_batches_of_one_kept_plan_share_its_layout_and_answer_their_own_logits(setup) -> None:
@@ -159,3 +170,17 @@ def test_another_snapshot_or_batch_size_gets_its_own_layout(setup) -> None:
     for t, task in enumerate(answer.tasks):
         probs, index = reference(out.logits()[task], 3)
         assert torch.equal(torch.from_numpy(answer.index[:, t, : probs.shape[1]]), index)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_top_k_is_best_first_and_equal_logits_the_lower_class_first(setup, k) -> None:
+    engine, adapters = setup
+    out = engine(torch.randn(2, 3, 32, 32), adapters)
+    base = torch.tensor([[0.0, 3.0, 3.0, 1.0, 3.0, -1.0, 0.0, 0.0, 0.0, 0.0]] * 2)[:, : out.base.shape[1]]
+    out = FusedOutput.every_image(base, dict(out.adapters), adapters)
+    batch = BatchAnswers(out, engine.labels, [Want(0, 2, k, False)])
+    batch.wait()
+    answer = batch.cut(Want(0, 2, k, False), ["base"], 1, 3)
+    assert answer.index[:, 0].tolist() == [[1, 2, 4, 3][:k]] * 2
+    expected = base.softmax(-1)[0, [1, 2, 4, 3][:k]]
+    torch.testing.assert_close(torch.from_numpy(answer.probs[1, 0]), expected)
