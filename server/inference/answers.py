@@ -12,7 +12,8 @@ request). Here, on the pass's device, for the batch:
 - copied to the host (into pinned memory on a GPU: the host waits on one event, not on each copy);
   the logits themselves only when some request of the batch asked for them.
 
-On a CPU the table is on the host already: the same in numpy (host_answers.py), no tensor operation.
+On a CPU the table is on the host already: the same in numpy (host_answers.py), no fork of the
+intra-op thread pool.
 
 A request is then ``rows`` (n images x T tasks) of that table, in the order it asked for its tasks:
 ``probs[rows]``, ``index[rows]``, ``logits[rows]`` (numpy, on the host), an ``Answer``.
@@ -91,7 +92,7 @@ class BatchAnswers:
         self.k = k
         self.ready = None
         logits = any(w.logits for w in wants)
-        if base.device.type != "cuda":  # on the host already: numpy's, no tensor operation (below)
+        if base.device.type != "cuda":  # on the host already: host_answers.py
             self._host = None
             padding = layout.host_padding if layout.padded else None
             self._arrays = host_answers(table_on_host(base, flat, width), padding, k, logits)
