@@ -43,15 +43,20 @@ def roles(pid: int) -> dict[int, str]:
 
 def thread_seconds(pid: int) -> dict[str, float]:
     """CPU seconds of ``pid``'s threads by the name the kernel shows (memvit names its engine and
-    link threads: server/telemetry/os_names.py); threads of one name summed (torch's intra-op pool
-    and other unnamed threads carry the process's name)."""
+    link threads: server/telemetry/os_names.py). A thread takes its creator's name: torch's intra-op
+    workers carry the name of the thread whose operation first forked the pool (an engine thread's,
+    often), so a name's first thread (the lowest id) counts as ``name`` and the others that carry
+    it as ``name+`` (its pool's workers spinning, say); unnamed threads carry the process's name."""
     out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+    seen: set[str] = set()
+    for task in sorted(Path(f"/proc/{pid}/task").glob("[0-9]*"), key=lambda t: int(t.name)):
         try:
             name, seconds = (task / "comm").read_text().strip(), _stat_seconds(task / "stat")
         except OSError:  # the thread ended
             continue
-        out[name] = out.get(name, 0.0) + seconds
+        key = f"{name}+" if name in seen else name
+        seen.add(name)
+        out[key] = out.get(key, 0.0) + seconds
     return out
 
 

@@ -59,3 +59,32 @@ def test_the_engine_loops_threads_carry_their_names(engine) -> None:
             time.sleep(0.01)
     finally:
         loop.stop()
+
+
+def test_threads_that_inherit_a_name_count_apart_from_the_first() -> None:
+    """torch's pool workers take the name of the thread that first forked it: counted as ``name+``."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        stop.wait(10)
+
+    def parent() -> None:  # named, then starts a child that inherits the name and spins
+        child = threading.Thread(target=spin, daemon=True)
+        child.start()
+        stop.wait(10)
+        child.join()
+
+    thread = threading.Thread(target=os_named("memvit-parent", parent), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while thread_seconds(os.getpid()).get("memvit-parent+", 0.0) < 0.15:
+            assert time.monotonic() < deadline, thread_seconds(os.getpid())
+            time.sleep(0.02)
+        assert thread_seconds(os.getpid())["memvit-parent"] < 0.1  # the parent itself only waits
+    finally:
+        stop.set()
+        thread.join()
