@@ -4,7 +4,6 @@ show; a non-finite logit is refused, never answered."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -101,15 +100,13 @@ def test_a_non_finite_logit_is_refused_naming_its_task(setup) -> None:
         batch.cut(Want(1, 2, 3, False), ["a", "b"], 1, 3)
 
 
-def test_a_batch_without_padding_answers_each_task_as_it_alone_would_bit_for_bit() -> None:
+def test_a_batch_without_padding_is_each_tasks_own_softmax_and_top_k_bit_for_bit() -> None:
     """Every task as wide as the base: no row is padded, so no mask is built (a mask of nothing
-    leaves the table as it is); each answer is its task's own softmax and top-k (torch's, to float
-    rounding: a CPU's are numpy's), and bit for bit what a batch of that task alone answers."""
+    leaves the table as it is); each answer is its task's own softmax and top-k, bit for bit."""
     engine = tiny_engine()
     live = LiveAdapters(engine)
     live.replace_all([random_adapter(n, engine, m=2, classes=engine.base.num_classes) for n in ("a", "b")])
-    x = torch.randn(4, 3, 32, 32)
-    out = engine(x, live.current)
+    out = engine(torch.randn(4, 3, 32, 32), live.current)
     wants = [Want(0, 2, 3, True), Want(2, 4, 5, False)]
     batch = BatchAnswers(out, engine.labels, wants)
     batch.wait()
@@ -117,16 +114,8 @@ def test_a_batch_without_padding_answers_each_task_as_it_alone_would_bit_for_bit
         answer = batch.cut(want, None, 1, 2)
         for t, task in enumerate(answer.tasks):
             probs, index = reference(out.logits()[task][want.lo : want.hi], want.top_k)
-            torch.testing.assert_close(torch.from_numpy(answer.probs[:, t]), probs, rtol=1e-6, atol=1e-7)
+            assert torch.equal(torch.from_numpy(answer.probs[:, t]), probs)
             assert torch.equal(torch.from_numpy(answer.index[:, t]), index)
-            other = (task,) if task != BASE_TASK else ("b",)  # the base: beside one adapter, not two
-            alone = engine(x, live.current, tasks=[other] * 4)
-            assert torch.equal(alone.logits()[task], out.logits()[task])  # the same logits in
-            by_itself = BatchAnswers(alone, engine.labels, wants)
-            by_itself.wait()
-            own = by_itself.cut(want, [task], 1, 2)
-            assert np.array_equal(own.probs[:, 0], answer.probs[:, t])
-            assert np.array_equal(own.index[:, 0], answer.index[:, t])
 
 
 def test_batches_of_one_kept_plan_share_its_layout_and_answer_their_own_logits(setup) -> None:
@@ -170,22 +159,3 @@ def test_another_snapshot_or_batch_size_gets_its_own_layout(setup) -> None:
     for t, task in enumerate(answer.tasks):
         probs, index = reference(out.logits()[task], 3)
         assert torch.equal(torch.from_numpy(answer.index[:, t, : probs.shape[1]]), index)
-
-
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_top_k_is_the_k_largest_best_first_and_top_1_the_first_of_equals(setup, k) -> None:
-    engine, adapters = setup
-    out = engine(torch.randn(2, 3, 32, 32), adapters)
-    base = torch.tensor([[0.0, 3.0, 3.0, 1.0, 3.0, -1.0, 0.0, 0.0, 0.0, 0.0]] * 2)[:, : out.base.shape[1]]
-    out = FusedOutput.every_image(base, dict(out.adapters), adapters)
-    batch = BatchAnswers(out, engine.labels, [Want(0, 2, k, False)])
-    batch.wait()
-    answer = batch.cut(Want(0, 2, k, False), ["base"], 1, 3)
-    chosen = answer.index[:, 0]
-    assert chosen.shape == (2, k) and (chosen[0] == chosen[1]).all()  # a row's, whatever its place
-    assert base[0, chosen[0]].tolist() == [3.0, 3.0, 3.0, 1.0][:k]  # the k largest, best first
-    assert len(set(chosen[0].tolist())) == k
-    if k == 1:
-        assert chosen[0, 0] == 1  # the first of equal largest, as argmax
-    expected = base.softmax(-1)[0, torch.from_numpy(chosen[0])]
-    torch.testing.assert_close(torch.from_numpy(answer.probs[1, 0]), expected)
