@@ -35,6 +35,10 @@ made, and the figures are what the request path itself costs.
 (benchmarks/stub_pass.py): what is left is the request path alone, HTTP to answer, the batcher and
 the decoding included.
 
+``--fresh`` starts every server anew for each round: one instance of a configuration can measure a
+third above another of the same code on this machine for all its rounds (RESULTS §3.14), so
+rounds of fresh instances say more than rounds of one.
+
 ``--against DIR`` runs every configuration a second time on another checkout's code (`` then``):
 ``git archive <commit> server adapters memory_core | tar -x -C DIR``. Its processes may not carry the
 role names (older code): their CPU is then all in ``group``.
@@ -142,17 +146,18 @@ def start(
     threads: int | None = None,
     stub: Path | None = None,
     wait: bool = True,
+    tag: str = "",
 ) -> ServerProcess:
     """``name``: "<config> <decode>", e.g. "2 device", and " then" for ``then``'s code (see the
     module's doc). ``wait=False``: started, not yet ready (``wait_ready(300)``), so that several
-    servers load at once."""
+    servers load at once. ``tag``: its store's name's suffix (another start of the same name)."""
     config, decode, *was = name.split()
     paths = [str(p) for p in (then if was else None, stub) if p is not None]
     extra = {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
     if threads is not None:
         extra["OMP_NUM_THREADS"] = str(threads)
     processes, _, mode = config.partition("/")
-    store = root / f"store-{name.replace('/', '-').replace(' ', '-')}"
+    store = root / f"store-{name.replace('/', '-').replace(' ', '-')}{tag}"
     store.mkdir()
     for adapter, data in bundles.items():
         (store / f"{adapter}.safetensors").write_bytes(data)
@@ -185,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pass-threads", type=int, help="OMP_NUM_THREADS of the servers (default: torch's)")
     parser.add_argument("--stub-pass", action="store_true", help="the pass replaced by zeros of its shapes")
     parser.add_argument("--smoke", action="store_true", help="one short round (CI)")
+    parser.add_argument("--fresh", action="store_true", help="every server started anew for each round")
     parser.add_argument(
         "--against",
         type=Path,
@@ -219,12 +225,26 @@ def main(argv: list[str] | None = None) -> None:
         save_base(engine.base, weights, arch="vit_tiny_patch16_224", model_kwargs=BASE)
         then = against(args.against, root) if args.against else None
         stub = site_dir(root) if args.stub_pass else None
-        servers = {n: start(n, weights, root, bundles, then, args.pass_threads, stub) for n in names}
-        try:
-            requests = {n: classify_requests("127.0.0.1", s.port, [upload]) for n, s in servers.items()}
+        servers: dict[str, ServerProcess] = {}
+        requests: dict[str, list] = {}
+
+        def fresh(tag: str) -> None:  # every configuration's server started (at once), then warmed up
+            for server in servers.values():
+                server.stop()
+            spawned = {
+                n: start(n, weights, root, bundles, then, args.pass_threads, stub, wait=False, tag=tag)
+                for n in names
+            }
+            servers.update({n: s.wait_ready(300) for n, s in spawned.items()})
+            requests.update({n: classify_requests("127.0.0.1", s.port, [upload]) for n, s in servers.items()})
             for n, s in servers.items():  # warm-up: connections, allocator, the first passes
                 asyncio.run(load("127.0.0.1", s.port, requests[n], args.clients, min(args.seconds, 3.0)))
+
+        try:
+            fresh("")
             for r in range(args.rounds):
+                if args.fresh and r > 0:
+                    fresh(f"-{r}")
                 for n in names if r % 2 == 0 else names[::-1]:
                     got = measure(servers[n], requests[n], args.clients, args.seconds)
                     results[n].append(got)

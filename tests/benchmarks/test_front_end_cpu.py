@@ -24,3 +24,22 @@ def test_smoke(capsys) -> None:
     row = next(line for line in table.splitlines() if line.startswith("| 1 device |"))
     front, _, group = (cell.strip() for cell in row.split("|")[2:5])
     assert float(front) > 0 and front == group and row.rstrip().endswith("| 0 |")  # no non-200
+
+
+def test_fresh_starts_every_server_anew_for_each_round(capsys, monkeypatch) -> None:
+    import benchmarks.front_end_cpu as bench
+
+    started = []
+
+    def counting(*args, **kwargs):
+        server = real(*args, **kwargs)
+        started.append(server)
+        return server
+
+    real = bench.start
+    monkeypatch.setattr(bench, "start", counting)
+    main(["--configs", "1", "--decode", "device", "--rounds", "2", "--seconds", "1", "--fresh"])
+    out = capsys.readouterr().out
+    assert out.count("round 1 1 device:") == 1 and out.count("round 2 1 device:") == 1
+    assert len(started) == 2 and started[0].proc.pid != started[1].proc.pid
+    assert all(s.proc.poll() is not None for s in started)  # each stopped: the first before round 2
