@@ -108,13 +108,13 @@ async def _upload_refused(port: int, size: int) -> bytes:
 @pytest.mark.parametrize("lingering", [True, False], ids=["lingering", "plain close (control)"])
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_a_refusal_reaches_a_client_still_uploading(http: str, lingering: bool, monkeypatch) -> None:
-    """The server answers 413 with 4 MB still coming. Closed at once, the socket has unread bytes, so
+    """The server answers 413 with 32 MB still coming. Closed at once, the socket has unread bytes, so
     the kernel resets the connection and the client never reads its answer (the control shows the
     test can tell); closed lingering, the client reads the 413 whole, then the end."""
     if not lingering:
         monkeypatch.setattr(CoalescedWrites, "close_lingering", lambda self: self._transport.close())
     with _serve(http, 5.0, _refusing_app) as port:
-        answer = asyncio.run(_upload_refused(port, 4_000_000))
+        answer = asyncio.run(_upload_refused(port, 32_000_000))
     if lingering:
         assert answer.startswith(b"HTTP/1.1 413 ") and answer.endswith(b"\r\n\r\ntoo much"), answer[:200]
     else:
