@@ -235,7 +235,10 @@ def main(argv: list[str] | None = None) -> None:
                 n: start(n, weights, root, bundles, then, args.pass_threads, stub, wait=False, tag=tag)
                 for n in names
             }
-            servers.update({n: s.wait_ready(300) for n, s in spawned.items()})
+            servers.clear()
+            servers.update(spawned)  # held before they are waited for: any that fails, the rest are stopped
+            for server in spawned.values():
+                server.wait_ready(300)
             requests.update({n: classify_requests("127.0.0.1", s.port, [upload]) for n, s in servers.items()})
             for n, s in servers.items():  # warm-up: connections, allocator, the first passes
                 asyncio.run(load("127.0.0.1", s.port, requests[n], args.clients, min(args.seconds, 3.0)))

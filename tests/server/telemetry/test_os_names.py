@@ -25,8 +25,8 @@ def _names() -> set[str]:
     return {(task / "comm").read_text().strip() for task in Path("/proc/self/task").glob("[0-9]*")}
 
 
-def test_a_named_thread_is_named_and_counted_by_name() -> None:
-    stop = threading.Event()
+def _spinner(stop: threading.Event):
+    """A thread's body: 0.2 s of CPU, then idle until ``stop``."""
 
     def spin() -> None:
         end = time.thread_time() + 0.2
@@ -34,13 +34,23 @@ def test_a_named_thread_is_named_and_counted_by_name() -> None:
             pass
         stop.wait(10)
 
-    thread = threading.Thread(target=os_named("memvit-spinner-long", spin), daemon=True)
+    return spin
+
+
+def _until_counted(name: str, seconds: float = 0.15) -> None:
+    """Until ``thread_seconds`` gives ``name`` at least ``seconds`` of CPU (5 s at most)."""
+    deadline = time.monotonic() + 5
+    while thread_seconds(os.getpid()).get(name, 0.0) < seconds:
+        assert time.monotonic() < deadline, thread_seconds(os.getpid())
+        time.sleep(0.02)
+
+
+def test_a_named_thread_is_named_and_counted_by_name() -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=os_named("memvit-spinner-long", _spinner(stop)), daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 5
-        while thread_seconds(os.getpid()).get("memvit-spinner-", 0.0) < 0.15:
-            assert time.monotonic() < deadline, thread_seconds(os.getpid())
-            time.sleep(0.02)
+        _until_counted("memvit-spinner-")
         assert "memvit-spinner-" in _names()  # the kernel keeps 15 bytes
     finally:
         stop.set()
@@ -65,14 +75,8 @@ def test_threads_that_inherit_a_name_count_apart_from_the_first() -> None:
     """torch's pool workers take the name of the thread that first forked it: counted as ``name+``."""
     stop = threading.Event()
 
-    def spin() -> None:
-        end = time.thread_time() + 0.2
-        while time.thread_time() < end:
-            pass
-        stop.wait(10)
-
     def parent() -> None:  # named, then starts a child that inherits the name and spins
-        child = threading.Thread(target=spin, daemon=True)
+        child = threading.Thread(target=_spinner(stop), daemon=True)
         child.start()
         stop.wait(10)
         child.join()
@@ -80,10 +84,7 @@ def test_threads_that_inherit_a_name_count_apart_from_the_first() -> None:
     thread = threading.Thread(target=os_named("memvit-parent", parent), daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 5
-        while thread_seconds(os.getpid()).get("memvit-parent+", 0.0) < 0.15:
-            assert time.monotonic() < deadline, thread_seconds(os.getpid())
-            time.sleep(0.02)
+        _until_counted("memvit-parent+")
         assert thread_seconds(os.getpid())["memvit-parent"] < 0.1  # the parent itself only waits
     finally:
         stop.set()
