@@ -14,6 +14,13 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+# The engine's process on a GPU, chosen by the GPU suite's server step (benchmarks/RESULTS.md §3.16,
+# an H200, DeiT-Tiny float32, 8 API processes, 64 clients, every answer right): each alone against the
+# front end without it, 2 decode threads 2,305 img/s and a 0.5 ms switch interval 2,628, against
+# 1,991-2,145 for one thread and Python's 5 ms.
+GPU_DECODE_THREADS = 2
+GPU_GIL_SWITCH_MS = 0.5
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MEMVIT_", env_file=".env", extra="ignore")
@@ -72,9 +79,10 @@ class Settings(BaseSettings):
     # On a GPU, the threads that form batches and put their images on the device, each with a decoder
     # and a stream of its own (server/inference/engine_loop.py): torchvision's GPU decoder is one object
     # behind a lock, so a second thread overlaps the rest of a batch's decode stage (the checks, the
-    # preprocessing, the GIL) with the other's decoder call. 1 on a CPU whatever this says.
-    device_decode_threads: int = Field(
-        1, ge=1, le=4, description="threads decoding batches on the GPU, each with its own stream"
+    # preprocessing, the GIL) with the other's decoder call. None: GPU_DECODE_THREADS; 1 on a CPU
+    # whatever this says.
+    device_decode_threads: int | None = Field(
+        None, ge=1, le=4, description="GPU decode threads, each with its own stream (default 2)"
     )
     # A Server-Timing header on /classify and OIP answers: the request's stages in milliseconds.
     server_timing: bool = Field(False, description="say each answer's stage times in a Server-Timing header")
@@ -82,10 +90,10 @@ class Settings(BaseSettings):
     # The interpreter's GIL switch interval in the process that runs the engine (sys.setswitchinterval):
     # each tensor operation of the engine's stages releases the GIL and takes it back, and beside a
     # thread running Python it may wait up to the interval (5 ms, Python's default) to get it.
-    # None: Python's. On the 2-core build machine a shorter one made no difference (RESULTS §3.15);
-    # the GPU suite's server step measures the default front end with 0.5 ms beside it.
+    # None: GPU_GIL_SWITCH_MS when the engine is on a GPU, Python's on a CPU (on the 2-core build
+    # machine a shorter one made no difference, RESULTS §3.15).
     gil_switch_ms: float | None = Field(
-        None, gt=0, le=100, description="GIL switch interval of the engine's process, ms (default: Python's)"
+        None, gt=0, le=100, description="GIL switch interval of the engine process, ms (0.5 on a GPU)"
     )
     # Images are decoded and fused passes filled by the service each key has received, by its weight
     # (server/inference/fair_queue.py); false: by arrival, as before keys had shares.
@@ -198,6 +206,19 @@ class Settings(BaseSettings):
             return max(1, len(os.sched_getaffinity(0)))
         except AttributeError:  # not on Linux
             return max(1, os.cpu_count() or 1)
+
+    def engine_decode_threads(self, device_type: str) -> int:
+        """``device_decode_threads``, or GPU_DECODE_THREADS when the engine is on a GPU and 1 elsewhere
+        (where the engine loop runs one decode thread whatever this says)."""
+        if self.device_decode_threads is not None:
+            return self.device_decode_threads
+        return GPU_DECODE_THREADS if device_type == "cuda" else 1
+
+    def engine_gil_switch_ms(self, device_type: str) -> float | None:
+        """``gil_switch_ms``, or GPU_GIL_SWITCH_MS when the engine is on a GPU; None: Python's own."""
+        if self.gil_switch_ms is not None:
+            return self.gil_switch_ms
+        return GPU_GIL_SWITCH_MS if device_type == "cuda" else None
 
     @property
     def access_log(self) -> bool:

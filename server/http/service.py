@@ -72,9 +72,10 @@ def build_engine(settings: Settings) -> MemoryViT:
         engine = MemoryViT.from_timm(settings.model, weights=settings.weights, labels=labels, **like)
     engine.cuda_graphs, engine.kernels = settings.cuda_graphs, settings.kernels
     exact_float32(engine.device, engine.dtype)  # a float32 server answers in float32, whatever the batch
-    if settings.gil_switch_ms is not None:  # this process runs the engine's threads (settings.py)
-        sys.setswitchinterval(settings.gil_switch_ms / 1e3)
-        log.info("GIL switch interval %.2f ms", settings.gil_switch_ms)
+    switch_ms = settings.engine_gil_switch_ms(engine.device.type)
+    if switch_ms is not None:  # this process runs the engine's threads (settings.py)
+        sys.setswitchinterval(switch_ms / 1e3)
+        log.info("GIL switch interval %.2f ms", switch_ms)
     return engine
 
 
@@ -172,7 +173,7 @@ def _load(settings: Settings, metrics: Metrics) -> tuple[MemoryViT, AdapterRegis
         device_decoder = DeviceDecoder(cpu, engine.device)
     loop = EngineLoop(
         registry.live,
-        DeviceRunner(engine, device_decoder, lanes=settings.device_decode_threads),
+        DeviceRunner(engine, device_decoder, lanes=settings.engine_decode_threads(engine.device.type)),
         max_batch=settings.max_batch,
         max_wait=settings.max_wait_ms / 1000,
         linger=settings.batch_linger,

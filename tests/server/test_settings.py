@@ -116,6 +116,22 @@ def test_the_gil_switch_interval_reaches_the_engines_process(monkeypatch, tiny_w
         Settings(_env_file=None)
 
 
+def test_the_engine_process_defaults_differ_on_a_gpu(monkeypatch) -> None:
+    """Unset, a GPU engine's process runs two decode threads and a 0.5 ms GIL switch interval (the
+    H200's server rows, RESULTS §3.16); a CPU's one thread and Python's interval; set, either wins."""
+    from memvit.server.settings import GPU_DECODE_THREADS, GPU_GIL_SWITCH_MS
+
+    unset = Settings(_env_file=None)
+    assert (GPU_DECODE_THREADS, GPU_GIL_SWITCH_MS) == (2, 0.5)
+    assert unset.engine_decode_threads("cuda") == 2 and unset.engine_decode_threads("cpu") == 1
+    assert unset.engine_gil_switch_ms("cuda") == 0.5 and unset.engine_gil_switch_ms("cpu") is None
+    monkeypatch.setenv("MEMVIT_DEVICE_DECODE_THREADS", "1")
+    monkeypatch.setenv("MEMVIT_GIL_SWITCH_MS", "5")
+    chosen = Settings(_env_file=None)
+    assert chosen.engine_decode_threads("cuda") == 1 and chosen.engine_gil_switch_ms("cuda") == 5
+    assert chosen.engine_gil_switch_ms("cpu") == 5
+
+
 def test_the_device_decode_threads_reach_the_engine_loop(monkeypatch, tiny_weights, tmp_path) -> None:
     """``MEMVIT_DEVICE_DECODE_THREADS``: the runner's decode lanes (a decoder each); on a CPU one decode
     thread runs them all (one batch in flight)."""

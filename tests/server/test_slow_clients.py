@@ -9,6 +9,7 @@ the guard's body wrapper alone tests/server/edge/test_body.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -126,10 +127,8 @@ async def _normal_clients(url: str, until: float) -> dict[str, list[float]]:
 def _sockets(pid: int) -> int:
     count = 0
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:  # a descriptor closed between the listing and the read is simply gone
+        with contextlib.suppress(FileNotFoundError):  # closed between the listing and the read: gone
             count += os.readlink(fd).startswith("socket:")
-        except FileNotFoundError:
-            pass
     return count
 
 

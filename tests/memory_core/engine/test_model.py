@@ -232,7 +232,8 @@ def test_half_precision_on_cpu(dtype: torch.dtype, tol: float) -> None:
 def test_cuda_matches_cpu(dtype: torch.dtype, tol: float) -> None:
     """The engine's arithmetic on CUDA is the CPU's up to reduction order, with TF32 off. torch's
     defaults leave cuDNN's TF32 convolutions on (the patch embedding: 10 bits of mantissa, measured
-    3.7e-4 on these logits on an H200), which serving keeps: float32 is then held to 1e-3."""
+    3.7e-4 on these logits on an H200), which the server turns off (``exact_float32``); with the
+    defaults float32 is held to 1e-3."""
     engine = tiny_engine()
     adapters = [random_adapter(f"a{i}", engine, m=i, memory_norm=("norm1", "none")[i % 2]) for i in range(4)]
     live = LiveAdapters(engine)
