@@ -34,7 +34,7 @@ from benchmarks.processes import RoleClock
 from .bounds import MAX_BATCH, bound, decode_bound, jpegs, model, model_bound, store
 from .plan import Plan
 from .report import Budget, StepReport, goal
-from .stage_metrics import stage_means, stage_sums
+from .stage_metrics import stage_means, stage_p99_bounds, stage_sums
 
 # (label, the server's environment, its loads in turn): "full" is the plan's closed-loop clients,
 # "half" the same clients paced at half what "full" reached. The first model gets the plan's
@@ -47,28 +47,17 @@ from .stage_metrics import stage_means, stage_sums
 # is worth beside the other. Then one process, the replicas, and the CPU decoders (the sixth: beyond
 # the default ``server_variants``).
 API_PROCESSES = "8"
+GROUP = {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "model-process"}
 VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
-    (
-        f"{API_PROCESSES} API processes, one model process (default)",
-        {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "model-process"},
-        ("full", "half"),
-    ),
+    (f"{API_PROCESSES} API processes, one model process (default)", GROUP, ("full", "half")),
     (
         f"{API_PROCESSES} API processes, one model process, 1 decode thread",
-        {
-            "MEMVIT_API_PROCESSES": API_PROCESSES,
-            "MEMVIT_FRONT_END": "model-process",
-            "MEMVIT_DEVICE_DECODE_THREADS": "1",
-        },
+        {**GROUP, "MEMVIT_DEVICE_DECODE_THREADS": "1"},
         ("full",),
     ),
     (
         f"{API_PROCESSES} API processes, one model process, GIL switch 5 ms (Python's)",
-        {
-            "MEMVIT_API_PROCESSES": API_PROCESSES,
-            "MEMVIT_FRONT_END": "model-process",
-            "MEMVIT_GIL_SWITCH_MS": "5",
-        },
+        {**GROUP, "MEMVIT_GIL_SWITCH_MS": "5"},
         ("full",),
     ),
     (
@@ -216,7 +205,8 @@ def _load(common: dict, clients: int, plan: Plan, limit: float | None, rate: flo
     before, clock, began = stage_sums(server.url), RoleClock(server.pid), time.perf_counter()
     got = _run(common, common["requests"], clients, plan, rate=rate)
     cpu, threads, wall = clock.seconds(), clock.threads(), time.perf_counter() - began
-    stages = stage_means(before, stage_sums(server.url))
+    after = stage_sums(server.url)
+    stages = stage_means(before, after)
     share = got.throughput / limit if limit else None
     images = max(got.ok, 1)
     row = {
@@ -235,6 +225,9 @@ def _load(common: dict, clients: int, plan: Plan, limit: float | None, rate: flo
         "engine threads cpu ms/img": {name: 1e3 * s / images for name, s in threads.items()},
         "engine threads busy": {name: s / wall for name, s in threads.items()},  # of the wall clock
         **stages,
+        # each stage's p99 (its histogram bucket's bound) and the whole request's as the server saw it:
+        # a client p99 far above the request's is outside the server (the network, the load generator)
+        "p99 bound ms by stage": stage_p99_bounds(before, after),
     }
     if got.examples:
         row["examples"] = {reason: body[:300] for reason, body in list(got.examples.items())[:3]}

@@ -1,20 +1,38 @@
-"""A served load's request stages, read off the server's own /metrics: the sums and counts of the
-stage, batch and pass histograms before and after the load, and their means over it."""
+"""A served load's request stages, read off the server's own /metrics: the sums, counts and buckets
+of the stage, batch, pass and request histograms before and after the load, and over it their means
+and the bucket that holds each stage's 99th percentile (a p99 far above the stages' says where)."""
 
 from __future__ import annotations
 
+import math
+import re
 
-def stage_sums(url: str) -> dict[str, float]:
-    """The server's stage, batch and pass histograms' sums and counts, from /metrics."""
-    import httpx
+HISTOGRAMS = ("memvit_stage_seconds_", "memvit_batch_images_", "memvit_fused_pass_seconds_")
+_BUCKET = re.compile(r"^(memvit_stage_seconds|memvit_request_seconds)_bucket\{(.*)\} (\S+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
-    names = ("memvit_stage_seconds_", "memvit_batch_images_", "memvit_fused_pass_seconds_")
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The lines of a /metrics text the load's figures need, by their name and labels."""
     sums: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(names) and ("_sum" in line or "_count" in line):
+    for line in text.splitlines():
+        if line.startswith(HISTOGRAMS) and ("_sum" in line or "_count" in line):
             key, value = line.rsplit(" ", 1)
             sums[key] = float(value)
+        elif (m := _BUCKET.match(line)) is not None:
+            labels = dict(_LABEL.findall(m.group(2)))
+            if m.group(1) == "memvit_request_seconds" and labels.get("route") != "/classify":
+                continue
+            key = f"bucket {labels.get('stage', 'request')} {labels['le']}"
+            sums[key] = sums.get(key, 0.0) + float(m.group(3))  # per process where each reports its own
     return sums
+
+
+def stage_sums(url: str) -> dict[str, float]:
+    """The server's stage, batch, pass and request histograms, from /metrics."""
+    import httpx
+
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
 def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
@@ -32,4 +50,21 @@ def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     if batches:
         out["mean batch"] = delta("memvit_batch_images_sum") / batches
         out["mean pass ms"] = 1e3 * delta("memvit_fused_pass_seconds_sum") / batches
+    return out
+
+
+def stage_p99_bounds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per stage and for the whole request (server-side), the upper bound in ms of the histogram
+    bucket that holds the load's 99th percentile (inf: past the last bucket)."""
+    counts: dict[str, dict[float, float]] = {}
+    for key, value in after.items():
+        if key.startswith("bucket "):
+            _, who, le = key.split(" ")
+            counts.setdefault(who, {})[float(le)] = value - before.get(key, 0.0)
+    out = {}
+    for who, cumulative in counts.items():
+        total = cumulative.get(math.inf, max(cumulative.values(), default=0.0))
+        if total <= 0:
+            continue
+        out[who] = 1e3 * min(le for le, n in cumulative.items() if n >= 0.99 * total)
     return out

@@ -165,6 +165,12 @@ class SlotPasses:
         measure a graphed pass's host path on a CPU (benchmarks/host_path.py)."""
         self._graphed_passes, self._graphs_given = passes, True
 
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far: a server compares it around a pass to see a capture while
+        serving (server/inference/device_runner.py)."""
+        return 0 if self._graphed_passes is None else self._graphed_passes.captures
+
     def _graphs(self) -> GraphedPasses:
         if self._graphed_passes is None:
             self._graphed_passes = GraphedPasses(buffers=self._host_buffers)

@@ -229,7 +229,10 @@ class DeviceRunner:
                 compute = torch.cuda.current_stream(self.engine.device)
                 compute.wait_event(decoded.ready)
                 x.record_stream(compute)  # made on the prep stream: kept until the pass has read it
+            captured = self.engine.graph_captures
             outs = self._run(x, adapter_set, tasks, 0, x.shape[0], failed, clock)
+            if self.engine.graph_captures != captured:  # a shape warm-up did not cover (warmup.py)
+                log.warning("a CUDA graph captured while serving: this batch of %d waited for it", x.shape[0])
             labels = self.engine.labels
             parts = [(lo, hi, BatchAnswers(out, labels, _within(wants, lo, hi))) for lo, hi, out in outs]
         return Launched(x.shape[0], parts, failed, clock)

@@ -61,7 +61,10 @@ def serve(engine, graphs, live, decoder, items, asks, jobs: int = 150) -> tuple[
     return started - before, graphs.captures - started
 
 
-def test_warm_up_captures_what_one_task_requests_meet(served) -> None:
+CAPTURED_WHILE_SERVING = "a CUDA graph captured while serving"
+
+
+def test_warm_up_captures_what_one_task_requests_meet(served, caplog) -> None:
     engine, graphs, live, decoder, items = served
     at_start, while_serving = serve(engine, graphs, live, decoder, items, [("a0",), ("a1",), ("a3",), ()])
     # Passes may share a graph; with the embedding ahead (engine.embed_ahead) each batch size's planned
@@ -72,11 +75,15 @@ def test_warm_up_captures_what_one_task_requests_meet(served) -> None:
     # Batches of one kind alone: only the base, every adapter, one adapter for the whole batch.
     for asks in ([()], [None], [("a2",)]):
         assert serve(engine, graphs, live, decoder, items, asks, jobs=60)[1] == 0, asks
+    assert CAPTURED_WHILE_SERVING not in caplog.text
 
 
-def test_every_adapter_beside_one_is_captured_on_first_use(served) -> None:
+def test_every_adapter_beside_one_is_captured_on_first_use(served, caplog) -> None:
     """What warm-up does not promise (server/inference/warmup.py): such a batch's shape is captured once, then
     replayed; the test shows the bound holds (a few shapes, not one per batch)."""
     engine, graphs, live, decoder, items = served
+    caplog.set_level("WARNING", logger="memvit.server.inference.device_runner")
     _, while_serving = serve(engine, graphs, live, decoder, items, [None, ("a0",)], jobs=200)
     assert 0 < while_serving <= 3 * len(batch_buckets(MAX_BATCH))
+    # each one said in the server's log, so a latency spike can be matched to it
+    assert 0 < caplog.text.count(CAPTURED_WHILE_SERVING) <= while_serving  # one line a batch

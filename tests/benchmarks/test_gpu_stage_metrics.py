@@ -1,0 +1,36 @@
+"""The server step's stage figures from /metrics (benchmarks/gpu/stage_metrics.py): means, and the
+bucket holding each stage's and the whole request's p99 over one load."""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import generate_latest
+
+from benchmarks.gpu.stage_metrics import parse_metrics, stage_means, stage_p99_bounds
+from memvit.server.telemetry.metrics import Metrics
+
+
+def _scrape(metrics: Metrics) -> dict[str, float]:
+    return parse_metrics(generate_latest(metrics.registry).decode())
+
+
+def test_the_p99_bucket_of_each_stage_and_of_the_request_over_one_load() -> None:
+    metrics = Metrics()  # a registry of its own
+    metrics.stage_seconds.labels("decode").observe(2.0)  # before the load: not counted
+    before = _scrape(metrics)
+    for _ in range(3):
+        metrics.latency.labels("/healthz").observe(9.0)  # another route: not the request's
+    for _ in range(99):
+        metrics.stage_seconds.labels("decode").observe(0.004)
+        metrics.stage_seconds.labels("queue").observe(0.003)
+        metrics.latency.labels("/classify").observe(0.02)
+    metrics.stage_seconds.labels("decode").observe(0.004)
+    metrics.stage_seconds.labels("queue").observe(0.2)  # one in a hundred: still within 99%
+    metrics.latency.labels("/classify").observe(0.2)
+    metrics.latency.labels("/classify").observe(0.2)  # two in 101: past 99%
+    after = _scrape(metrics)
+    bounds = stage_p99_bounds(before, after)
+    assert bounds == {"decode": 5.0, "queue": 5.0, "request": 250.0}
+    assert math.isclose(stage_means(before, after)["queue ms"], 1e3 * (99 * 0.003 + 0.2) / 100)
+    assert stage_p99_bounds(after, after) == {}  # nothing observed over the load
