@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.gpu.profiling import PASS_MARK, gap_parts
+from benchmarks.gpu.profiling import PASS_MARK, _against_base, gap_parts
 
 
 def _pass(start: float, plan_us: float, correlation: int) -> list[dict]:
@@ -33,4 +33,15 @@ def test_gap_parts_split_the_host_before_the_launch_from_the_device_gaps() -> No
     parts = gap_parts(events)
     assert parts["host to launch ms"] == pytest.approx(0.050)  # the median pass's 50 us
     assert parts["device gaps ms"] == pytest.approx(0.004)  # 3 us before the memset, 1 after
-    assert gap_parts([]) == {"host to launch ms": None, "device gaps ms": None}
+    # each pass from its start to its last device work's end (plan + 207 us) less its kernels' 200
+    assert parts["wall - busy ms, same pass"] == pytest.approx(0.057)
+    assert set(gap_parts([]).values()) == {None}
+
+
+def test_the_goal_reads_wall_minus_busy_from_the_same_passes() -> None:
+    base = _against_base({"wall - busy ms": 0.5, "wall - busy ms, same pass": 0.20}, None)
+    row = {"wall - busy ms": 0.2, "wall - busy ms, same pass": 0.27}
+    assert base == 0.20 and _against_base(row, base) == 0.20
+    assert row["over base's ms"] == pytest.approx(0.07) and row["goal <= 0.05"] == "MISS"
+    cpu = {"wall - busy ms": None, "wall - busy ms, same pass": None}  # no busy time: no verdict
+    assert _against_base(cpu, base) is None and "goal <= 0.05" not in cpu
