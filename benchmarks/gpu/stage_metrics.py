@@ -8,7 +8,7 @@ import math
 import re
 
 HISTOGRAMS = ("memvit_stage_seconds_", "memvit_batch_images_", "memvit_fused_pass_seconds_")
-_BUCKET = re.compile(r"^(memvit_stage_seconds|memvit_request_seconds)_bucket\{(.*)\} (\S+)$")
+_BUCKET = re.compile(r"^(memvit_(?:stage|request|gc)_seconds)_bucket\{(.*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -23,7 +23,8 @@ def parse_metrics(text: str) -> dict[str, float]:
             labels = dict(_LABEL.findall(m.group(2)))
             if m.group(1) == "memvit_request_seconds" and labels.get("route") != "/classify":
                 continue
-            key = f"bucket {labels.get('stage', 'request')} {labels['le']}"
+            who = f"gc{labels['generation']}" if "generation" in labels else labels.get("stage", "request")
+            key = f"bucket {who} {labels['le']}"
             sums[key] = sums.get(key, 0.0) + float(m.group(3))  # per process where each reports its own
     return sums
 
@@ -53,18 +54,36 @@ def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return out
 
 
-def stage_p99_bounds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Per stage and for the whole request (server-side), the upper bound in ms of the histogram
-    bucket that holds the load's 99th percentile (inf: past the last bucket)."""
+def _cumulative(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[float, float]]:
+    """Per histogram (a stage, ``request``, ``gc2``...), its buckets' counts over the load."""
     counts: dict[str, dict[float, float]] = {}
     for key, value in after.items():
         if key.startswith("bucket "):
             _, who, le = key.split(" ")
             counts.setdefault(who, {})[float(le)] = value - before.get(key, 0.0)
-    out = {}
-    for who, cumulative in counts.items():
-        total = cumulative.get(math.inf, max(cumulative.values(), default=0.0))
-        if total <= 0:
-            continue
-        out[who] = 1e3 * min(le for le, n in cumulative.items() if n >= 0.99 * total)
-    return out
+    return counts
+
+
+def _bound(cumulative: dict[float, float], share: float) -> float | None:
+    """The upper bound in ms of the bucket holding ``share`` of the observations (None: none)."""
+    total = cumulative.get(math.inf, max(cumulative.values(), default=0.0))
+    if total <= 0:
+        return None
+    return 1e3 * min(le for le, n in cumulative.items() if n >= share * total)
+
+
+def stage_p99_bounds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per stage and for the whole request (server-side), the upper bound in ms of the histogram
+    bucket that holds the load's 99th percentile (inf: past the last bucket)."""
+    bounds = {w: _bound(c, 0.99) for w, c in _cumulative(before, after).items() if not w.startswith("gc")}
+    return {w: b for w, b in bounds.items() if b is not None}
+
+
+def full_collections(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """The full garbage collections during the load, every process's (each holds its process), and
+    the bucket bound of the longest (``memvit_gc_seconds``, server/telemetry/gc_pauses.py)."""
+    cumulative = _cumulative(before, after).get("gc2", {})
+    return {
+        "full GCs": cumulative.get(math.inf, 0.0),
+        "longest full GC ms (bound)": _bound(cumulative, 1.0) if cumulative else None,
+    }

@@ -34,6 +34,7 @@ from ..http.state import AppState, Service
 from ..http.timeouts import header_timeout_protocol
 from ..settings import Settings
 from ..store import open_store
+from ..telemetry.gc_pauses import settle_heap
 from ..telemetry.task_labels import TaskLabels
 from ..tenancy.usage_log import usage_log_for
 from .labels import LabelCache
@@ -88,6 +89,7 @@ async def follow_model(state: AppState, link: ModelLink, processes: int, ready: 
             try:
                 if service is None:
                     service = await asyncio.to_thread(_build, settings, link, arena, await link.call("info"))
+                    settle_heap(metrics)  # what is loaded is out of the collector's reach
                 else:
                     await asyncio.to_thread(service.registry.sync)
                 service.live.set(await link.call("resident"))

@@ -38,6 +38,7 @@ from ..inference.warmup import warm_up
 from ..registry import AdapterRegistry
 from ..settings import Settings
 from ..store import StoreUnavailableError, open_store
+from ..telemetry.gc_pauses import settle_heap
 from ..telemetry.metrics import Metrics
 from ..tenancy.usage import UsageMeter, replica_name
 from ..tenancy.usage_log import usage_log_for
@@ -219,6 +220,9 @@ async def start_service(state: AppState) -> None:
     # stale temp file is garbage, never a registration.
     state.tasks.append(asyncio.create_task(asyncio.to_thread(registry.store.clean_temp_files), name="clean"))
     update_gauges(state.service, state.metrics)
+    # what is loaded lives as long as the process: a full collection under load then walks only what
+    # requests made, not the ~430,000 objects of torch and the model (telemetry/gc_pauses.py)
+    settle_heap(state.metrics)
     state.metrics.ready.set(1)
     spec = engine.spec
     log.info(

@@ -109,6 +109,16 @@ class Metrics:
         self._per_key: dict[str, tuple] = {}
         self._per_task: dict[str, tuple] = {}  # a task's label -> its two series
         self.ready = Gauge("memvit_ready", "1 once the model and the adapter store are loaded", registry=r)
+        self.gc_seconds = Histogram(
+            "memvit_gc_seconds",
+            "garbage collections of generation 1 and 2 (full): each holds every thread of the process",
+            ["generation"],
+            buckets=(0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.gc_frozen = Gauge(
+            "memvit_gc_frozen_objects", "objects frozen out of the collector's reach once loaded", registry=r
+        )
         self._tallies: dict[tuple[str, tuple[str, ...]], list[int]] = {}  # answered, not yet on the series
         self._tally_lock = threading.Lock()
         self._fold_lock = threading.Lock()

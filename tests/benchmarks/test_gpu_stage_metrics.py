@@ -7,7 +7,7 @@ import math
 
 from prometheus_client import generate_latest
 
-from benchmarks.gpu.stage_metrics import parse_metrics, stage_means, stage_p99_bounds
+from benchmarks.gpu.stage_metrics import full_collections, parse_metrics, stage_means, stage_p99_bounds
 from memvit.server.telemetry.metrics import Metrics
 
 
@@ -34,3 +34,17 @@ def test_the_p99_bucket_of_each_stage_and_of_the_request_over_one_load() -> None
     assert bounds == {"decode": 5.0, "queue": 5.0, "request": 250.0}
     assert math.isclose(stage_means(before, after)["queue ms"], 1e3 * (99 * 0.003 + 0.2) / 100)
     assert stage_p99_bounds(after, after) == {}  # nothing observed over the load
+
+
+def test_the_full_collections_over_one_load_and_the_longest() -> None:
+    metrics = Metrics()
+    full = metrics.gc_seconds.labels("2")
+    full.observe(0.3)  # before the load
+    before = _scrape(metrics)
+    for seconds in (0.002, 0.2, 0.003):
+        full.observe(seconds)
+    metrics.gc_seconds.labels("1").observe(0.9)  # not a full one
+    after = _scrape(metrics)
+    assert full_collections(before, after) == {"full GCs": 3, "longest full GC ms (bound)": 250.0}
+    assert "gc2" not in stage_p99_bounds(before, after) and "gc1" not in stage_p99_bounds(before, after)
+    assert full_collections(after, after) == {"full GCs": 0, "longest full GC ms (bound)": None}

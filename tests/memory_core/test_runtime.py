@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from memvit.memory_core.invariant.blocks import InvariantBlocks
-from memvit.memory_core.runtime import exact_float32
+from memvit.memory_core.runtime import exact_float32, freeze_heap
 
 
 @pytest.fixture
@@ -44,3 +47,24 @@ def test_invariant_blocks_on_cuda_tile_the_triton_attention_on_16_rows() -> None
         assert InvariantBlocks.for_device(torch.device("cuda"), dtype).kernel_rows == 16
     # On the CPU the kernels are torch's (Triton only through its interpreter): one row per program.
     assert InvariantBlocks.for_device(torch.device("cpu"), torch.float32).kernel_rows == 1
+
+
+def test_the_heap_is_frozen_after_one_collection() -> None:
+    """Garbage in cycles is collected first (frozen, it would never be); what is alive is frozen, so a
+    full collection then walks only what came since."""
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    assert gone() is not None  # a cycle: only the collector frees it
+    try:
+        frozen = freeze_heap()
+        assert gone() is None
+        assert frozen == gc.get_freeze_count() > 1000
+        assert len(gc.get_objects()) < frozen  # what the collector still walks: what came since
+    finally:
+        gc.unfreeze()

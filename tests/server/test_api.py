@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import time
 
 import httpx
@@ -60,6 +61,9 @@ def test_health_ready_metrics_docs(client) -> None:
     ):
         assert metric in text, metric
     assert 'route="/classify"' in text
+    # torch, the model and the server, loaded once: out of the collector's reach (freeze_heap)
+    frozen = re.search(r"^memvit_gc_frozen_objects (\S+)$", text, re.M)
+    assert frozen is not None and float(frozen.group(1)) > 50_000
 
 
 def test_classify_one_and_many_with_filters(client, make_bundle) -> None:

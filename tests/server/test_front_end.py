@@ -193,6 +193,7 @@ def test_metrics_are_one_view_of_every_process(group) -> None:
     assert counts == [before + 10] * 4  # every process's requests, each once
     for text in scrapes:
         assert _sample(text, "memvit_ready") == 1
+        assert _sample(text, "memvit_gc_frozen_objects") > 100_000  # every process's loaded heap, frozen
         assert _sample(text, "memvit_batch_images_count") > 0  # the passes, wherever they ran
         assert text.count("# TYPE memvit_requests_total counter") == 1
 
