@@ -65,9 +65,10 @@ def freeze_heap() -> int:
     walks every one of them with the GIL held: 250-300 ms on the 2-core build machine, every thread
     of the process stopped (the engine's decode, pass and collector threads too). Under load, the
     objects a request keeps for a few milliseconds outlive young collections, and once the promoted
-    ones reach a quarter of the long-lived count, Python runs a full collection: at ~2,000 requests a
-    second, one every few seconds. What start-up made lives as long as the process, so it is frozen
-    once, after loading; a full collection then walks only what came since. vLLM freezes its heap
+    ones reach a quarter of the long-lived count, Python runs a full collection: in one server
+    process at ~1,000 requests a second, one every ~20 s, 310-400 ms each (benchmarks/gc_pauses.py,
+    benchmarks/RESULTS.md §3.17). What start-up made lives as long as the process, so it is frozen
+    once, after loading; a full collection then walks only what came since (1-3 ms there). vLLM freezes its heap
     after warm-up for the same reason, as SGLang does. Garbage without cycles is still freed by its
     reference count; only cycles among frozen objects would outlive it (there are none after the
     collection just before). Only entry points call it, once ready to serve.
