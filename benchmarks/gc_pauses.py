@@ -56,7 +56,7 @@ _LINE = re.compile(rf"{MARK} t=(\S+) pid=(\d+) name=(\S+) gen=(\d) ms=(\S+)")
 def site_dir(root: Path, frozen: bool) -> Path:
     """A directory whose ``sitecustomize`` times the collections (and stubs the pass)."""
     where = root / f"watch-{'frozen' if frozen else 'not-frozen'}"
-    where.mkdir()
+    where.mkdir(parents=True)
     stub = f"import sys\nsys.path.append({str(REPO)!r})\n"
     stub += "from benchmarks.stub_pass import install\ninstall()\n"
     unfreeze = "" if frozen else "gc.freeze = lambda: None  # the server's own call does nothing\n"

@@ -68,10 +68,10 @@ def freeze_heap() -> int:
     ones reach a quarter of the long-lived count, Python runs a full collection: in one server
     process at ~1,000 requests a second, one every ~20 s, 310-400 ms each (benchmarks/gc_pauses.py,
     benchmarks/RESULTS.md §3.17). What start-up made lives as long as the process, so it is frozen
-    once, after loading; a full collection then walks only what came since (1-3 ms there). vLLM freezes its heap
-    after warm-up for the same reason, as SGLang does. Garbage without cycles is still freed by its
-    reference count; only cycles among frozen objects would outlive it (there are none after the
-    collection just before). Only entry points call it, once ready to serve.
+    once, after loading; a full collection then walks only what came since (1-3 ms there). vLLM
+    freezes its heap after warm-up for the same reason, as SGLang does. Garbage without cycles is
+    still freed by its reference count; only cycles among frozen objects would outlive it (there are
+    none after the collection just before). Only entry points call it, once ready to serve.
     """
     gc.collect()
     gc.freeze()
