@@ -62,7 +62,7 @@ def freeze_heap() -> int:
     Returns how many objects are frozen.
 
     A process with torch, timm and the server loaded holds ~430,000 objects, and a full collection
-    walks every one of them with the GIL held: 250-300 ms on the 2-core build machine, every thread
+    walks every one of them with the GIL held: 250-450 ms on the 2-core build machine, every thread
     of the process stopped (the engine's decode, pass and collector threads too). Under load, the
     objects a request keeps for a few milliseconds outlive young collections, and once the promoted
     ones reach a quarter of the long-lived count, Python runs a full collection: in one server
