@@ -37,7 +37,9 @@ from .report import Budget, StepReport, goal
 from .stage_metrics import full_collections, stage_means, stage_p99_bounds, stage_sums
 
 # (label, the server's environment, its loads in turn): "full" is the plan's closed-loop clients,
-# "half" the same clients paced at half what "full" reached. The first model gets the plan's
+# "half" the same clients paced at half what "full" reached, "crowd" CROWD times the clients closed-loop
+# (at 64 in flight on the H200 no engine thread, API process or load process was busy past 0.6 of the
+# wall: whether more requests in flight reach the bound). The first model gets the plan's
 # ``server_variants`` first variants, the others the first alone at full load. The first is the
 # default front end on a GPU host (server/cli/serve.py: API processes before one model process, chosen
 # by the 2026-11-27 run: 2,000 img/s against 1,560 for 8 replicas and 680 for one process), where the
@@ -49,7 +51,7 @@ from .stage_metrics import full_collections, stage_means, stage_p99_bounds, stag
 API_PROCESSES = "8"
 GROUP = {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "model-process"}
 VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
-    (f"{API_PROCESSES} API processes, one model process (default)", GROUP, ("full", "half")),
+    (f"{API_PROCESSES} API processes, one model process (default)", GROUP, ("full", "half", "crowd")),
     (
         f"{API_PROCESSES} API processes, one model process, 1 decode thread",
         {**GROUP, "MEMVIT_DEVICE_DECODE_THREADS": "1"},
@@ -89,6 +91,7 @@ def variants(device: str) -> tuple:
 SERVER_DTYPE = {"vit_base_patch16_224": "bf16"}  # ViT-B/16 is served, and judged, in bfloat16
 SERVER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 HEAVY_IN_FLIGHT = 32
+CROWD = 4  # "crowd": the default's full load with this many times the clients (is 64 in flight enough?)
 LOG_HEAD, LOG_TAIL = 20_000, 60_000  # bytes of a server's log kept from its start and its end
 
 
@@ -155,7 +158,7 @@ class Served:
         env = {
             "MEMVIT_DEVICE": plan.device.type,
             "MEMVIT_MAX_BATCH": str(MAX_BATCH[plan.device.type]),
-            "MEMVIT_MAX_QUEUE": str(max(256, 4 * clients)),
+            "MEMVIT_MAX_QUEUE": str(max(256, 4 * CROWD * clients)),
             **self.env,
         }
         group = env.get("MEMVIT_API_PROCESSES", "1") != "1"
@@ -191,9 +194,10 @@ class Served:
         for kind in loads:
             if kind == "half" and not reached:
                 continue
-            rate = None if kind == "full" else reached / 2
-            what = {**self.row, "load": kind}
-            if self.report.attempt("server", what, _load, common, clients, plan, limit, rate):
+            rate = reached / 2 if kind == "half" else None
+            what = {**self.row, "load": kind, **({"clients": CROWD * clients} if kind == "crowd" else {})}
+            n = CROWD * clients if kind == "crowd" else clients
+            if self.report.attempt("server", what, _load, common, n, plan, limit, rate):
                 reached = reached or self.report.tables["server"][-1]["img/s"]
         if self.tokens and budget.allows(2 * plan.server_seconds + 10):
             light, _ = classify_requests("127.0.0.1", server.port, photos, token=self.tokens["light"])
