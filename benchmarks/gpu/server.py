@@ -81,11 +81,12 @@ VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
 
 
 def variants(device: str) -> tuple:
-    """``VARIANTS``, the device's default front end first: on a CPU (``--cpu-smoke``) one process."""
+    """``VARIANTS``, the device's default front end first, with the default's loads: on a CPU
+    (``--cpu-smoke``) one process."""
     if device == "cuda":
         return VARIANTS
     (one,) = [v for v in VARIANTS if v[0].startswith("one process, JPEG decode on the device")]
-    return (one, *[v for v in VARIANTS if v is not one])
+    return ((*one[:2], VARIANTS[0][2]), *[v for v in VARIANTS if v is not one])
 
 
 SERVER_DTYPE = {"vit_base_patch16_224": "bf16"}  # ViT-B/16 is served, and judged, in bfloat16
@@ -195,8 +196,8 @@ class Served:
             if kind == "half" and not reached:
                 continue
             rate = reached / 2 if kind == "half" else None
-            what = {**self.row, "load": kind, **({"clients": CROWD * clients} if kind == "crowd" else {})}
             n = CROWD * clients if kind == "crowd" else clients
+            what = {**self.row, "load": kind, "clients": n}
             if self.report.attempt("server", what, _load, common, n, plan, limit, rate):
                 reached = reached or self.report.tables["server"][-1]["img/s"]
         if self.tokens and budget.allows(2 * plan.server_seconds + 10):

@@ -57,6 +57,11 @@ def test_cpu_smoke_of_all_steps_writes_one_report(tmp_path) -> None:
     for row in tables["server"]["server"]:
         assert row["answers"] == {"200": row["right"]} and row["wrong or not 200"] == 0, row
         assert row["cpu ms/img server"] > 0 and row["cpu ms/img load generator"] > 0
+    # The default's loads: full, paced at half, and a crowd of 4 x the clients (closed-loop)
+    full, half, crowd = tables["server"]["server"]
+    assert [r["load"] for r in (full, half, crowd)] == ["full", "half", "crowd"]
+    assert crowd["clients"] == 4 * full["clients"]
+    assert "offered img/s" in half and "offered img/s" not in crowd  # paced, then closed-loop again
     (keys,) = tables["server"]["two keys"]
     assert keys["light p50 ms beside"] > 0 and keys["wrong or not 200"] == 0
     # Goals sit next to their figures.
