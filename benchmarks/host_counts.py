@@ -85,8 +85,8 @@ class StandInGraphs(GraphedPasses):
 
         return replay, base, adapters
 
-    def _capture(self, key, x, plan, batch, device_pass, static=None):
-        graph = super()._capture(key, x, plan, batch, device_pass, static)
+    def _capture(self, *args, **kwargs):
+        graph = super()._capture(*args, **kwargs)
         if graph.plan is not None:
             self.device_tensors.append(graph.plan)
         return graph

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -41,6 +41,10 @@ class LiveAdapters:
         self._current = AdapterSet()
         # The engine's device and dtype that ``_current``'s adapters were checked against.
         self._checked_for: tuple[torch.device, torch.dtype] | None = None
+        # Called on the installing thread when an install must grow the slot pools, before passes
+        # read them, with the set about to go live: its passes run on the grown pools (a server
+        # captures their graphs here: server/inference/engine_loop.py). None: grown on the spot.
+        self.on_growth: Callable[[AdapterSet], None] | None = None
 
     @property
     def current(self) -> AdapterSet:
@@ -78,10 +82,8 @@ class LiveAdapters:
             check_prepared_for(fresh, *target)
             # Each new adapter gets its device slot now, on the installing thread, so that passes
             # never pay for the copy (memory_core/routing/slots.py); a slot is freed with its adapter.
-            slots = self.engine.slots
-            slots.assign([tuple(adapter_set[n] for n in adapter_set.lineage(a.name)) for a in fresh])
-            # And the set's slot table (memory_core/routing/slot_table.py), so that no pass builds it.
-            table_of(adapter_set, slots)
+            chains = [tuple(adapter_set[n] for n in adapter_set.lineage(a.name)) for a in fresh]
+            self._assign(adapter_set, chains)
             self._current = adapter_set  # one reference assignment
             self._checked_for = target
         # Debug, not info: a server swaps the set on every cold load and eviction (many per second
@@ -91,6 +93,27 @@ class LiveAdapters:
             shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
             log.debug("adapter set v%d live: [%s]", adapter_set.version, shown)
         return adapter_set
+
+    def _assign(self, adapter_set: AdapterSet, chains: list[tuple]) -> None:
+        """Slots for ``chains`` and the set's slot table (memory_core/routing/slot_table.py), so that
+        no pass builds it. When the pools must grow and ``on_growth`` is set, they grow ahead: this
+        thread writes and runs ``on_growth`` on the grown pools while passes read the old ones, then
+        publishes them (an ``on_growth`` that fails costs its captures, not the install)."""
+        slots, hook = self.engine.slots, self.on_growth
+        if hook is None or not self.engine.graphed or not slots.grow_ahead(chains):
+            slots.assign(chains)
+            table_of(adapter_set, slots)
+            return
+        try:
+            slots.assign(chains)
+            table_of(adapter_set, slots)
+            try:
+                with self.engine.capturing_for_pending_pools():
+                    hook(adapter_set)
+            except Exception:
+                log.exception("preparing the grown slot pools' passes failed: they run unprepared")
+        finally:
+            slots.publish()
 
     # Conveniences over ``install``: each derives the new set from the live one under the lock.
     def add(self, weights: AdapterWeights, *, replace: bool = False) -> AdapterSet:

@@ -8,7 +8,8 @@ and calls ``run_plan``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
@@ -170,6 +171,16 @@ class SlotPasses:
         """CUDA graphs captured so far: a server compares it around a pass to see a capture while
         serving (server/inference/device_runner.py)."""
         return 0 if self._graphed_passes is None else self._graphed_passes.captures
+
+    @contextmanager
+    def capturing_for_pending_pools(self) -> Iterator[None]:
+        """This thread's passes capture their graphs for the slot pools it grew ahead and has not
+        published yet (``AdapterSlots.grow_ahead``), while other threads replay the published ones'."""
+        if not self.graphed:
+            yield
+            return
+        with self._graphs().for_pending_pools():
+            yield
 
     def _graphs(self) -> GraphedPasses:
         if self._graphed_passes is None:

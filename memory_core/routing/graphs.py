@@ -13,7 +13,10 @@ slot and recaptures nothing. What varies between batches is bucketed so that few
 - rows per image, lineage width and a routed plan's outputs round up to powers of two, and the
   outputs to at least the batch;
 - the pools' generation: when they grow (more slots, longer memory, more classes), the graphs of
-  older generations are dropped and captured again on first use.
+  older generations are dropped and captured again on first use, or, with the pools grown ahead
+  (memory_core/routing/slots.py), captured before they are published by the thread growing them
+  (``for_pending_pools``): its captures drop nothing and evict nothing, so the other threads' passes keep
+  replaying the published generation's graphs, one capture at a time between them.
 
 Per pass the host does four things and no more, whatever the tasks: copy the images into the
 graph's static input, send the plan's host buffer into its static plan (one non-blocking copy, the
@@ -35,7 +38,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -99,10 +103,23 @@ class GraphedPasses:
         self._pool = None  # the graphs' shared memory pool, made with the first
         self.buffers = buffers if buffers is not None else HostBuffers()  # the plans' host buffers
         self._lock = threading.Lock()
-        self.captures = 0  # graphs captured (a test and the benchmarks read it)
+        self._local = threading.local()  # ``for_pending_pools``: this thread's, while in it
+        self.captures = 0  # graphs captured for passes (a test and the benchmarks read it)
+        self.captures_pending = 0  # graphs captured for pools not yet published (``for_pending_pools``)
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    @contextmanager
+    def for_pending_pools(self) -> Iterator[None]:
+        """This thread's passes capture graphs for slot pools grown ahead and not yet published
+        (memory_core/routing/slots.py): their captures drop no older generation's graphs and evict
+        none (other threads still replay those), and count in ``captures_pending``."""
+        self._local.pending = True
+        try:
+            yield
+        finally:
+            self._local.pending = False
 
     def run(
         self, x: Tensor, plan: PassPlan | None, key: tuple, device_pass: DevicePass
@@ -155,7 +172,8 @@ class GraphedPasses:
         shape = None if plan is None else plan.shape
         generation = None if plan is None else plan.generation  # a base-only pass reads no pool
         full_key = (key, tuple(x.shape[1:]), x.dtype, batch, shape, generation)
-        if generation is not None and generation > self._generation:  # the pools grew
+        pending = getattr(self._local, "pending", False)
+        if generation is not None and generation > self._generation and not pending:  # the pools grew
             self._drop(lambda k: k[-1] is not None and k[-1] < generation)
             self._generation = generation
         graph = self._graphs.get(full_key)
@@ -164,7 +182,7 @@ class GraphedPasses:
             return graph
         if key[0] == "embed":  # new static tokens: the graphs reading the old ones go with them
             self._drop(lambda k: k[0] == ("tokens", *key[1:]) and k[3] == batch)
-        return self._capture(full_key, x, plan, batch, device_pass, static)
+        return self._capture(full_key, x, plan, batch, device_pass, static, pending=pending)
 
     def _send_and_replay(self, graph: _Graph, plan: PassPlan | None) -> tuple[Tensor, Tensor | None]:
         """Send the plan into the graph's static plan (one non-blocking copy from its host buffer),
@@ -181,9 +199,17 @@ class GraphedPasses:
         return base, None if graph.adapters is None else graph.adapters.clone()
 
     def _capture(
-        self, key: tuple, x: Tensor, plan: PassPlan | None, batch: int, device_pass: DevicePass, static=None
+        self,
+        key: tuple,
+        x: Tensor,
+        plan: PassPlan | None,
+        batch: int,
+        device_pass: DevicePass,
+        static=None,
+        *,
+        pending: bool = False,
     ) -> _Graph:
-        while len(self._graphs) >= self.max_graphs:
+        while len(self._graphs) >= self.max_graphs and not pending:  # pending: the first served drops
             self._graphs.popitem(last=False)
         # The static input: given (another graph's static output), or made here.
         images = (
@@ -192,7 +218,10 @@ class GraphedPasses:
         packed = None if plan is None else torch.from_numpy(plan.host.copy()).to(x.device)
         tensors = None if plan is None else PlanTensors.unpack(packed, plan.shape)
         replay, base, adapters = self._record(images, tensors, plan, device_pass)
-        self.captures += 1
+        if pending:
+            self.captures_pending += 1
+        else:
+            self.captures += 1
         log.info("captured a CUDA graph for %s (%d held)", key[3:5], len(self._graphs) + 1)
         captured = _Graph(replay, images, packed, base, adapters)
         captured.holds = None if plan is None else plan.kept  # captured with the plan copied in

@@ -23,6 +23,13 @@ plan carries (memory_core/routing/plan.py). Slots never move: when the pools mus
 memory, more classes) they are copied into larger tensors, ``generation`` counts up, and whatever
 was captured against the old tensors (CUDA graphs, memory_core/routing/graphs.py) is captured again.
 
+Growing *ahead* keeps that capture off the passes' way (``grow_ahead``, ``publish``): the installing
+thread grows the pools into new tensors that only it reads, writes its adapters there, captures what
+passes will replay on them (a server's engine loop: server/inference/warmup.py), and then publishes
+them; meanwhile every other thread's passes run on the published pools and their graphs, and a
+write they make goes into both. What another thread cannot do before the publish (name an adapter
+written only into the pending pools, or grow the pools itself) waits for it.
+
 Writes run on the caller's thread and, on CUDA, on the device's current stream, which is the stream
 passes run on: a slot freed after a pass was launched is rewritten only after that pass's kernels.
 """
@@ -32,82 +39,26 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from ..sets.stack import PreparedAdapter, check_prepared_for
 from ..weights.spec import ViTSpec
+from .slot_pools import SlotPools, allocate_pools, copy_pools, power_of_2, widths, write_slots
+
+__all__ = ["NULL_SLOT", "AdapterSlots", "SlotPools", "widths"]
 
 NULL_SLOT = 0
-_WHOLE = object()  # SlotPools.narrowed's mark for the pools' own width
 WRITE_CHUNK = 4096  # slots written per stacked copy (100,000 heads of ViT-B would stack 15 GB at once)
 
-
-@dataclass(frozen=True)
-class SlotPools:
-    """The pool tensors at one generation. A pass reads one ``SlotPools`` throughout."""
-
-    keys: Tensor  # (L, S, H, P, d)
-    values: Tensor  # (L, S, H, P, d)
-    memory_bias: Tensor  # (S, P) 0 / -inf
-    memory_length: Tensor  # (S,) int32
-    cls: Tensor  # (S, D)
-    head_weight: Tensor  # (S, C, D)
-    head_bias: Tensor  # (S, C)
-    generation: int
-    _narrowed: dict = field(default_factory=dict, compare=False, repr=False)  # (P, C) -> views
-
-    @property
-    def capacity(self) -> int:
-        return self.cls.shape[0]
-
-    @property
-    def memory(self) -> int:
-        return self.keys.shape[3]
-
-    @property
-    def classes(self) -> int:
-        return self.head_weight.shape[1]
-
-    def narrowed(self, memory: int, classes: int) -> SlotPools:
-        """Views of the pools with P = ``memory`` and C = ``classes``: what one pass reads.
-
-        A pass is as wide as its own adapters need, not as wide as the widest resident one, so
-        that its operations, and so its float rounding, do not depend on what else is loaded."""
-        narrowed = self._narrowed.get((memory, classes))  # made once per width
-        if narrowed is not None:
-            return self if narrowed is _WHOLE else narrowed  # not self kept in self: no cycle to collect
-        if memory > self.memory or classes > self.classes:
-            raise ValueError(f"P={memory}, C={classes} exceed the pools' P={self.memory}, C={self.classes}")
-        if memory == self.memory and classes == self.classes:
-            self._narrowed[memory, classes] = _WHOLE
-            return self
-        return self._narrowed.setdefault((memory, classes), self._views(memory, classes))
-
-    def _views(self, memory: int, classes: int) -> SlotPools:
-        return SlotPools(
-            keys=self.keys[..., :memory, :],
-            values=self.values[..., :memory, :],
-            memory_bias=self.memory_bias[:, :memory],
-            memory_length=self.memory_length,
-            cls=self.cls,
-            head_weight=self.head_weight[:, :classes],
-            head_bias=self.head_bias[:, :classes],
-            generation=self.generation,
-        )
-
-    @property
-    def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.memory_bias, self.memory_length, self.cls)
-        return sum(t.nbytes for t in (*tensors, self.head_weight, self.head_bias))
+Chain = tuple[PreparedAdapter, ...]  # an adapter and its ancestors (extension mode), or itself alone
 
 
 @dataclass(frozen=True, eq=False)
 class _Slot:
     adapter: weakref.ref  # the adapter the slot holds
-    ancestors: tuple[PreparedAdapter, ...]  # kept alive while the slot is: their memory is in it
+    ancestors: Chain  # kept alive while the slot is: their memory is in it
     classes: int
     memory: int  # visible memory: its own plus its ancestors'
 
@@ -122,15 +73,23 @@ class AdapterSlots:
             raise ValueError(f"capacity must be at least 2 (the null slot and one adapter), got {capacity}")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
         self._lock = threading.Lock()
+        self._published_now = threading.Condition(self._lock)  # a pending growth was published
         self._slot_of: dict[tuple[int, ...], int] = {}  # ids of (adapter, *ancestors) -> slot
         self._records: dict[int, _Slot] = {}
-        self._free: list[int] = []
         # Filled by finalizers, which may run in any thread at any moment (garbage collection):
         # they only append here, and the next ``assign`` takes the slots back under the lock.
         self._released: deque[tuple[int, ...]] = deque()
         self.writes = 0  # slots written since creation (a test and a metric: cold loads, not passes)
-        self.pools = self._allocate(capacity, memory=0, classes=1, generation=0)
+        empty = {"memory": 0, "classes": 1, "generation": 0}
+        self._published = allocate_pools(spec, self.device, dtype, capacity, **empty)
         self._free = list(range(capacity - 1, NULL_SLOT, -1))  # pop() hands out 1, 2, 3, ...
+        # Growing ahead (``grow_ahead``): the pools grown and not yet published, the thread that grew
+        # them (the only one that reads them), their free slots past the published capacity, and the
+        # chains written into them alone.
+        self._pending: SlotPools | None = None
+        self._owner: int | None = None
+        self._extra: list[int] = []
+        self._unpublished: set[tuple[int, ...]] = set()
 
     # -- reading -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -138,19 +97,38 @@ class AdapterSlots:
         return len(self._records)
 
     @property
+    def pools(self) -> SlotPools:
+        """The pools a pass reads: the published ones, or the pending ones for the thread growing
+        them ahead (``grow_ahead``), which captures what passes will replay on them."""
+        pending = self._pending
+        if pending is not None and self._owner == threading.get_ident():
+            return pending
+        return self._published
+
+    @property
     def generation(self) -> int:
         return self.pools.generation
 
+    @property
+    def growing_ahead(self) -> bool:
+        """Whether pools grown ahead wait to be published."""
+        return self._pending is not None
+
     # -- assigning -----------------------------------------------------------------------------
-    def assign(self, chains: list[tuple[PreparedAdapter, ...]]) -> tuple[list[int], SlotPools]:
+    def assign(self, chains: list[Chain]) -> tuple[list[int], SlotPools]:
         """The slot of each ``(adapter, *ancestors)`` chain, writing the ones that have none yet.
 
         Returns the slots and the pools they are valid in, read under one lock: a pass uses exactly
-        these (later growth copies them into new tensors; these keep their contents)."""
+        these (later growth copies them into new tensors; these keep their contents). While pools
+        grown ahead by another thread wait to be published, a call that needs them waits."""
         with self._lock:
             self._take_back_released()
+            ahead = self._ahead()
+            while not ahead and self._needs_pending(chains):
+                self._published_now.wait()
+                self._take_back_released()
             slots: list[int] = []
-            missing: list[tuple[int, tuple[PreparedAdapter, ...]]] = []
+            missing: list[tuple[int, Chain]] = []
             for chain in chains:
                 slot = self._slot_of.get(_key(chain))
                 if slot is None:
@@ -158,27 +136,89 @@ class AdapterSlots:
                     slot = NULL_SLOT  # filled below
                 slots.append(slot)
             if missing:
-                fresh: dict[tuple[int, ...], tuple[PreparedAdapter, ...]] = {}
+                fresh: dict[tuple[int, ...], Chain] = {}
                 for _, chain in missing:  # the same adapter twice in one call: one slot
                     fresh.setdefault(_key(chain), chain)
-                written = self._write(list(fresh.values()))
+                written = self._write(list(fresh.values()), ahead)
                 for at, chain in missing:
                     slots[at] = written[_key(chain)]
             return slots, self.pools
 
-    def slot_of(self, adapter: PreparedAdapter, ancestors: tuple[PreparedAdapter, ...] = ()) -> int | None:
-        """The slot holding ``adapter`` (with these ancestors), or None."""
-        return self._slot_of.get(_key((adapter, *ancestors)))
+    def slot_of(self, adapter: PreparedAdapter, ancestors: Chain = ()) -> int | None:
+        """The slot holding ``adapter`` (with these ancestors), or None (also while it is written
+        only into pools another thread grows ahead: ``assign`` then waits for them)."""
+        key = _key((adapter, *ancestors))
+        if self._unpublished and key in self._unpublished and not self._ahead():
+            return None
+        return self._slot_of.get(key)
 
-    def _write(self, chains: list[tuple[PreparedAdapter, ...]]) -> dict[tuple[int, ...], int]:
+    # -- growing ahead ---------------------------------------------------------------------------
+    def grow_ahead(self, chains: list[Chain]) -> bool:
+        """Grow the pools for ``chains`` (those without a slot) without publishing them: True when
+        they must grow. This thread then reads the pending pools (``pools``) and writes its chains
+        there (``assign``) until it calls ``publish``; other threads read the published ones."""
+        with self._lock:
+            if self._ahead():
+                raise RuntimeError("this thread already grows the pools ahead: publish them first")
+            while self._pending is not None:  # another thread's growth first
+                self._published_now.wait()
+            self._take_back_released()
+            fresh = list({_key(c): c for c in chains if _key(c) not in self._slot_of}.values())
+            if not fresh:
+                return False
+            memory, classes = _widest(fresh)
+            p = self._published
+            if len(self._free) >= len(fresh) and memory <= p.memory and classes <= p.classes:
+                return False
+            self._owner = threading.get_ident()  # before the pools: ``pools`` reads in this order
+            self._pending, self._extra = self._grown(p, len(self._free), memory, classes, len(fresh))
+            return True
+
+    def publish(self) -> None:
+        """Make the pools this thread grew ahead the ones every pass reads (and wake who waited)."""
+        with self._lock:
+            if not self._ahead():
+                raise RuntimeError("this thread has no pools grown ahead to publish")
+            self._published = self._pending
+            self._free = self._extra + self._free
+            self._pending, self._owner, self._extra = None, None, []
+            self._unpublished.clear()
+            self._published_now.notify_all()
+
+    def _ahead(self) -> bool:
+        return self._pending is not None and self._owner == threading.get_ident()
+
+    def _needs_pending(self, chains: list[Chain]) -> bool:
+        """Whether ``chains`` cannot be assigned before the pending pools are published: one is
+        written only there, or those without a slot do not fit the published pools."""
+        if self._pending is None:
+            return False
+        if self._unpublished and any(_key(c) in self._unpublished for c in chains):
+            return True
+        fresh = {_key(c): c for c in chains if _key(c) not in self._slot_of}
+        if not fresh:
+            return False
+        memory, classes = _widest(list(fresh.values()))
+        p = self._published
+        return len(self._free) < len(fresh) or memory > p.memory or classes > p.classes
+
+    # -- writing -------------------------------------------------------------------------------
+    def _write(self, chains: list[Chain], ahead: bool) -> dict[tuple[int, ...], int]:
         """A slot for each chain, written: the pools grown once for all, then one write per group of
-        chains of the same widths (installing 100,000 adapters is a few hundred writes, not millions)."""
+        chains of the same widths (installing 100,000 adapters is a few hundred writes, not millions).
+        ``ahead``: into the pending pools alone; else into the published ones (and any pending)."""
         check_prepared_for([a for chain in chains for a in chain], self.device, self.dtype)
-        sizes = [(sum(a.memory_keys.shape[2] for a in c), c[0].head_weight.shape[0]) for c in chains]
+        sizes = [_sizes(c) for c in chains]
         memory, classes = max(m for m, _ in sizes), max(c for _, c in sizes)
         p = self.pools
-        if len(self._free) < len(chains) or memory > p.memory or classes > p.classes:
-            self._grow(memory=memory, classes=classes, slots=len(chains))
+        free = len(self._free) + (len(self._extra) if ahead else 0)
+        if free < len(chains) or memory > p.memory or classes > p.classes:
+            grown, extra = self._grown(p, free, memory, classes, len(chains))
+            if ahead:
+                self._pending, self._extra = grown, extra + self._extra
+            else:  # (a pending growth cannot be under way: ``assign`` waited for it)
+                self._published, self._free = grown, extra + self._free
+        targets = [self._pending] if ahead else [self._published, self._pending]
         groups: dict[tuple[int, int], list[int]] = {}
         for i, size in enumerate(sizes):
             groups.setdefault(size, []).append(i)
@@ -186,13 +226,19 @@ class AdapterSlots:
         for (memory, classes), group in groups.items():
             for start in range(0, len(group), WRITE_CHUNK):  # the stacked copies stay small
                 members = group[start : start + WRITE_CHUNK]
-                picked = [self._free.pop() for _ in members]
-                self._write_group([chains[i] for i in members], picked, memory, classes)
-                written.update(self._record(chains, members, picked, memory, classes))
+                picked = [self._take(ahead) for _ in members]
+                for pools in targets:
+                    if pools is not None:
+                        write_slots(pools, [chains[i] for i in members], picked, memory, classes)
+                written.update(self._record(chains, members, picked, memory, classes, ahead))
         self.writes += len(chains)
         return written
 
-    def _record(self, chains, members, picked, memory, classes) -> dict[tuple[int, ...], int]:
+    def _take(self, ahead: bool) -> int:
+        """A free slot: one the published pools have, else (growing ahead) one only the pending have."""
+        return self._free.pop() if self._free or not ahead else self._extra.pop()
+
+    def _record(self, chains, members, picked, memory, classes, ahead) -> dict[tuple[int, ...], int]:
         """Which adapter holds which slot, each slot handed back when its adapter is freed."""
         written = {}
         for i, slot in zip(members, picked, strict=True):
@@ -201,99 +247,49 @@ class AdapterSlots:
             self._slot_of[key] = slot
             self._records[slot] = _Slot(weakref.ref(chain[0]), chain[1:], classes, memory)
             weakref.finalize(chain[0], self._released.append, key)
+            if ahead:
+                self._unpublished.add(key)
             written[key] = slot
         return written
-
-    def _write_group(
-        self, chains: list[tuple[PreparedAdapter, ...]], slots: list[int], memory: int, classes: int
-    ) -> None:
-        p = self.pools
-        index = torch.tensor(slots, device=self.device)
-        # Pools are normal tensors written outside autograd, whether or not the caller runs in
-        # inference mode (a pass assigns slots inside one, a server's install outside it).
-        with torch.inference_mode(False), torch.no_grad():
-            if memory:
-                keys = torch.stack([_visible(c, "memory_keys") for c in chains], dim=1)
-                values = torch.stack([_visible(c, "memory_values") for c in chains], dim=1)
-                p.keys[:, index, :, :memory] = keys  # (L, n, H, m, d)
-                p.values[:, index, :, :memory] = values
-            p.keys[:, index, :, memory:] = 0
-            p.values[:, index, :, memory:] = 0
-            p.memory_bias[index, :memory] = 0
-            p.memory_bias[index, memory:] = float("-inf")
-            p.memory_length[index] = memory
-            p.cls[index] = torch.stack([c[0].cls for c in chains])
-            p.head_weight[index, :classes] = torch.stack([c[0].head_weight for c in chains])
-            p.head_weight[index, classes:] = 0
-            p.head_bias[index, :classes] = torch.stack([c[0].head_bias for c in chains])
-            p.head_bias[index, classes:] = 0
 
     def _take_back_released(self) -> None:
         while self._released:
             key = self._released.popleft()
             slot = self._slot_of.pop(key, None)
+            self._unpublished.discard(key)
             if slot is not None:
                 del self._records[slot]
                 self._free.append(slot)
 
     # -- growing -------------------------------------------------------------------------------
-    def _grow(self, *, memory: int, classes: int, slots: int = 1) -> None:
-        """Copy the pools into larger ones: room for ``slots`` more (doubling), ``memory``, ``classes``."""
-        old = self.pools
+    def _grown(
+        self, old: SlotPools, free: int, memory: int, classes: int, slots: int
+    ) -> tuple[SlotPools, list[int]]:
+        """``old`` copied into larger pools: room for ``slots`` more than its ``free`` ones (doubling),
+        ``memory``, ``classes``. Returns them and their new slots, free (pop() hands out the lowest)."""
         capacity = old.capacity
-        while capacity - old.capacity + len(self._free) < slots:
+        while capacity - old.capacity + free < slots:
             capacity *= 2
         # Memory and classes round up to powers of two: adapters of m = 1, 2, 3, 5 grow the pools
         # twice, not four times, and a pass narrowed to its own adapters' widths (``widths``)
         # always fits. Padding costs the Triton kernel nothing (it stops at each slot's length).
-        memory = max(_power_of_2(memory), old.memory)
-        classes = max(_power_of_2(classes), old.classes)
-        new = self._allocate(capacity, memory=memory, classes=classes, generation=old.generation + 1)
-        S, P, C = old.capacity, old.memory, old.classes
-        with torch.inference_mode(False), torch.no_grad():
-            new.keys[:, :S, :, :P] = old.keys
-            new.values[:, :S, :, :P] = old.values
-            new.memory_bias[:S, :P] = old.memory_bias
-            new.memory_length[:S] = old.memory_length
-            new.cls[:S] = old.cls
-            new.head_weight[:S, :C] = old.head_weight
-            new.head_bias[:S, :C] = old.head_bias
-        self._free = list(range(capacity - 1, S - 1, -1)) + self._free
-        self.pools = new
-
-    def _allocate(self, capacity: int, *, memory: int, classes: int, generation: int) -> SlotPools:
-        s = self.spec
-        like = {"device": self.device, "dtype": self.dtype}
-        memory_shape = (s.depth, capacity, s.num_heads, memory, s.head_dim)
-        with torch.inference_mode(False):  # normal tensors, writable outside inference mode too
-            return SlotPools(
-                keys=torch.zeros(memory_shape, **like),
-                values=torch.zeros(memory_shape, **like),
-                memory_bias=torch.full((capacity, memory), float("-inf"), **like),
-                memory_length=torch.zeros(capacity, device=self.device, dtype=torch.int32),
-                cls=torch.zeros(capacity, s.width, **like),
-                head_weight=torch.zeros(capacity, classes, s.width, **like),
-                head_bias=torch.zeros(capacity, classes, **like),
-                generation=generation,
-            )
+        memory = max(power_of_2(memory), old.memory)
+        classes = max(power_of_2(classes), old.classes)
+        like = (self.spec, self.device, self.dtype)
+        new = allocate_pools(*like, capacity, memory=memory, classes=classes, generation=old.generation + 1)
+        copy_pools(old, new)
+        return new, list(range(capacity - 1, old.capacity - 1, -1))
 
 
-def _visible(chain: tuple[PreparedAdapter, ...], field: str) -> Tensor:
-    """A chain's visible memory keys or values (L, H, m, d): its own, then its ancestors'."""
-    return (
-        getattr(chain[0], field) if len(chain) == 1 else torch.cat([getattr(a, field) for a in chain], dim=2)
-    )
+def _sizes(chain: Chain) -> tuple[int, int]:
+    """A chain's (visible memory, classes)."""
+    return sum(a.memory_keys.shape[2] for a in chain), chain[0].head_weight.shape[0]
 
 
-def _key(chain: tuple[PreparedAdapter, ...]) -> tuple[int, ...]:
+def _widest(chains: list[Chain]) -> tuple[int, int]:
+    sizes = [_sizes(c) for c in chains]
+    return max(m for m, _ in sizes), max(c for _, c in sizes)
+
+
+def _key(chain: Chain) -> tuple[int, ...]:
     return tuple(id(a) for a in chain)
-
-
-def widths(memory: int, classes: int) -> tuple[int, int]:
-    """The (P, C) a pass reads for adapters of at most ``memory`` memory entries and ``classes``
-    classes: powers of two, a function of those adapters alone (the pools always hold them)."""
-    return _power_of_2(memory), _power_of_2(classes)
-
-
-def _power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 0 else 0

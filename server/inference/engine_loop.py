@@ -38,6 +38,7 @@ from .arrivals import ArrivalGap
 from .device_runner import DeviceRunner
 from .fair_queue import ONE_FLOW, FairQueue
 from .jobs import Batch, Job, Result, deliver, place, refuse_missing
+from .warmup import PassGraphs
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ class EngineLoop:
         self.live, self.runner = live, runner
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.metrics, self.fair, self.registered = metrics, fair, registered
-        self.warm = warm  # captures the graphs of a snapshot's passes (server/inference/warmup.py)
-        self._warmed: int | None = None  # the slot pools' generation they were captured for
+        # the graphs of a snapshot's passes, and when they are captured (server/inference/warmup.py)
+        self.graphs = None if warm is None else PassGraphs(live, warm)
         self.count = count  # what a batch answered, counted for the keys that asked (usage, metrics)
         self.depth = depth if depth is not None else (3 if runner.cuda else 1)
         self.lanes = len(runner.lanes) if self.depth > 1 else 1  # decode threads
@@ -85,7 +86,8 @@ class EngineLoop:
     # -- from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
         """Capture the graphs the passes will replay (before any stage runs), then start the stages."""
-        self._warm_up()
+        if self.graphs is not None:
+            self.graphs.start()
         self._running = True
         # names of 15 bytes at most (the kernel's): engine-batcher, engine-batcher1, ...
         work = [(self._batcher, f"engine-batcher{lane or ''}", (lane,)) for lane in range(self.lanes)]
@@ -105,6 +107,8 @@ class EngineLoop:
             self._lock.notify_all()
         for thread in self._threads:
             thread.join()
+        if self.graphs is not None:
+            self.graphs.stop()
         left = []
         with self._lock:
             while self._queue.peek() is not None:
@@ -154,11 +158,11 @@ class EngineLoop:
                 batch = self._form()
                 if batch is None:
                     break
-                if self._pools_grew():  # recapture with every other stage idle (CUDA forbids a
-                    with self._lock:  # capture while other threads sync or queue work); the other
+                if self.graphs is not None and self.graphs.stale():  # not captured on growth
+                    with self._lock:  # (warmup.py): again with every other stage idle; the other
                         while self._in_flight > 1:  # decode threads finish theirs, then wait here
                             self._lock.wait()
-                    self._warm_up()
+                    self.graphs.capture()
                 try:
                     self._route(batch)
                 except Exception as exc:  # never leave a client hanging
@@ -170,19 +174,6 @@ class EngineLoop:
             elif self._decode(batch, lane):
                 self._stages[0].put(batch)
         self._stages[0].put(None)  # the pass thread (if any) stops once every decode thread has
-
-    def _pools_grew(self) -> bool:
-        return self.warm is not None and self.runner.engine.slots.generation != self._warmed
-
-    def _warm_up(self) -> None:
-        if self.warm is None:
-            return
-        generation = self.runner.engine.slots.generation
-        try:
-            self.warm(self.live.current)
-        except Exception:  # a shape not captured now is captured on first use
-            log.exception("capturing the passes' graphs failed")
-        self._warmed = generation
 
     def _form(self) -> Batch | None:
         queue_ = self._queue

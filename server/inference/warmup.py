@@ -1,13 +1,20 @@
-"""The graphs a server will replay, captured before it takes traffic and again after the slot pools grow.
+"""The graphs a server will replay, captured before it takes traffic and again when the slot pools grow.
 
 On CUDA each pass is a graph replay, and a graph is captured the first time its shape is met
 (memory_core/routing/graphs.py): under load that is a request's pass stretched by a capture (three passes'
-time), and a capture while other threads queue device work (the decoder's synchronisations, the
-collector's) is what CUDA's capture mode forbids. So the engine loop captures every shape it expects
-to meet before any of its threads run: at start-up, before ``/readyz`` says ready, and when the slot
-pools have grown (their generation counts up and every graph of the old generation is dropped:
-an adapter loaded past the pools' capacity, memory length or classes), with the loop's other stages
-idle (server/inference/engine_loop.py).
+time). So the engine loop captures every shape it expects to meet (``PassGraphs``):
+
+- at start-up, before any of its threads run and before ``/readyz`` says ready;
+- when an install must grow the slot pools (an adapter loaded past their capacity, memory length
+  or classes: their generation counts up, and a graph reads one generation's tensors), on the
+  installing thread, before the grown pools are published (``LiveAdapters.on_growth``,
+  ``AdapterSlots.grow_ahead``): the engine's stages go on replaying the old generation's graphs
+  meanwhile, waiting at most one capture at a time (the graphs' lock), and only the requests that
+  need the new adapters wait for the install, as they would anyway. CUDA graphs are captured in
+  the thread-local mode (memory_core/routing/graphs.py), so the decode threads' and the collector's
+  device work beside a capture does not break it;
+- should that fail, by the batcher once it sees the pools grew, with the loop's other stages idle
+  (server/inference/engine_loop.py), as before the growth ahead existed.
 
 The shapes: every batch bucket up to ``max_batch`` (1, 2, 4, 8, 16, 24, ...), each with
 - the base alone (requests asking for no adapter);
@@ -24,11 +31,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from memvit.memory_core import AdapterSet, MemoryViT
+from memvit.memory_core import AdapterSet, LiveAdapters, MemoryViT
 from memvit.memory_core.routing.graphs import bucket_images
 from memvit.memory_core.routing.slots import widths
 
@@ -86,3 +93,46 @@ def warm_up(engine: MemoryViT, adapter_set: AdapterSet, max_batch: int, max_task
         len(planned), max_batch, len(adapter_set), time.perf_counter() - started,
     )  # fmt: skip
     return len(planned)
+
+
+class PassGraphs:
+    """When the graphs of ``warm`` (``warm_up`` for a server's settings) are captured for ``live``'s
+    engine: ``start`` (the live set now, and from then on, every growth of the slot pools on the
+    installing thread), and ``capture`` again whenever ``stale`` (a growth the hook did not cover)."""
+
+    def __init__(self, live: LiveAdapters, warm: Callable[[AdapterSet], int]) -> None:
+        self.live, self.warm = live, warm
+        self.warmed: int | None = None  # the slot pools' generation the graphs were captured for
+
+    def start(self) -> None:
+        self.capture()
+        self.live.on_growth = self._grown
+
+    def stop(self) -> None:
+        if self.live.on_growth == self._grown:
+            self.live.on_growth = None
+
+    def stale(self) -> bool:
+        """Whether the published pools are newer than the graphs captured for them (the pending
+        ones' generation counts as captured while they wait to be published)."""
+        return self.warmed is None or self.live.engine.slots.generation > self.warmed
+
+    def capture(self) -> None:
+        """Every expected pass's graph for the live set (a shape not captured now is on first use)."""
+        generation = self.live.engine.slots.generation
+        try:
+            self.warm(self.live.current)
+        except Exception:
+            log.exception("capturing the passes' graphs failed")
+        self.warmed = generation
+
+    def _grown(self, adapter_set: AdapterSet) -> None:
+        """``LiveAdapters.on_growth``: on the installing thread, whose passes read the grown pools."""
+        generation = self.live.engine.slots.generation  # the pending pools' (this thread grew them)
+        started = time.perf_counter()
+        self.warm(adapter_set)  # raises: the batcher captures them (``stale``)
+        self.warmed = generation
+        log.info(
+            "captured the passes of the grown slot pools (generation %d) beside serving in %.2f s",
+            generation, time.perf_counter() - started,
+        )  # fmt: skip

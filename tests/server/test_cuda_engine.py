@@ -23,6 +23,7 @@ from memvit.server.telemetry.metrics import Metrics
 from tests.conftest import random_adapter
 from tests.server.inference.test_device_decode import jpeg, photo
 from tests.server.inference.test_engine_loop import SINK
+from tests.server.inference.test_warmup import check_alone, grow_under_load
 
 pytestmark = [
     pytest.mark.cuda,
@@ -124,3 +125,38 @@ def test_the_engine_loop_keeps_three_batches_in_flight(served) -> None:
     finally:
         loop.stop()
     assert state["most"] >= 2  # launched and not yet read back: the host ran ahead of the device
+
+
+def test_an_install_that_grows_the_pools_captures_beside_serving(tiny_weights, caplog) -> None:
+    """On the GPU, what tests/server/inference/test_warmup.py shows with stand-in graphs: an install
+    past the pools' slots and classes under load captures the grown pools' graphs on the installing
+    thread (thread-local capture mode, beside the decode stream's and the collector's work) while
+    the loop replays the old ones; nothing is captured while serving; every answer is its image's
+    alone, by the same weights on the CPU."""
+    engine = MemoryViT.from_timm(weights=tiny_weights, device="cuda")
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    exact_float32(engine.device, engine.dtype)  # as the server does
+    try:
+        grown_beside_serving(engine, caplog)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def grown_beside_serving(engine, caplog) -> None:
+    live = LiveAdapters(engine)
+    weights = [random_adapter(f"a{i}", engine, m=1 + i % 2, classes=5 + i) for i in range(4)]
+    live.replace_all(weights)
+    more = [random_adapter(f"n{i}", engine, m=2, classes=5 + i) for i in range(20)]
+    decoder = DeviceDecoder(ImageDecoder(engine, max_bytes=4_000_000, max_pixels=4_000_000), "cuda")
+    items = [decoder.prepare(jpeg(photo(i, (160 + 9 * i, 120))), f"p{i}") for i in range(6)]
+    answered, asked, while_serving = grow_under_load(engine, live, decoder, items, more, clients=8)
+    assert answered and answered[0] > 0 and while_serving == 0
+    assert engine._graphs().captures_pending > 0
+    assert "a CUDA graph captured while serving" not in caplog.text
+    reference = LiveAdapters(engine)  # the same engine, eagerly: graphs off
+    engine.cuda_graphs = False
+    try:
+        reference.replace_all(weights + more)
+        check_alone(asked, reference, decoder, 1e-3)
+    finally:
+        engine.cuda_graphs = True

@@ -5,20 +5,24 @@ load of one-task, base-only and every-task requests through the engine loop capt
 from __future__ import annotations
 
 import random
+import threading
+import time
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 from benchmarks.host_counts import StandInEvent, StandInGraphs
 from memvit.memory_core import LiveAdapters
 from memvit.memory_core.routing.staging import HostBuffers
+from memvit.server.inference.answers import Want
 from memvit.server.inference.device_decode import DeviceDecoder
 from memvit.server.inference.device_runner import DeviceRunner
 from memvit.server.inference.engine_loop import EngineLoop, Job
 from memvit.server.inference.images import ImageDecoder
 from memvit.server.inference.warmup import batch_buckets, shapes, warm_up
 from memvit.server.telemetry.metrics import Metrics
-from tests.conftest import random_adapter
+from tests.conftest import TOL, max_diff, random_adapter
 from tests.factories import tiny_engine
 from tests.server.inference.test_device_decode import jpeg, photo
 from tests.server.inference.test_engine_loop import SINK
@@ -87,3 +91,92 @@ def test_every_adapter_beside_one_is_captured_on_first_use(served, caplog) -> No
     assert 0 < while_serving <= 3 * len(batch_buckets(MAX_BATCH))
     # each one said in the server's log, so a latency spike can be matched to it
     assert 0 < caplog.text.count(CAPTURED_WHILE_SERVING) <= while_serving  # one line a batch
+
+
+def grow_under_load(engine, live, decoder, items, more, *, clients: int = 3) -> tuple[list[int], list, int]:
+    """Serve one-task requests from ``clients`` threads while one install adds ``more`` (growing the
+    pools), then the new adapters' requests for a while. Returns the answers counted during each
+    capture of the grown pools' graphs, every (item, adapters, future) asked, and the graphs
+    captured while serving (not for pools grown ahead)."""
+    loop = EngineLoop(
+        live, DeviceRunner(engine, decoder), max_batch=MAX_BATCH, max_wait=0.002, max_queue=4096,
+        metrics=Metrics(), warm=lambda adapters: warm_up(engine, adapters, MAX_BATCH, 64),
+    )  # fmt: skip
+    loop.start()
+    at_start = engine.graph_captures
+    grow, answered, asked = live.on_growth, [], []
+
+    def on_growth(adapter_set) -> None:  # answers given while the grown pools' graphs were captured
+        before = sum(f.done() for _, _, f in asked)
+        grow(adapter_set)
+        answered.append(sum(f.done() for _, _, f in asked) - before)
+
+    live.on_growth = on_growth
+    stop = threading.Event()
+
+    def load(asks) -> None:
+        rng = random.Random(1)
+        while not stop.is_set():
+            item, adapters, future = rng.choice(items), rng.choice(asks), Future()
+            loop.submit(Job([item], adapters, ["base", *adapters], SINK, 3, True, context=future))
+            asked.append((item, adapters, future))
+            future.result(60)
+
+    old = [threading.Thread(target=load, args=([("a0",), ("a1",), ()],)) for _ in range(clients)]
+    try:
+        for client in old:
+            client.start()
+        prepared = [engine.prepare(w) for w in more]
+        with live.exclusive() as current:
+            for adapter in prepared:
+                current = current.with_adapter(adapter)
+            live.install(current)
+        stop.set()
+        for client in old:
+            client.join(60)
+        stop.clear()
+        new = threading.Thread(target=load, args=([("n19",), ("a2",), ("n7",), ()],))
+        new.start()
+        time.sleep(0.5)
+        stop.set()
+        new.join(60)
+    finally:
+        loop.stop()
+    return answered, asked, engine.graph_captures - at_start
+
+
+def check_alone(asked, reference: LiveAdapters, decoder, tol: float) -> None:
+    """Every answer is its image's alone, by ``reference``'s engine."""
+    runner = DeviceRunner(reference.engine, decoder)
+    for item, adapters, future in asked:
+        tasks = ["base", *adapters]
+        answer = future.result(0)
+        alone = runner.run([item], reference.current, [list(adapters)], [Want(0, 1, 3, True)])
+        expected = alone.cut(Want(0, 1, 3, True), tasks, 1, 0)
+        for t in range(len(tasks)):
+            got, want = answer.task_logits(t), expected.task_logits(t)
+            assert max_diff(torch.from_numpy(got), torch.from_numpy(want)) <= tol, (item.name, tasks[t])
+
+
+def test_serving_goes_on_while_an_install_grows_the_pools(caplog) -> None:
+    """An install past the pools' 16 slots and classes, under load: the grown pools' graphs are
+    captured on the installing thread while the loop keeps answering from the old ones; nothing is
+    captured on the serving path, before or after, and every answer is its image's alone, computed by
+    an engine without graphs. (One task per image: what warm-up promises, server/inference/warmup.py.)
+    On a GPU: tests/server/test_cuda_engine.py."""
+    engine = tiny_engine()
+    graphs = StandInGraphs(buffers=HostBuffers(pinned=False, new_event=StandInEvent.factory()), replays=True)
+    engine.use_graphs(graphs)
+    live = LiveAdapters(engine)
+    weights = [random_adapter(f"a{i}", engine, m=1 + i % 2, classes=5 + i) for i in range(4)]
+    live.replace_all(weights)
+    more = [random_adapter(f"n{i}", engine, m=2, classes=5 + i) for i in range(20)]
+    decoder = DeviceDecoder(ImageDecoder(engine, max_bytes=4_000_000, max_pixels=4_000_000), "cpu")
+    items = [decoder.prepare(jpeg(photo(i, (160 + 9 * i, 120))), f"p{i}") for i in range(6)]
+    answered, asked, while_serving = grow_under_load(engine, live, decoder, items, more)
+    assert answered and answered[0] > 0  # served while the graphs were captured
+    assert while_serving == 0 and graphs.captures_pending > 0
+    assert CAPTURED_WHILE_SERVING not in caplog.text
+    reference = LiveAdapters(tiny_engine())  # the same base weights, no graphs: eager passes
+    reference.replace_all(weights + more)
+    check_alone(asked, reference, decoder, TOL)
