@@ -20,8 +20,9 @@ The shapes: every batch bucket up to ``max_batch`` (1, 2, 4, 8, 16, 24, ...), ea
 - the base alone (requests asking for no adapter);
 - every resident adapter for every image (requests without ``tasks``, while the registry is small
   enough to allow them);
-- one adapter per image, the same for all (a batch of one key's requests) and different ones (a
-  routed batch), for each distinct (memory, classes) width among the resident adapters (a few).
+- one adapter per image, the same for all (a batch of one key's requests) and different ones or
+  none (a routed batch: its shape is that of its widest adapter), for each distinct (memory,
+  classes) width among the resident adapters (a few).
 A shape met later that is none of these is captured on first use: several tasks per image, or a
 batch that mixes requests for every adapter with requests for one (its rows per image and outputs
 take one of many bucketed values; warming them all would multiply the start-up by ~10).
@@ -57,7 +58,6 @@ def shapes(adapter_set: AdapterSet, max_batch: int, max_tasks: int) -> list[tupl
         if key not in groups and len(groups) < WIDTH_GROUPS:
             groups[key] = adapter.name
     names = list(groups.values())
-    first_two = [a.name for a in adapter_set.adapters[:2]]  # not ``names``: O(K) at every call
     out: list[tuple[int, Tasks, bool]] = []
     for b in batch_buckets(max_batch):
         out.append((b, None, False))  # the base alone
@@ -67,9 +67,8 @@ def shapes(adapter_set: AdapterSet, max_batch: int, max_tasks: int) -> list[tupl
             out.append((b, None, True))  # every adapter, every image
         for name in names:
             out.append((b, [(name,)] * b, True))  # shared: one adapter for the batch
-            if b > 1 and len(adapter_set) > 1:  # routed: images asking for different adapters
-                other = first_two[1] if first_two[0] == name else first_two[0]
-                out.append((b, [(name,) if i % 2 else (other,) for i in range(b)], True))
+            if b > 1:  # routed: images asking for different adapters or none, as wide as ``name``
+                out.append((b, [(name,) if i % 2 else () for i in range(b)], True))
     return out
 
 

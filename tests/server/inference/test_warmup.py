@@ -77,7 +77,8 @@ def test_warm_up_captures_what_one_task_requests_meet(served, caplog) -> None:
     assert 0 < at_start <= len(shapes(live.current, MAX_BATCH, 64)) + embeddings
     assert while_serving == 0
     # Batches of one kind alone: only the base, every adapter, one adapter for the whole batch.
-    for asks in ([()], [None], [("a2",)]):
+    # (and a routed batch as narrow as its one adapter: images asking for it or for nothing)
+    for asks in ([()], [None], [("a2",)], [("a0",), ()]):
         assert serve(engine, graphs, live, decoder, items, asks, jobs=60)[1] == 0, asks
     assert CAPTURED_WHILE_SERVING not in caplog.text
 
