@@ -27,8 +27,10 @@ Growing *ahead* keeps that capture off the passes' way (``grow_ahead``, ``publis
 thread grows the pools into new tensors that only it reads, writes its adapters there, captures what
 passes will replay on them (a server's engine loop: server/inference/warmup.py), and then publishes
 them; meanwhile every other thread's passes run on the published pools and their graphs, and a
-write they make goes into both. What another thread cannot do before the publish (name an adapter
-written only into the pending pools, or grow the pools itself) waits for it.
+write they make goes into both. Another thread that cannot go on without them (it names an adapter
+written only there, or must grow the pools itself) publishes them at once instead of waiting (a
+wait could deadlock: the growing thread's captures wait for passes): what it was captured for then
+is captured on first use.
 
 Writes run on the caller's thread and, on CUDA, on the device's current stream, which is the stream
 passes run on: a slot freed after a pass was launched is rewritten only after that pass's kernels.
@@ -36,6 +38,7 @@ passes run on: a slot freed after a pass was launched is rewritten only after th
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections import deque
@@ -49,6 +52,7 @@ from .slot_pools import SlotPools, allocate_pools, copy_pools, power_of_2, width
 
 __all__ = ["NULL_SLOT", "AdapterSlots", "SlotPools", "widths"]
 
+log = logging.getLogger(__name__)
 NULL_SLOT = 0
 WRITE_CHUNK = 4096  # slots written per stacked copy (100,000 heads of ViT-B would stack 15 GB at once)
 
@@ -73,7 +77,6 @@ class AdapterSlots:
             raise ValueError(f"capacity must be at least 2 (the null slot and one adapter), got {capacity}")
         self.spec, self.device, self.dtype = spec, torch.device(device), dtype
         self._lock = threading.Lock()
-        self._published_now = threading.Condition(self._lock)  # a pending growth was published
         self._slot_of: dict[tuple[int, ...], int] = {}  # ids of (adapter, *ancestors) -> slot
         self._records: dict[int, _Slot] = {}
         # Filled by finalizers, which may run in any thread at any moment (garbage collection):
@@ -119,14 +122,13 @@ class AdapterSlots:
         """The slot of each ``(adapter, *ancestors)`` chain, writing the ones that have none yet.
 
         Returns the slots and the pools they are valid in, read under one lock: a pass uses exactly
-        these (later growth copies them into new tensors; these keep their contents). While pools
-        grown ahead by another thread wait to be published, a call that needs them waits."""
+        these (later growth copies them into new tensors; these keep their contents). A call that
+        needs pools another thread grows ahead publishes them first."""
         with self._lock:
             self._take_back_released()
             ahead = self._ahead()
-            while not ahead and self._needs_pending(chains):
-                self._published_now.wait()
-                self._take_back_released()
+            if not ahead and self._needs_pending(chains):
+                self._publish()  # early: waiting could deadlock (the grower may wait for this thread)
             slots: list[int] = []
             missing: list[tuple[int, Chain]] = []
             for chain in chains:
@@ -146,7 +148,7 @@ class AdapterSlots:
 
     def slot_of(self, adapter: PreparedAdapter, ancestors: Chain = ()) -> int | None:
         """The slot holding ``adapter`` (with these ancestors), or None (also while it is written
-        only into pools another thread grows ahead: ``assign`` then waits for them)."""
+        only into pools another thread grows ahead: ``assign`` then publishes them)."""
         key = _key((adapter, *ancestors))
         if self._unpublished and key in self._unpublished and not self._ahead():
             return None
@@ -160,8 +162,8 @@ class AdapterSlots:
         with self._lock:
             if self._ahead():
                 raise RuntimeError("this thread already grows the pools ahead: publish them first")
-            while self._pending is not None:  # another thread's growth first
-                self._published_now.wait()
+            if self._pending is not None:  # another thread's growth: published now, then this one
+                self._publish()
             self._take_back_released()
             fresh = list({_key(c): c for c in chains if _key(c) not in self._slot_of}.values())
             if not fresh:
@@ -175,15 +177,21 @@ class AdapterSlots:
             return True
 
     def publish(self) -> None:
-        """Make the pools this thread grew ahead the ones every pass reads (and wake who waited)."""
+        """Make the pools this thread grew ahead the ones every pass reads (nothing if another
+        thread needed them first and published them then)."""
         with self._lock:
-            if not self._ahead():
-                raise RuntimeError("this thread has no pools grown ahead to publish")
-            self._published = self._pending
-            self._free = self._extra + self._free
-            self._pending, self._owner, self._extra = None, None, []
-            self._unpublished.clear()
-            self._published_now.notify_all()
+            if self._ahead():
+                self._publish()
+            elif self._owner is not None or self._pending is not None:
+                raise RuntimeError("another thread grows the pools ahead: it publishes them")
+
+    def _publish(self) -> None:
+        if self._owner != threading.get_ident():
+            log.info("slot pools grown ahead published early: another thread's pass needed them")
+        self._published = self._pending
+        self._free = self._extra + self._free
+        self._pending, self._owner, self._extra = None, None, []
+        self._unpublished.clear()
 
     def _ahead(self) -> bool:
         return self._pending is not None and self._owner == threading.get_ident()
@@ -216,7 +224,7 @@ class AdapterSlots:
             grown, extra = self._grown(p, free, memory, classes, len(chains))
             if ahead:
                 self._pending, self._extra = grown, extra + self._extra
-            else:  # (a pending growth cannot be under way: ``assign`` waited for it)
+            else:  # (no pending growth is under way: ``assign`` published it)
                 self._published, self._free = grown, extra + self._free
         targets = [self._pending] if ahead else [self._published, self._pending]
         groups: dict[tuple[int, int], list[int]] = {}
