@@ -7,8 +7,9 @@ captured again (server/inference/warmup.py). Two ways, alternating rounds:
 
 - ``ahead`` (the server's): the installing thread grows the pools ahead, captures their graphs, then
   publishes them (``LiveAdapters.on_growth``); the engine loop goes on replaying the old ones;
-- ``batcher`` (before): the hook off; the batcher sees the pools grew, waits for the loop to drain
-  and captures everything with the other stages idle: every request waits for all the captures.
+- ``batcher`` (before; ``MEMVIT_GRAPHS_BESIDE_SERVING=false``): the batcher sees the pools grew,
+  waits for the loop to drain and captures everything with the other stages idle: every request
+  waits for all the captures.
 
 On this CPU the graphs are stand-ins (benchmarks/host_counts.py: a replay runs the eager pass again);
 a capture is the eager pass plus ``--capture-ms`` of busy host work holding the GIL, standing in for
@@ -80,10 +81,9 @@ def one_round(mode: str, capture_s: float, add: int, clients: int, settle_s: flo
     loop = EngineLoop(
         live, DeviceRunner(engine, None), max_batch=MAX_BATCH, max_wait=0.002, max_queue=4096,
         metrics=Metrics(), warm=lambda adapters: warm_up(engine, adapters, MAX_BATCH, 64),
+        graphs_beside=mode == "ahead",  # MEMVIT_GRAPHS_BESIDE_SERVING
     )  # fmt: skip
     loop.start()
-    if mode == "batcher":
-        live.on_growth = None
     sink, stop, asked = _Sink(), threading.Event(), []
 
     def client(seed: int) -> None:

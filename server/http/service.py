@@ -183,6 +183,7 @@ def _load(settings: Settings, metrics: Metrics) -> tuple[MemoryViT, AdapterRegis
         fair=settings.fair_batching,
         registered=lambda version: registry.info(version).adapters,
         warm=lambda adapters: warm_up(engine, adapters, settings.max_batch, settings.max_tasks_per_request),
+        graphs_beside=settings.graphs_beside_serving,
     )
     loop.start()
     return engine, registry, loop

@@ -61,6 +61,7 @@ class EngineLoop:
         depth: int | None = None,
         registered: Callable[[int], int] = lambda version: 0,
         warm: Callable[[AdapterSet], int] | None = None,
+        graphs_beside: bool = True,
         count: Callable[[list[tuple[Job, Answer]]], None] | None = None,
         linger: float = 0.0,
     ) -> None:
@@ -68,7 +69,7 @@ class EngineLoop:
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait, max_queue
         self.metrics, self.fair, self.registered = metrics, fair, registered
         # the graphs of a snapshot's passes, and when they are captured (server/inference/warmup.py)
-        self.graphs = None if warm is None else PassGraphs(live, warm)
+        self.graphs = None if warm is None else PassGraphs(live, warm, beside=graphs_beside)
         self.count = count  # what a batch answered, counted for the keys that asked (usage, metrics)
         self.depth = depth if depth is not None else (3 if runner.cuda else 1)
         self.lanes = len(runner.lanes) if self.depth > 1 else 1  # decode threads

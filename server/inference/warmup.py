@@ -99,13 +99,15 @@ class PassGraphs:
     engine: ``start`` (the live set now, and from then on, every growth of the slot pools on the
     installing thread), and ``capture`` again whenever ``stale`` (a growth the hook did not cover)."""
 
-    def __init__(self, live: LiveAdapters, warm: Callable[[AdapterSet], int]) -> None:
-        self.live, self.warm = live, warm
+    def __init__(self, live: LiveAdapters, warm: Callable[[AdapterSet], int], *, beside: bool = True) -> None:
+        """``beside``: capture a growth's graphs on the installing thread (False: ``stale`` only)."""
+        self.live, self.warm, self.beside = live, warm, beside
         self.warmed: int | None = None  # the slot pools' generation the graphs were captured for
 
     def start(self) -> None:
         self.capture()
-        self.live.on_growth = self._grown
+        if self.beside:
+            self.live.on_growth = self._grown
 
     def stop(self) -> None:
         if self.live.on_growth == self._grown:

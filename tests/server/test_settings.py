@@ -169,3 +169,20 @@ def test_the_gpu_engine_settings_reach_the_engine(monkeypatch, tiny_weights) -> 
     triton = Settings(_env_file=None, weights=tiny_weights, kernels="triton", device="cpu")
     with pytest.raises(ValueError, match="MEMVIT_KERNELS=triton needs a CUDA device"):
         preflight(triton)
+
+
+def test_graphs_beside_serving_reaches_the_engine_loop(monkeypatch, tiny_weights, tmp_path) -> None:
+    """``MEMVIT_GRAPHS_BESIDE_SERVING``: on (the default), the loop captures a growth's graphs on the
+    installing thread (``LiveAdapters.on_growth``); off, it leaves that to its batcher."""
+    from memvit.server.http.service import _load
+    from memvit.server.telemetry.metrics import Metrics
+
+    for value, hooked in (("true", True), ("false", False)):
+        monkeypatch.setenv("MEMVIT_GRAPHS_BESIDE_SERVING", value)
+        settings = Settings(_env_file=None, weights=tiny_weights, adapter_store=tmp_path / value)
+        _, registry, loop = _load(settings, Metrics())
+        try:
+            assert (registry.live.on_growth is not None) is hooked
+        finally:
+            loop.stop()
+        assert registry.live.on_growth is None  # a stopped loop captures nothing
