@@ -156,3 +156,14 @@ def _visible(chain: tuple[PreparedAdapter, ...], field: str) -> Tensor:
     return (
         getattr(chain[0], field) if len(chain) == 1 else torch.cat([getattr(a, field) for a in chain], dim=2)
     )
+
+
+def chain_sizes(chain: tuple[PreparedAdapter, ...]) -> tuple[int, int]:
+    """A chain's (visible memory, classes)."""
+    return sum(a.memory_keys.shape[2] for a in chain), chain[0].head_weight.shape[0]
+
+
+def widest(chains: list[tuple[PreparedAdapter, ...]]) -> tuple[int, int]:
+    """The most memory and the most classes among ``chains``."""
+    sizes = [chain_sizes(c) for c in chains]
+    return max(m for m, _ in sizes), max(c for _, c in sizes)

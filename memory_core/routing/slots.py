@@ -27,10 +27,8 @@ Growing *ahead* keeps that capture off the passes' way (``grow_ahead``, ``publis
 thread grows the pools into new tensors that only it reads, writes its adapters there, captures what
 passes will replay on them (a server's engine loop: server/inference/warmup.py), and then publishes
 them; meanwhile every other thread's passes run on the published pools and their graphs, and a
-write they make goes into both. Another thread that cannot go on without them (it names an adapter
-written only there, or must grow the pools itself) publishes them at once instead of waiting (a
-wait could deadlock: the growing thread's captures wait for passes): what it was captured for then
-is captured on first use.
+write they make goes into both. Another thread that needs them (an adapter written only there, a
+growth of its own) publishes them at once: a wait could deadlock (the captures wait for passes).
 
 Writes run on the caller's thread and, on CUDA, on the device's current stream, which is the stream
 passes run on: a slot freed after a pass was launched is rewritten only after that pass's kernels.
@@ -48,7 +46,16 @@ import torch
 
 from ..sets.stack import PreparedAdapter, check_prepared_for
 from ..weights.spec import ViTSpec
-from .slot_pools import SlotPools, allocate_pools, copy_pools, power_of_2, widths, write_slots
+from .slot_pools import (
+    SlotPools,
+    allocate_pools,
+    chain_sizes,
+    copy_pools,
+    power_of_2,
+    widest,
+    widths,
+    write_slots,
+)
 
 __all__ = ["NULL_SLOT", "AdapterSlots", "SlotPools", "widths"]
 
@@ -168,7 +175,7 @@ class AdapterSlots:
             fresh = list({_key(c): c for c in chains if _key(c) not in self._slot_of}.values())
             if not fresh:
                 return False
-            memory, classes = _widest(fresh)
+            memory, classes = widest(fresh)
             p = self._published
             if len(self._free) >= len(fresh) and memory <= p.memory and classes <= p.classes:
                 return False
@@ -206,7 +213,7 @@ class AdapterSlots:
         fresh = {_key(c): c for c in chains if _key(c) not in self._slot_of}
         if not fresh:
             return False
-        memory, classes = _widest(list(fresh.values()))
+        memory, classes = widest(list(fresh.values()))
         p = self._published
         return len(self._free) < len(fresh) or memory > p.memory or classes > p.classes
 
@@ -216,7 +223,7 @@ class AdapterSlots:
         chains of the same widths (installing 100,000 adapters is a few hundred writes, not millions).
         ``ahead``: into the pending pools alone; else into the published ones (and any pending)."""
         check_prepared_for([a for chain in chains for a in chain], self.device, self.dtype)
-        sizes = [_sizes(c) for c in chains]
+        sizes = [chain_sizes(c) for c in chains]
         memory, classes = max(m for m, _ in sizes), max(c for _, c in sizes)
         p = self.pools
         free = len(self._free) + (len(self._extra) if ahead else 0)
@@ -287,16 +294,6 @@ class AdapterSlots:
         new = allocate_pools(*like, capacity, memory=memory, classes=classes, generation=old.generation + 1)
         copy_pools(old, new)
         return new, list(range(capacity - 1, old.capacity - 1, -1))
-
-
-def _sizes(chain: Chain) -> tuple[int, int]:
-    """A chain's (visible memory, classes)."""
-    return sum(a.memory_keys.shape[2] for a in chain), chain[0].head_weight.shape[0]
-
-
-def _widest(chains: list[Chain]) -> tuple[int, int]:
-    sizes = [_sizes(c) for c in chains]
-    return max(m for m, _ in sizes), max(c for _, c in sizes)
 
 
 def _key(chain: Chain) -> tuple[int, ...]:
