@@ -41,10 +41,11 @@ class Settings(BaseSettings):
     # The GPU engine (docs/design.md §2.10): passes replayed as CUDA graphs, and the class-token
     # attention and heads as Triton kernels ("auto": Triton on CUDA, torch elsewhere).
     cuda_graphs: bool = Field(True, description="on CUDA, replay each pass as a graph captured per shape")
-    # When an install grows the slot pools, their graphs are captured on the installing thread while
-    # the engine loop serves from the old ones (server/inference/warmup.py); false: by the batcher,
-    # with the loop idle, as before (every request waits for the captures).
-    graphs_beside_serving: bool = Field(True, description="capture grown slot pools' graphs beside serving")
+    # No batch waits for a CUDA graph's capture (server/inference/warmup.py): a shape first met runs
+    # eagerly while a thread captures it, and when an install grows the slot pools their graphs are
+    # captured on the installing thread while the loop serves from the old ones. False: as before,
+    # a first shape is captured by its batch, and a growth's graphs by the batcher with the loop idle.
+    graphs_beside_serving: bool = Field(True, description="capture CUDA graphs beside serving")
     kernels: Literal["auto", "torch", "triton"] = Field(
         "auto", description="class-token attention and heads: Triton (CUDA) or torch"
     )

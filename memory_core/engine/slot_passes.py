@@ -9,7 +9,7 @@ and calls ``run_plan``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
@@ -181,6 +181,11 @@ class SlotPasses:
             return
         with self._graphs().for_pending_pools():
             yield
+
+    def first_use_beside(self, schedule: Callable[[Callable[[], None]], None]) -> AbstractContextManager:
+        """This thread's graphed passes never wait for a capture: a shape without a graph runs
+        eagerly and its capture goes to ``schedule`` (routing/graphs_beside.py)."""
+        return self._graphs().first_use_beside(schedule)
 
     def _graphs(self) -> GraphedPasses:
         if self._graphed_passes is None:

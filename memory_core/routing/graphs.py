@@ -14,9 +14,10 @@ slot and recaptures nothing. What varies between batches is bucketed so that few
   outputs to at least the batch;
 - the pools' generation: when they grow (more slots, longer memory, more classes), the graphs of
   older generations are dropped and captured again on first use, or, with the pools grown ahead
-  (memory_core/routing/slots.py), captured before they are published by the thread growing them
-  (``for_pending_pools``): its captures drop nothing and evict nothing, so the other threads' passes keep
-  replaying the published generation's graphs, one capture at a time between them.
+  (memory_core/routing/slots.py), before they are published, beside serving (graphs_beside.py).
+
+On a server's serving threads no pass waits for a capture: a shape met for the first time runs
+eagerly and is captured beside serving (``first_use_beside``, graphs_beside.py).
 
 Per pass the host does four things and no more, whatever the tasks: copy the images into the
 graph's static input, send the plan's host buffer into its static plan (one non-blocking copy, the
@@ -38,13 +39,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from .graphs_beside import BesideServing, DevicePass
 from .plan import PassPlan, PlanTensors
 from .staging import HostBuffers
 
@@ -55,9 +56,6 @@ log = logging.getLogger(__name__)
 # pin-memory thread) during a capture invalidates it and errors in that thread too; what a graph
 # holds follows the stream it is captured on, not the thread (adapters/training captures so too).
 CAPTURE_MODE = "thread_local"
-
-# (images, the plan on the device, the plan) -> base logits, adapter logits: the work a graph holds.
-DevicePass = Callable[[Tensor, PlanTensors | None, PassPlan | None], tuple[Tensor, Tensor | None]]
 
 
 def bucket_images(n: int) -> int:
@@ -93,7 +91,7 @@ class _Graph:
         return view
 
 
-class GraphedPasses:
+class GraphedPasses(BesideServing):
     """CUDA graphs of one engine's device pass, keyed by everything that fixes their shapes."""
 
     def __init__(self, *, max_graphs: int = 64, buffers: HostBuffers | None = None) -> None:
@@ -105,21 +103,16 @@ class GraphedPasses:
         self._lock = threading.Lock()
         self._local = threading.local()  # ``for_pending_pools``: this thread's, while in it
         self.captures = 0  # graphs captured for passes (a test and the benchmarks read it)
-        self.captures_pending = 0  # graphs captured for pools not yet published (``for_pending_pools``)
+        self.captures_beside = (
+            0  # graphs captured beside serving (``for_pending_pools``, ``first_use_beside``)
+        )
+        self.eager_passes = (
+            0  # passes run eagerly, their shape's graph not captured yet (``first_use_beside``)
+        )
+        self._deferred: set[tuple] = set()  # graphs whose capture is scheduled
 
     def __len__(self) -> int:
         return len(self._graphs)
-
-    @contextmanager
-    def for_pending_pools(self) -> Iterator[None]:
-        """This thread's passes capture graphs for slot pools grown ahead and not yet published
-        (memory_core/routing/slots.py): their captures drop no older generation's graphs and evict
-        none (other threads still replay those), and count in ``captures_pending``."""
-        self._local.pending = True
-        try:
-            yield
-        finally:
-            self._local.pending = False
 
     def run(
         self, x: Tensor, plan: PassPlan | None, key: tuple, device_pass: DevicePass
@@ -132,7 +125,13 @@ class GraphedPasses:
         batch = bucket_images(x.shape[0]) if plan is None else plan.shape.images
         try:
             with self._lock:
-                graph = self._graph(key, x, plan, batch, device_pass)
+                full_key, graph = self._find(key, x, plan, batch)
+                if graph is None:
+                    later = getattr(self._local, "later", None)
+                    if later is not None:  # eagerly now, captured beside serving
+                        self._defer(later, full_key, x, plan, batch, device_pass)
+                        return self._eager(x, plan, batch, device_pass)
+                    graph = self._new(full_key, key, x, plan, batch, device_pass)
                 graph.input(x.shape[0]).copy_(x)
                 return self._send_and_replay(graph, plan)
         finally:
@@ -159,7 +158,13 @@ class GraphedPasses:
                 embed.replay()
                 plan = plan_now()
                 tokens = embed.base  # (batch, T, D)
-                graph = self._graph(("tokens", *key), tokens, plan, batch, tokens_pass, static=tokens)
+                full_key, graph = self._find(("tokens", *key), tokens, plan, batch)
+                if graph is None:
+                    later = getattr(self._local, "later", None)
+                    if later is not None:  # eagerly now, from the embedding graph's tokens
+                        self._defer(later, full_key, tokens, plan, batch, tokens_pass, embed)
+                        return (plan, *self._eager(tokens, plan, batch, tokens_pass))
+                    graph = self._new(full_key, ("tokens", *key), tokens, plan, batch, tokens_pass, tokens)
                 return (plan, *self._send_and_replay(graph, plan))
         finally:
             if plan is not None:
@@ -169,6 +174,11 @@ class GraphedPasses:
         self, key: tuple, x: Tensor, plan: PassPlan | None, batch: int, device_pass: DevicePass, static=None
     ) -> _Graph:
         """The graph for ``key`` and this input and plan (captured if missing; call under the lock)."""
+        full_key, graph = self._find(key, x, plan, batch)
+        return graph if graph is not None else self._new(full_key, key, x, plan, batch, device_pass, static)
+
+    def _find(self, key: tuple, x: Tensor, plan: PassPlan | None, batch: int) -> tuple[tuple, _Graph | None]:
+        """The graph's full key, and the graph if captured (under the lock)."""
         shape = None if plan is None else plan.shape
         generation = None if plan is None else plan.generation  # a base-only pass reads no pool
         full_key = (key, tuple(x.shape[1:]), x.dtype, batch, shape, generation)
@@ -179,9 +189,12 @@ class GraphedPasses:
         graph = self._graphs.get(full_key)
         if graph is not None:
             self._graphs.move_to_end(full_key)
-            return graph
+        return full_key, graph
+
+    def _new(self, full_key, key, x, plan, batch, device_pass, static=None) -> _Graph:
         if key[0] == "embed":  # new static tokens: the graphs reading the old ones go with them
             self._drop(lambda k: k[0] == ("tokens", *key[1:]) and k[3] == batch)
+        pending = getattr(self._local, "pending", False)
         return self._capture(full_key, x, plan, batch, device_pass, static, pending=pending)
 
     def _send_and_replay(self, graph: _Graph, plan: PassPlan | None) -> tuple[Tensor, Tensor | None]:
@@ -208,6 +221,7 @@ class GraphedPasses:
         static=None,
         *,
         pending: bool = False,
+        beside: bool = False,
     ) -> _Graph:
         while len(self._graphs) >= self.max_graphs and not pending:  # pending: the first served drops
             self._graphs.popitem(last=False)
@@ -218,8 +232,8 @@ class GraphedPasses:
         packed = None if plan is None else torch.from_numpy(plan.host.copy()).to(x.device)
         tensors = None if plan is None else PlanTensors.unpack(packed, plan.shape)
         replay, base, adapters = self._record(images, tensors, plan, device_pass)
-        if pending:
-            self.captures_pending += 1
+        if pending or beside:
+            self.captures_beside += 1
         else:
             self.captures += 1
         log.info("captured a CUDA graph for %s (%d held)", key[3:5], len(self._graphs) + 1)

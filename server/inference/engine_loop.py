@@ -21,6 +21,7 @@ its share of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -227,9 +228,10 @@ class EngineLoop:
         )
 
     def _launch(self, batch: Batch) -> bool:
-        return self._step(
-            batch, lambda: self.runner.launch(batch.stage, batch.adapter_set, batch.tasks, batch.wants)
-        )
+        with contextlib.nullcontext() if self.graphs is None else self.graphs.serving():  # warmup.py
+            return self._step(
+                batch, lambda: self.runner.launch(batch.stage, batch.adapter_set, batch.tasks, batch.wants)
+            )
 
     def _step(self, batch: Batch, work: Callable[[], Any]) -> bool:
         try:

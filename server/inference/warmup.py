@@ -23,16 +23,21 @@ The shapes: every batch bucket up to ``max_batch`` (1, 2, 4, 8, 16, 24, ...), ea
 - one adapter per image, the same for all (a batch of one key's requests) and different ones or
   none (a routed batch: its shape is that of its widest adapter), for each distinct (memory,
   classes) width among the resident adapters (a few).
-A shape met later that is none of these is captured on first use: several tasks per image, or a
+A shape met later that is none of these runs eagerly, its graph captured on the ``engine-graphs``
+thread beside serving (``PassGraphs.serving``), and replayed once captured: several tasks per image, or a
 batch that mixes requests for every adapter with requests for one (its rows per image and outputs
 take one of many bucketed values; warming them all would multiply the start-up by ~10).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -40,8 +45,10 @@ from memvit.memory_core import AdapterSet, LiveAdapters, MemoryViT
 from memvit.memory_core.routing.graphs import bucket_images
 from memvit.memory_core.routing.slots import widths
 
+from ..telemetry.os_names import os_named
+
 log = logging.getLogger(__name__)
-WIDTH_GROUPS = 4  # distinct (memory, classes) widths warmed; more are captured on first use
+WIDTH_GROUPS = 4  # distinct (memory, classes) widths warmed; more are captured beside serving
 
 Tasks = Sequence[Collection[str]] | None
 
@@ -96,22 +103,49 @@ def warm_up(engine: MemoryViT, adapter_set: AdapterSet, max_batch: int, max_task
 
 class PassGraphs:
     """When the graphs of ``warm`` (``warm_up`` for a server's settings) are captured for ``live``'s
-    engine: ``start`` (the live set now, and from then on, every growth of the slot pools on the
-    installing thread), and ``capture`` again whenever ``stale`` (a growth the hook did not cover)."""
+    engine: ``start`` (the live set now); then, ``beside`` serving, every growth of the slot pools
+    on the installing thread, and every shape a pass meets first on the ``engine-graphs`` thread
+    while that pass runs eagerly (``serving``, around each launch); and ``capture`` again whenever
+    ``stale`` (a growth the hook did not cover), on the batcher with the other stages idle."""
 
     def __init__(self, live: LiveAdapters, warm: Callable[[AdapterSet], int], *, beside: bool = True) -> None:
-        """``beside``: capture a growth's graphs on the installing thread (False: ``stale`` only)."""
+        """``beside``: capture beside serving (False: a shape first met is captured by its pass, and a
+        growth's graphs by the batcher, ``stale``)."""
         self.live, self.warm, self.beside = live, warm, beside
         self.warmed: int | None = None  # the slot pools' generation the graphs were captured for
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # captures for ``engine-graphs``
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self.capture()
         if self.beside:
             self.live.on_growth = self._grown
+            self._thread = threading.Thread(
+                target=os_named("engine-graphs", self._capturing), name="engine-graphs", daemon=True
+            )
+            self._thread.start()
 
     def stop(self) -> None:
         if self.live.on_growth == self._grown:
             self.live.on_growth = None
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def serving(self) -> AbstractContextManager:
+        """Around a batch's launch: a shape without a graph runs eagerly, captured beside serving."""
+        engine = self.live.engine
+        if self._thread is None or not engine.graphed:
+            return contextlib.nullcontext()
+        return engine.first_use_beside(self._jobs.put)
+
+    def _capturing(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # its shape runs eagerly until a later capture succeeds
+                log.exception("capturing a pass's graph beside serving failed")
 
     def stale(self) -> bool:
         """Whether the published pools are newer than the graphs captured for them (the pending
@@ -119,7 +153,7 @@ class PassGraphs:
         return self.warmed is None or self.live.engine.slots.generation > self.warmed
 
     def capture(self) -> None:
-        """Every expected pass's graph for the live set (a shape not captured now is on first use)."""
+        """Every expected pass's graph for the live set (any other shape: when first met)."""
         generation = self.live.engine.slots.generation
         try:
             self.warm(self.live.current)

@@ -161,7 +161,7 @@ def test_passes_beside_a_growth_ahead_answer_right() -> None:
     generation, captured = engine.slots.generation, graphs.captures
     install_all(live, more)
     assert engine.slots.generation == generation + 1 and not engine.slots.growing_ahead
-    assert len(beside) == 2 and graphs.captures == captured and graphs.captures_pending > 0
+    assert len(beside) == 2 and graphs.captures == captured and graphs.captures_beside > 0
     after = engine(x, live.current, tasks=routed)
     assert graphs.captures == captured  # replayed what the growth captured
     for out in (*beside, after):
