@@ -69,9 +69,20 @@ class StandInGraphs(GraphedPasses):
         self.device_tensors = []
         self.launches: list[float] = []  # perf_counter() at each replay (cleared by whoever reads it)
 
+    def _warm_up(self, images, tensors, plan, device_pass) -> None:
+        pass  # nothing to compile or plan on the CPU
+
     def _record(
-        self, images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, device_pass: DevicePass
+        self,
+        images: Tensor,
+        tensors: PlanTensors | None,
+        plan: PassPlan | None,
+        device_pass: DevicePass,
+        *,
+        warm: bool = True,
     ) -> tuple[Callable[[], None], Tensor, Tensor | None]:
+        if warm:
+            self._warm_up(images, tensors, plan, device_pass)
         base, adapters = device_pass(images, tensors, plan)
         self.device_tensors += [images, base] + ([] if adapters is None else [adapters])
 

@@ -222,16 +222,13 @@ class GraphedPasses(BesideServing):
         *,
         pending: bool = False,
         beside: bool = False,
+        warmed: tuple | None = None,
     ) -> _Graph:
+        """``warmed``: the static inputs (``_inputs``), already warmed up (``_warm_up``)."""
         while len(self._graphs) >= self.max_graphs and not pending:  # pending: the first served drops
             self._graphs.popitem(last=False)
-        # The static input: given (another graph's static output), or made here.
-        images = (
-            static if static is not None else torch.zeros(batch, *x.shape[1:], device=x.device, dtype=x.dtype)
-        )
-        packed = None if plan is None else torch.from_numpy(plan.host.copy()).to(x.device)
-        tensors = None if plan is None else PlanTensors.unpack(packed, plan.shape)
-        replay, base, adapters = self._record(images, tensors, plan, device_pass)
+        images, packed, tensors = warmed if warmed is not None else self._inputs(x, plan, batch, static)
+        replay, base, adapters = self._record(images, tensors, plan, device_pass, warm=warmed is None)
         if pending or beside:
             self.captures_beside += 1
         else:
@@ -242,19 +239,42 @@ class GraphedPasses(BesideServing):
         self._graphs[key] = captured
         return captured
 
-    def _record(
+    def _inputs(self, x: Tensor, plan: PassPlan | None, batch: int, static=None) -> tuple:
+        """A graph's static inputs: its images (given: another graph's static output, or made here),
+        and its packed plan with the views a pass reads."""
+        images = (
+            static if static is not None else torch.zeros(batch, *x.shape[1:], device=x.device, dtype=x.dtype)
+        )
+        packed = None if plan is None else torch.from_numpy(plan.host.copy()).to(x.device)
+        return images, packed, None if plan is None else PlanTensors.unpack(packed, plan.shape)
+
+    def _warm_up(
         self, images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, device_pass: DevicePass
-    ) -> tuple[Callable[[], None], Tensor, Tensor | None]:
-        """Capture ``device_pass`` over the static inputs: its replay and its static outputs."""
+    ) -> None:
+        """Run the pass twice off the capture, on a side stream: Triton compiles, cuBLAS plans."""
         device = images.device
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm up off the capture: Triton compiles, cuBLAS plans
+        with torch.cuda.stream(stream):
             for _ in range(2):
                 device_pass(images, tensors, plan)
         torch.cuda.current_stream(device).wait_stream(stream)
+
+    def _record(
+        self,
+        images: Tensor,
+        tensors: PlanTensors | None,
+        plan: PassPlan | None,
+        device_pass: DevicePass,
+        *,
+        warm: bool = True,
+    ) -> tuple[Callable[[], None], Tensor, Tensor | None]:
+        """Capture ``device_pass`` over the static inputs (warmed up first unless ``warm`` is off):
+        its replay and its static outputs."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        if warm:
+            self._warm_up(images, tensors, plan, device_pass)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
             base, adapters = device_pass(images, tensors, plan)

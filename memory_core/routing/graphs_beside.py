@@ -7,7 +7,8 @@
   same work launched op by op: a few milliseconds of launches instead of a capture's warm-up passes,
   device synchronisation and collection) and its capture is scheduled on a thread beside serving.
 
-Each such capture holds the graphs' lock while it runs, so a serving pass waits for at most one.
+Each such capture holds the graphs' lock while it records, so a serving pass waits for at most one;
+a first-met shape's warm-up passes (two eager passes, most of a capture's time) run outside it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class BesideServing:
     eager_passes: int
 
     _capture: Callable[..., _Graph]
+    _inputs: Callable[..., tuple]
+    _warm_up: Callable[..., None]
 
     @contextmanager
     def for_pending_pools(self) -> Iterator[None]:
@@ -88,16 +91,24 @@ class BesideServing:
         template = torch.empty((0, *x.shape[1:]), dtype=x.dtype, device=x.device)
         kept = None if plan is None else replace(plan, host=plan.host.copy(), buffer=None)
 
+        def wanted() -> bool:  # (under the lock)
+            stale = kept is not None and kept.generation < self._generation
+            gone = embed is not None and not any(g is embed for g in self._graphs.values())
+            return not (full_key in self._graphs or stale or gone)
+
         def capture() -> None:
             with self._lock:
-                self._deferred.discard(full_key)
-                if full_key in self._graphs or (kept is not None and kept.generation < self._generation):
+                if not wanted():
+                    self._deferred.discard(full_key)
                     return
-                static = None
-                if embed is not None:
-                    if not any(g is embed for g in self._graphs.values()):
-                        return
-                    static = embed.base
-                self._capture(full_key, template, kept, batch, device_pass, static, beside=True)
+                inputs = self._inputs(template, kept, batch, None if embed is None else embed.base)
+            # The warm-up passes outside the lock: serving replays meanwhile (what they read of the
+            # tokens may change under them: their results are thrown away).
+            images, _, tensors = inputs
+            self._warm_up(images, tensors, kept, device_pass)
+            with self._lock:
+                self._deferred.discard(full_key)
+                if wanted():
+                    self._capture(full_key, template, kept, batch, device_pass, beside=True, warmed=inputs)
 
         later(capture)

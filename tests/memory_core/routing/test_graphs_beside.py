@@ -14,10 +14,21 @@ from memvit.memory_core.routing.staging import HostBuffers
 from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
 
 
+class Recording(StandInGraphs):
+    """Stand-in graphs that say whether the graphs' lock was held at each warm-up."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.warmed_locked: list[bool] = []
+
+    def _warm_up(self, *args) -> None:
+        self.warmed_locked.append(self._lock.locked())
+
+
 def graphed(embed_ahead: bool):
     engine = tiny_engine()
     engine.embed_ahead = embed_ahead
-    graphs = StandInGraphs(buffers=HostBuffers(pinned=False, new_event=StandInEvent.factory()), replays=True)
+    graphs = Recording(buffers=HostBuffers(pinned=False, new_event=StandInEvent.factory()), replays=True)
     engine.use_graphs(graphs)
     live = LiveAdapters(engine)
     weights = [random_adapter(f"a{i}", engine, m=1 + i % 2, classes=3 + i) for i in range(3)]
@@ -44,8 +55,10 @@ def test_a_first_shape_runs_eagerly_then_replays_what_was_captured_beside(embed_
         assert graphs.eager_passes == 2 and len(jobs) == 1
         embed_captures = graphs.captures - captured  # the embedding's graph alone, as before
         assert embed_captures == (1 if embed_ahead else 0)
+        warmed = len(graphs.warmed_locked)
         jobs.pop()()
         assert graphs.captures_beside == 1
+        assert graphs.warmed_locked[warmed:] == [False]  # its warm-up passes beside serving's replays
         out = engine(x, live.current, tasks=tasks)  # replayed
         check(engine, weights, out, x)
     assert graphs.eager_passes == 2 and not jobs and graphs.captures == captured + embed_captures
