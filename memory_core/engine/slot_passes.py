@@ -168,9 +168,19 @@ class SlotPasses:
 
     @property
     def graph_captures(self) -> int:
-        """CUDA graphs captured so far: a server compares it around a pass to see a capture while
-        serving (server/inference/device_runner.py)."""
+        """CUDA graphs captured so far by passes: a server compares it around a pass to see a capture
+        while serving (server/inference/device_runner.py)."""
         return 0 if self._graphed_passes is None else self._graphed_passes.captures
+
+    @property
+    def graph_captures_beside(self) -> int:
+        """CUDA graphs captured beside serving (routing/graphs_beside.py)."""
+        return 0 if self._graphed_passes is None else self._graphed_passes.captures_beside
+
+    @property
+    def eager_passes(self) -> int:
+        """Graphed passes run eagerly while their shape's graph was captured beside serving."""
+        return 0 if self._graphed_passes is None else self._graphed_passes.eager_passes
 
     @contextmanager
     def capturing_for_pending_pools(self) -> Iterator[None]:

@@ -224,6 +224,7 @@ async def start_service(state: AppState) -> None:
     # what is loaded lives as long as the process: a full collection under load then walks only what
     # requests made, not the ~430,000 objects of torch and the model (telemetry/gc_pauses.py)
     settle_heap(state.metrics)
+    state.metrics.watch_graphs(engine)
     state.metrics.ready.set(1)
     spec = engine.spec
     log.info(

@@ -119,9 +119,26 @@ class Metrics:
         self.gc_frozen = Gauge(
             "memvit_gc_frozen_objects", "objects frozen out of the collector's reach once loaded", registry=r
         )
+        # server/inference/warmup.py: where the CUDA graphs were captured (read from the engine when
+        # scraped: ``watch_graphs``), and the passes that ran eagerly while theirs was captured.
+        self.graph_captures = Gauge(
+            "memvit_cuda_graph_captures",
+            "CUDA graphs captured: before ready, beside serving, or in a batch's way",
+            ["where"],
+            registry=r,
+        )
+        self.eager_passes = Gauge("memvit_eager_passes", "eager passes, graph captured beside", registry=r)
         self._tallies: dict[tuple[str, tuple[str, ...]], list[int]] = {}  # answered, not yet on the series
         self._tally_lock = threading.Lock()
         self._fold_lock = threading.Lock()
+
+    def watch_graphs(self, engine) -> None:
+        """Once ready: the engine's graph counters, read when scraped (``graph_captures``)."""
+        at_ready, where = engine.graph_captures, self.graph_captures.labels
+        where(where="before ready").set(at_ready)
+        where(where="beside serving").set_function(lambda: engine.graph_captures_beside)
+        where(where="in a batch's way").set_function(lambda: engine.graph_captures - at_ready)
+        self.eager_passes.set_function(lambda: engine.eager_passes)
 
     def answered(self, key: str, images: int, tasks: Iterable[str], rows: int) -> None:
         """One request of ``key`` answered: ``images`` images for each of the ``tasks`` it asked for,
