@@ -118,7 +118,7 @@ class PassGraphs:
 
     def start(self) -> None:
         self.capture()
-        if self.beside:
+        if self.beside and self.live.engine.graphed:  # (a CPU's passes capture nothing)
             self.live.on_growth = self._grown
             self._thread = threading.Thread(
                 target=os_named("engine-graphs", self._capturing), name="engine-graphs", daemon=True

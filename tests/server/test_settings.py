@@ -172,8 +172,9 @@ def test_the_gpu_engine_settings_reach_the_engine(monkeypatch, tiny_weights) -> 
 
 
 def test_graphs_beside_serving_reaches_the_engine_loop(monkeypatch, tiny_weights, tmp_path) -> None:
-    """``MEMVIT_GRAPHS_BESIDE_SERVING``: on (the default), the loop captures a growth's graphs on the
-    installing thread (``LiveAdapters.on_growth``); off, it leaves that to its batcher."""
+    """``MEMVIT_GRAPHS_BESIDE_SERVING``: on (the default), the loop captures graphs beside serving;
+    off, in the way. A CPU's passes capture nothing: no hook either way (the GPU's is tested with
+    stand-in graphs in tests/server/inference/test_warmup.py)."""
     from memvit.server.http.service import _load
     from memvit.server.telemetry.metrics import Metrics
 
@@ -182,7 +183,7 @@ def test_graphs_beside_serving_reaches_the_engine_loop(monkeypatch, tiny_weights
         settings = Settings(_env_file=None, weights=tiny_weights, adapter_store=tmp_path / value)
         _, registry, loop = _load(settings, Metrics())
         try:
-            assert (registry.live.on_growth is not None) is hooked
+            assert loop.graphs.beside is hooked and registry.live.on_growth is None
         finally:
             loop.stop()
         assert registry.live.on_growth is None  # a stopped loop captures nothing
