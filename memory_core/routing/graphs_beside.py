@@ -17,16 +17,13 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .plan import PassPlan, PlanTensors
-
-if TYPE_CHECKING:
-    from .graphs import _Graph
-    from .staging import HostBuffers
+from .staging import HostBuffers
 
 # (images, the plan on the device, the plan) -> base logits, adapter logits: the work a graph holds.
 DevicePass = Callable[[Tensor, PlanTensors | None, PassPlan | None], tuple[Tensor, Tensor | None]]
@@ -43,7 +40,7 @@ class BesideServing:
     buffers: HostBuffers
     eager_passes: int
 
-    _capture: Callable[..., _Graph]
+    _capture: Callable[..., Any]  # -> graphs.py's _Graph
     _inputs: Callable[..., tuple]
     _warm_up: Callable[..., None]
 
@@ -81,7 +78,7 @@ class BesideServing:
         self.eager_passes += 1
         return device_pass(images, tensors, plan)
 
-    def _defer(self, later, full_key, x, plan, batch, device_pass, embed: _Graph | None = None) -> None:
+    def _defer(self, later, full_key, x, plan, batch, device_pass, embed: Any = None) -> None:
         """Hand ``full_key``'s capture to ``later`` (once): with a copy of the plan (its buffer is
         reused), for the pools it was made on (skipped once they grew) and, for a pass from an
         embedding graph's tokens, that graph (skipped once it is gone)."""
