@@ -34,7 +34,7 @@ from benchmarks.processes import RoleClock
 from .bounds import MAX_BATCH, bound, decode_bound, jpegs, model, model_bound, store
 from .plan import Plan
 from .report import Budget, StepReport, goal
-from .stage_metrics import full_collections, stage_means, stage_p99_bounds, stage_sums
+from .stage_metrics import full_collections, graph_captures, stage_means, stage_p99_bounds, stage_sums
 
 # (label, the server's environment, its loads in turn): "full" is the plan's closed-loop clients,
 # "half" the same clients paced at half what "full" reached, "crowd" CROWD times the clients closed-loop
@@ -234,6 +234,7 @@ def _load(common: dict, clients: int, plan: Plan, limit: float | None, rate: flo
         # a client p99 far above the request's is outside the server (the network, the load generator)
         "p99 bound ms by stage": stage_p99_bounds(before, after),
         **full_collections(before, after),  # each holds a process, its engine threads too
+        **graph_captures(before, after),  # in a batch's way: a warm-up that missed a shape
     }
     if got.examples:
         row["examples"] = {reason: body[:300] for reason, body in list(got.examples.items())[:3]}

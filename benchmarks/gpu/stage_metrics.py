@@ -10,6 +10,7 @@ import re
 HISTOGRAMS = ("memvit_stage_seconds_", "memvit_batch_images_", "memvit_fused_pass_seconds_")
 _BUCKET = re.compile(r"^(memvit_(?:stage|request|gc)_seconds)_bucket\{(.*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
+_GRAPHS = re.compile(r'^memvit_cuda_graph_captures\{where="([^"]*)"\} (\S+)$')
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -19,6 +20,10 @@ def parse_metrics(text: str) -> dict[str, float]:
         if line.startswith(HISTOGRAMS) and ("_sum" in line or "_count" in line):
             key, value = line.rsplit(" ", 1)
             sums[key] = float(value)
+        elif (m := _GRAPHS.match(line)) is not None:  # server/inference/warmup.py
+            sums[f"graphs captured {m.group(1)}"] = float(m.group(2))
+        elif line.startswith("memvit_eager_passes "):
+            sums["eager passes"] = float(line.rsplit(" ", 1)[1])
         elif (m := _BUCKET.match(line)) is not None:
             labels = dict(_LABEL.findall(m.group(2)))
             if m.group(1) == "memvit_request_seconds" and labels.get("route") != "/classify":
@@ -87,3 +92,11 @@ def full_collections(before: dict[str, float], after: dict[str, float]) -> dict[
         "full GCs": cumulative.get(math.inf, 0.0),
         "longest full GC ms (bound)": _bound(cumulative, 1.0) if cumulative else None,
     }
+
+
+def graph_captures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The CUDA graphs captured during the load, in a batch's way and beside serving, and the passes
+    run eagerly meanwhile (``memvit_cuda_graph_captures``, ``memvit_eager_passes``): the first
+    should be 0 (server/inference/warmup.py)."""
+    keys = ("graphs captured in a batch's way", "graphs captured beside serving", "eager passes")
+    return {key: after[key] - before.get(key, 0.0) for key in keys if key in after}

@@ -4,10 +4,17 @@ bucket holding each stage's and the whole request's p99 over one load."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 
-from benchmarks.gpu.stage_metrics import full_collections, parse_metrics, stage_means, stage_p99_bounds
+from benchmarks.gpu.stage_metrics import (
+    full_collections,
+    graph_captures,
+    parse_metrics,
+    stage_means,
+    stage_p99_bounds,
+)
 from memvit.server.telemetry.metrics import Metrics
 
 
@@ -48,3 +55,17 @@ def test_the_full_collections_over_one_load_and_the_longest() -> None:
     assert full_collections(before, after) == {"full GCs": 3, "longest full GC ms (bound)": 250.0}
     assert "gc2" not in stage_p99_bounds(before, after) and "gc1" not in stage_p99_bounds(before, after)
     assert full_collections(after, after) == {"full GCs": 0, "longest full GC ms (bound)": None}
+
+
+def test_the_graphs_captured_over_one_load() -> None:
+    """Read from an engine's counters when scraped (``Metrics.watch_graphs``): here a stand-in's."""
+    metrics = Metrics()
+    engine = SimpleNamespace(graph_captures=5, graph_captures_beside=0, eager_passes=0)
+    metrics.watch_graphs(engine)  # 5 before ready
+    before = _scrape(metrics)
+    engine.graph_captures, engine.graph_captures_beside, engine.eager_passes = 6, 2, 3
+    after = _scrape(metrics)
+    assert graph_captures(before, after) == {
+        "graphs captured in a batch's way": 1, "graphs captured beside serving": 2, "eager passes": 3,
+    }  # fmt: skip
+    assert after["graphs captured before ready"] == 5
