@@ -103,9 +103,11 @@ class BesideServing:
             # tokens may change under them: their results are thrown away).
             images, _, tensors = inputs
             self._warm_up(images, tensors, kept, device_pass)
+            pending = getattr(self._local, "pending", False)  # for pools grown ahead: evict nothing
             with self._lock:
                 self._deferred.discard(full_key)
                 if wanted():
-                    self._capture(full_key, template, kept, batch, device_pass, beside=True, warmed=inputs)
+                    where = {"pending": pending, "beside": True, "warmed": inputs}
+                    self._capture(full_key, template, kept, batch, device_pass, **where)
 
         later(capture)

@@ -164,8 +164,13 @@ class PassGraphs:
     def _grown(self, adapter_set: AdapterSet) -> None:
         """``LiveAdapters.on_growth``: on the installing thread, whose passes read the grown pools."""
         generation = self.live.engine.slots.generation  # the pending pools' (this thread grew them)
-        started = time.perf_counter()
-        self.warm(adapter_set)  # raises: the batcher captures them (``stale``)
+        started, captures = time.perf_counter(), []
+        # Each pass eagerly, its capture after: the capture's warm-up passes then run outside the
+        # graphs' lock, which the serving passes wait for (memory_core/routing/graphs_beside.py).
+        with self.live.engine.first_use_beside(captures.append):
+            self.warm(adapter_set)  # raises: the batcher captures them (``stale``)
+        for capture in captures:
+            capture()
         self.warmed = generation
         log.info(
             "captured the passes of the grown slot pools (generation %d) beside serving in %.2f s",
