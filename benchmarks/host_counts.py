@@ -73,16 +73,8 @@ class StandInGraphs(GraphedPasses):
         pass  # nothing to compile or plan on the CPU
 
     def _record(
-        self,
-        images: Tensor,
-        tensors: PlanTensors | None,
-        plan: PassPlan | None,
-        device_pass: DevicePass,
-        *,
-        warm: bool = True,
+        self, images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, device_pass: DevicePass
     ) -> tuple[Callable[[], None], Tensor, Tensor | None]:
-        if warm:
-            self._warm_up(images, tensors, plan, device_pass)
         base, adapters = device_pass(images, tensors, plan)
         self.device_tensors += [images, base] + ([] if adapters is None else [adapters])
 

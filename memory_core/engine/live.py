@@ -100,20 +100,19 @@ class LiveAdapters:
         thread writes and runs ``on_growth`` on the grown pools while passes read the old ones, then
         publishes them (an ``on_growth`` that fails costs its captures, not the install)."""
         slots, hook = self.engine.slots, self.on_growth
-        if hook is None or not self.engine.graphed or not slots.grow_ahead(chains):
-            slots.assign(chains)
-            table_of(adapter_set, slots)
-            return
+        ahead = hook is not None and self.engine.graphed and slots.grow_ahead(chains)
         try:
-            slots.assign(chains)
+            slots.assign(chains)  # (grown ahead: into the pending pools, which this thread reads)
             table_of(adapter_set, slots)
-            try:
-                with self.engine.capturing_for_pending_pools():
-                    hook(adapter_set)
-            except Exception:
-                log.exception("preparing the grown slot pools' passes failed: they run unprepared")
+            if ahead:
+                try:
+                    with self.engine.capturing_for_pending_pools():
+                        hook(adapter_set)
+                except Exception:
+                    log.exception("preparing the grown slot pools' passes failed: they run unprepared")
         finally:
-            slots.publish()
+            if ahead:
+                slots.publish()
 
     # Conveniences over ``install``: each derives the new set from the live one under the lock.
     def add(self, weights: AdapterWeights, *, replace: bool = False) -> AdapterSet:

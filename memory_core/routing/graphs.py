@@ -103,12 +103,8 @@ class GraphedPasses(BesideServing):
         self._lock = threading.Lock()
         self._local = threading.local()  # ``for_pending_pools``: this thread's, while in it
         self.captures = 0  # graphs captured for passes (a test and the benchmarks read it)
-        self.captures_beside = (
-            0  # graphs captured beside serving (``for_pending_pools``, ``first_use_beside``)
-        )
-        self.eager_passes = (
-            0  # passes run eagerly, their shape's graph not captured yet (``first_use_beside``)
-        )
+        self.captures_beside = 0  # graphs captured beside serving (graphs_beside.py)
+        self.eager_passes = 0  # passes run eagerly while their shape's graph was captured beside
         self._deferred: set[tuple] = set()  # graphs whose capture is scheduled
 
     def __len__(self) -> int:
@@ -182,8 +178,8 @@ class GraphedPasses(BesideServing):
         shape = None if plan is None else plan.shape
         generation = None if plan is None else plan.generation  # a base-only pass reads no pool
         full_key = (key, tuple(x.shape[1:]), x.dtype, batch, shape, generation)
-        pending = getattr(self._local, "pending", False)
-        if generation is not None and generation > self._generation and not pending:  # the pools grew
+        # the pools grew (and this thread does not capture for pools grown ahead: graphs_beside.py)
+        if generation is not None and generation > self._generation and not self._pending():
             self._drop(lambda k: k[-1] is not None and k[-1] < generation)
             self._generation = generation
         graph = self._graphs.get(full_key)
@@ -194,8 +190,7 @@ class GraphedPasses(BesideServing):
     def _new(self, full_key, key, x, plan, batch, device_pass, static=None) -> _Graph:
         if key[0] == "embed":  # new static tokens: the graphs reading the old ones go with them
             self._drop(lambda k: k[0] == ("tokens", *key[1:]) and k[3] == batch)
-        pending = getattr(self._local, "pending", False)
-        return self._capture(full_key, x, plan, batch, device_pass, static, pending=pending)
+        return self._capture(full_key, x, plan, batch, device_pass, static, pending=self._pending())
 
     def _send_and_replay(self, graph: _Graph, plan: PassPlan | None) -> tuple[Tensor, Tensor | None]:
         """Send the plan into the graph's static plan (one non-blocking copy from its host buffer),
@@ -228,7 +223,9 @@ class GraphedPasses(BesideServing):
         while len(self._graphs) >= self.max_graphs and not pending:  # pending: the first served drops
             self._graphs.popitem(last=False)
         images, packed, tensors = warmed if warmed is not None else self._inputs(x, plan, batch, static)
-        replay, base, adapters = self._record(images, tensors, plan, device_pass, warm=warmed is None)
+        if warmed is None:
+            self._warm_up(images, tensors, plan, device_pass)
+        replay, base, adapters = self._record(images, tensors, plan, device_pass)
         if pending or beside:
             self.captures_beside += 1
         else:
@@ -261,20 +258,11 @@ class GraphedPasses(BesideServing):
         torch.cuda.current_stream(device).wait_stream(stream)
 
     def _record(
-        self,
-        images: Tensor,
-        tensors: PlanTensors | None,
-        plan: PassPlan | None,
-        device_pass: DevicePass,
-        *,
-        warm: bool = True,
+        self, images: Tensor, tensors: PlanTensors | None, plan: PassPlan | None, device_pass: DevicePass
     ) -> tuple[Callable[[], None], Tensor, Tensor | None]:
-        """Capture ``device_pass`` over the static inputs (warmed up first unless ``warm`` is off):
-        its replay and its static outputs."""
+        """Capture ``device_pass`` over the static inputs (warmed up): its replay and its outputs."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        if warm:
-            self._warm_up(images, tensors, plan, device_pass)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
             base, adapters = device_pass(images, tensors, plan)

@@ -55,6 +55,10 @@ class BesideServing:
         finally:
             self._local.pending = False
 
+    def _pending(self) -> bool:
+        """Whether this thread captures for pools grown ahead (``for_pending_pools``)."""
+        return getattr(self._local, "pending", False)
+
     @contextmanager
     def first_use_beside(self, schedule: Callable[[Callable[[], None]], None]) -> Iterator[None]:
         """This thread's passes (a server's engine) never wait for a capture: a pass whose shape has no
@@ -94,20 +98,21 @@ class BesideServing:
             return not (full_key in self._graphs or stale or gone)
 
         def capture() -> None:
-            with self._lock:
-                if not wanted():
+            try:
+                with self._lock:
+                    if not wanted():
+                        return
+                    inputs = self._inputs(template, kept, batch, None if embed is None else embed.base)
+                # The warm-up passes outside the lock: serving replays meanwhile (what they read of
+                # the tokens may change under them: their results are thrown away).
+                images, _, tensors = inputs
+                self._warm_up(images, tensors, kept, device_pass)
+                with self._lock:
+                    if wanted():  # (for pools grown ahead: evicting nothing)
+                        where = {"pending": self._pending(), "beside": True, "warmed": inputs}
+                        self._capture(full_key, template, kept, batch, device_pass, **where)
+            finally:  # captured, not wanted, or failed: a later pass of the shape may schedule it again
+                with self._lock:
                     self._deferred.discard(full_key)
-                    return
-                inputs = self._inputs(template, kept, batch, None if embed is None else embed.base)
-            # The warm-up passes outside the lock: serving replays meanwhile (what they read of the
-            # tokens may change under them: their results are thrown away).
-            images, _, tensors = inputs
-            self._warm_up(images, tensors, kept, device_pass)
-            pending = getattr(self._local, "pending", False)  # for pools grown ahead: evict nothing
-            with self._lock:
-                self._deferred.discard(full_key)
-                if wanted():
-                    where = {"pending": pending, "beside": True, "warmed": inputs}
-                    self._capture(full_key, template, kept, batch, device_pass, **where)
 
         later(capture)

@@ -85,3 +85,23 @@ def test_a_capture_from_an_embedding_graph_that_is_gone_is_dropped() -> None:
     graphs.clear()  # the embedding's graph with it: its static tokens are no one's now
     jobs.pop()()
     assert graphs.captures_beside == 0
+
+
+def test_a_capture_that_failed_is_scheduled_again_by_the_next_pass() -> None:
+    engine, graphs, live, weights = graphed(embed_ahead=False)
+    x, tasks = images(engine, batch=2), [["a0", "a1"], []]
+    jobs: list = []
+
+    def failing(*args) -> None:
+        raise RuntimeError("out of memory while warming up")
+
+    graphs._warm_up = failing
+    with engine.first_use_beside(jobs.append):
+        engine(x, live.current, tasks=tasks)
+        with pytest.raises(RuntimeError, match="warming up"):
+            jobs.pop()()
+        del graphs._warm_up  # the class's again
+        check(engine, weights, engine(x, live.current, tasks=tasks), x)  # eagerly, scheduled again
+        assert len(jobs) == 1 and graphs.eager_passes == 2
+        jobs.pop()()
+    assert graphs.captures_beside == 1

@@ -96,11 +96,18 @@ def test_a_shape_warm_up_did_not_capture_runs_eagerly_and_is_captured_beside(ser
     assert 0 < graphs.captures_beside - beside <= 3 * len(batch_buckets(MAX_BATCH))
 
 
-def grow_under_load(engine, live, decoder, items, more, *, clients: int = 3) -> tuple[list[int], list, int]:
-    """Serve one-task requests from ``clients`` threads while one install adds ``more`` (growing the
-    pools), then the new adapters' requests for a while. Returns the answers counted during each
-    capture of the grown pools' graphs, every (item, adapters, future) asked, and the graphs
-    captured while serving (not for pools grown ahead)."""
+def grow_under_load(engine, device: str, *, clients: int = 3):
+    """4 adapters live on ``engine``; one-task requests from ``clients`` threads while one install adds
+    20 more (past the pools' 16 slots and classes), then the new adapters' requests for a while.
+    Returns the answers counted during each capture of the grown pools' graphs, every (item,
+    adapters, future) asked, the graphs captured while serving (not for pools grown ahead), every
+    adapter's weights and the decoder."""
+    live = LiveAdapters(engine)
+    weights = [random_adapter(f"a{i}", engine, m=1 + i % 2, classes=5 + i) for i in range(4)]
+    live.replace_all(weights)
+    more = [random_adapter(f"n{i}", engine, m=2, classes=5 + i) for i in range(20)]
+    decoder = DeviceDecoder(ImageDecoder(engine, max_bytes=4_000_000, max_pixels=4_000_000), device)
+    items = [decoder.prepare(jpeg(photo(i, (160 + 9 * i, 120))), f"p{i}") for i in range(6)]
     loop = EngineLoop(
         live, DeviceRunner(engine, decoder), max_batch=MAX_BATCH, max_wait=0.002, max_queue=4096,
         metrics=Metrics(), warm=lambda adapters: warm_up(engine, adapters, MAX_BATCH, 64),
@@ -145,7 +152,7 @@ def grow_under_load(engine, live, decoder, items, more, *, clients: int = 3) -> 
         new.join(60)
     finally:
         loop.stop()
-    return answered, asked, engine.graph_captures - at_start
+    return answered, asked, engine.graph_captures - at_start, weights + more, decoder
 
 
 def check_alone(asked, reference: LiveAdapters, decoder, tol: float) -> None:
@@ -170,16 +177,10 @@ def test_serving_goes_on_while_an_install_grows_the_pools(caplog) -> None:
     engine = tiny_engine()
     graphs = StandInGraphs(buffers=HostBuffers(pinned=False, new_event=StandInEvent.factory()), replays=True)
     engine.use_graphs(graphs)
-    live = LiveAdapters(engine)
-    weights = [random_adapter(f"a{i}", engine, m=1 + i % 2, classes=5 + i) for i in range(4)]
-    live.replace_all(weights)
-    more = [random_adapter(f"n{i}", engine, m=2, classes=5 + i) for i in range(20)]
-    decoder = DeviceDecoder(ImageDecoder(engine, max_bytes=4_000_000, max_pixels=4_000_000), "cpu")
-    items = [decoder.prepare(jpeg(photo(i, (160 + 9 * i, 120))), f"p{i}") for i in range(6)]
-    answered, asked, while_serving = grow_under_load(engine, live, decoder, items, more)
+    answered, asked, while_serving, weights, decoder = grow_under_load(engine, "cpu")
     assert answered and answered[0] > 0  # served while the graphs were captured
     assert while_serving == 0 and graphs.captures_beside > 0
     assert CAPTURED_WHILE_SERVING not in caplog.text
     reference = LiveAdapters(tiny_engine())  # the same base weights, no graphs: eager passes
-    reference.replace_all(weights + more)
+    reference.replace_all(weights)
     check_alone(asked, reference, decoder, TOL)
