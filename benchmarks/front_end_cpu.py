@@ -39,6 +39,10 @@ the decoding included.
 third above another of the same code on this machine for all its rounds (RESULTS §3.14), so
 rounds of fresh instances say more than rounds of one.
 
+``--rate R`` paces the clients to R requests/s in all (open to ``--clients``' concurrency) instead
+of a closed loop: every configuration then answers the same load, so their CPU per request compares
+at one operating point (in a closed loop one process runs saturated and a group does not).
+
 ``--against DIR`` runs every configuration a second time on another checkout's code (`` then``):
 ``git archive <commit> server adapters memory_core | tar -x -C DIR``. Its processes may not carry the
 role names (older code): their CPU is then all in ``group``.
@@ -110,10 +114,13 @@ def batches(port: int) -> tuple[float, float]:
     return float(found.get("sum", 0)), float(found.get("count", 0))
 
 
-def measure(server: ServerProcess, requests: list[bytes], clients: int, seconds: float) -> Round:
+def measure(
+    server: ServerProcess, requests: list[bytes], clients: int, seconds: float, rate: float | None = None
+) -> Round:
+    """One phase of load; ``rate``: offered requests/s in all (paced clients), else a closed loop."""
     before = batches(server.port)
     clock = RoleClock(server.pid)
-    result = asyncio.run(load("127.0.0.1", server.port, requests, clients, seconds))
+    result = asyncio.run(load("127.0.0.1", server.port, requests, clients, seconds, rate=rate))
     per_role: dict[str, float] = {}
     for role, cpu in clock.seconds().items():
         role = FRONT.get(role, role)
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", default=["1", "2"], help='"1", "N" or "N/replicas"')
     parser.add_argument("--decode", nargs="+", default=["device", "cpu"], help="MEMVIT_DECODE_DEVICE values")
     parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--rate", type=float, help="offered requests/s, paced (default: closed loop)")
     parser.add_argument("--seconds", type=float, default=10.0, help="per load phase")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pass-threads", type=int, help="OMP_NUM_THREADS of the servers (default: torch's)")
@@ -249,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.fresh and r > 0:
                     fresh(f"-{r}")
                 for n in names if r % 2 == 0 else names[::-1]:
-                    got = measure(servers[n], requests[n], args.clients, args.seconds)
+                    got = measure(servers[n], requests[n], args.clients, args.seconds, args.rate)
                     results[n].append(got)
                     roles_ms = ", ".join(f"{role} {ms(v)}" for role, v in sorted(got.per_role.items()))
                     mean = "-" if got.batch is None else f"{got.batch:.1f}"
