@@ -73,7 +73,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", help="comma-separated batch sizes")
     parser.add_argument("--ks", help="comma-separated adapter counts for the engine step")
     parser.add_argument("--rounds", type=int)
-    parser.add_argument("--tries", help="engine variants: sdpa,graphs,kernels,ahead,gemms ('' for none)")
+    parser.add_argument("--tries", help="sdpa,graphs,kernels,ahead,tiles,gemms ('' for none)")
     parser.add_argument("--server-seconds", type=float, help="seconds of each server load (20 with --steps)")
     return parser.parse_args(argv)
 

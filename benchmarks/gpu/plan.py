@@ -56,9 +56,9 @@ class Plan:
     server_models: tuple[str, ...] = ("deit_tiny_patch16_224", "vit_base_patch16_224")
     server_variants: int = 5  # of server.VARIANTS, for the first model (the others get the first)
     # Engine variants tried against the default, each reported: SDPA backends of the base path, CUDA
-    # graphs on vs off, Triton vs torch kernels, the rows' products joined vs apart (tries.py); on
+    # graphs on vs off, Triton vs torch kernels, the embedding ahead, the kernels' tiles (tries.py); on
     # these shapes, at the smallest batch.
-    tries: tuple[str, ...] = ("sdpa", "graphs", "kernels", "ahead")
+    tries: tuple[str, ...] = ("sdpa", "graphs", "kernels", "ahead", "tiles")
     tries_on: tuple[str, ...] = ("deit_tiny_patch16_224", "vit_base_patch16_224")
     profiled: int = 3  # passes recorded per profile row (profiling.py)
     pytest_s: float = 240.0  # the longest ``pytest -m cuda`` may run (exactness.py)
@@ -88,7 +88,7 @@ class Plan:
             server_clients=(4,),
             server_models=("tiny",),
             server_variants=1,
-            tries=("sdpa", "graphs", "kernels", "ahead"),
+            tries=("sdpa", "graphs", "kernels", "ahead", "tiles"),
             tries_on=("tiny",),
             profiled=1,
         )

@@ -15,6 +15,11 @@
   embedding's graph launched before the plan, so that the device embeds while the host plans), for
   routed 1 and 8 of ``Plan.loaded`` per image and fused K = 8: wall ms (graphed, synced) of each
   and of the base alone, the host's time to the first launch, and whether the logits are the same.
+- ``tiles``: the Triton kernels' tiles chosen to fit the registers (the default, kernel_tiles.py:
+  nothing spilled when compiled for sm_90) against the tiles before (``wide``: 13 KB per thread
+  spilled in the all-tasks pass), for fused K = ``Plan.loaded`` and the eight-task passes, eager
+  (a graph replays the kernels it was captured with): wall and GPU-busy ms of each, the top kernels,
+  and the largest difference between their logits.
 """
 
 from __future__ import annotations
@@ -66,13 +71,20 @@ def run(
             for label, fn in {**routed, **_eight_passes(e, x, loaded, rng)}.items():
                 row = {**what, "pass": label}
                 report.attempt("try: embedding ahead of the plan", row, _ahead, e, fn, x, plan)
+        elif name == "tiles":
+            tiled = {f"fused K={len(loaded)}": lambda: e(x, loaded), **_eight_passes(e, x, loaded, rng)}
+            if plan.smoke:  # the interpreter runs a pass in ~1 s: one pass says the try works
+                tiled = dict(list(tiled.items())[-1:])
+            for label, fn in tiled.items():
+                row = {**what, "pass": label}
+                report.attempt("try: kernel tiles in registers vs wide", row, _tiles, e, fn, plan)
         elif name in ("graphs", "kernels"):
             table = "try: CUDA graphs on vs off" if name == "graphs" else "try: Triton vs torch kernels"
             measure = _graphs if name == "graphs" else _kernels
             for label, fn in passes.items():
                 report.attempt(table, {**what, "pass": label}, measure, e, fn, len(x), plan)
         else:
-            report.note(f"unknown try {name!r}: known are sdpa, graphs, kernels, gemms, ahead")
+            report.note(f"unknown try {name!r}: known are sdpa, graphs, kernels, gemms, ahead, tiles")
 
 
 @contextmanager
@@ -233,4 +245,38 @@ def _ahead(e: MemoryViT, fn: Callable[[], FusedOutput], x: torch.Tensor, plan: P
     row["same logits"] = torch.equal(a.base, b.base) and all(
         torch.equal(a.adapters[n], b.adapters[n]) for n in a.adapters
     )
+    return row
+
+
+def _tiles(e: MemoryViT, fn: Callable[[], FusedOutput], plan: Plan) -> dict:
+    from memvit.memory_core.routing import kernel_tiles
+
+    last: dict[str, FusedOutput] = {}
+
+    def kept(tiles: str) -> Callable[[], None]:
+        run = _with(e, fn, cuda_graphs=False, kernels="triton")
+
+        def call() -> None:
+            before, kernel_tiles.TILES = kernel_tiles.TILES, tiles
+            try:
+                last[tiles] = run()
+            finally:
+                kernel_tiles.TILES = before
+
+        return call
+
+    calls = {"registers": kept("registers"), "wide": kept("wide")}
+    busy = {name: profiled_pass(call, plan, None) for name, call in calls.items()}  # timed, then recorded
+    a, b = last["registers"], last["wide"]
+    row: dict = {"graphed": False}
+    for name in calls:
+        row[f"{name} ms"] = busy[name]["wall ms"]
+        row[f"{name} busy ms"] = busy[name]["GPU busy ms"]
+    row["wide/registers time"] = busy["wide"]["wall ms"] / busy["registers"]["wall ms"]
+    if busy["registers"]["GPU busy ms"]:  # None on CPU
+        row["wide/registers busy"] = busy["wide"]["GPU busy ms"] / busy["registers"]["GPU busy ms"]
+    diffs = [(a.adapters[n].float() - b.adapters[n].float()).abs().max().item() for n in a.adapters]
+    row["max diff"] = max(diffs)
+    row["top kernels registers"] = busy["registers"]["top kernels (us/pass)"]
+    row["top kernels wide"] = busy["wide"]["top kernels (us/pass)"]
     return row

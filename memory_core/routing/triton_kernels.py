@@ -6,7 +6,8 @@ ancestors' in extension mode) and its slot's memory keys and values from the poo
 (beside the base rows in one projection, or apart), with one online softmax over all of them (flash
 attention's running max and sum, in float32). One program handles a tile of rows of one image and
 head, so the image's base keys are read once per tile, through the tensor cores; rows tile by 16 or
-more, so a pass with one row per image wastes MMA lanes, not loads.
+more, so a pass with one row per image wastes MMA lanes, not loads. The tiles' sizes and warps are
+kernel_tiles.py's: every value a program holds in registers on sm_90, none spilled.
 Memory is read only up to the longest real memory in the tile (``memory_length``), so a long memory
 elsewhere in the pool costs the other rows nothing.
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .kernel_tiles import attention_tiles, gathered_head_tiles, shared_head_tiles
+
 try:
     import triton
     import triton.language as tl
@@ -38,10 +41,6 @@ launches = 0  # kernels launched since import: the tests' way to count them with
 def available() -> bool:
     """Whether Triton is importable here (CUDA builds of torch ship it)."""
     return triton is not None
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 if triton is not None:
@@ -198,14 +197,6 @@ def _launcher(kernel, device: torch.device):
     return kernel
 
 
-def _widest_tile(dtype: torch.dtype) -> int:
-    """Rows per program when R is large. float32 scores exactly (``input_precision="ieee"``: no tensor
-    cores), so a 64-row tile's products and its (64, BLOCK_P, BLOCK_D) memory tiles spill registers:
-    on an H200 DeiT-Tiny's all-tasks pass at K = 64 ran its Triton kernel 2.1x slower than torch's
-    (fp32, batch 64), while 16-row tiles (routed passes) ran 1.09x faster. Half types keep 64."""
-    return 16 if dtype == torch.float32 else 64
-
-
 def class_token_attention_kernel(
     o: Tensor,
     q: Tensor,
@@ -238,17 +229,15 @@ def class_token_attention_kernel(
         return
     A = 1 if lineage is None else lineage.shape[-1]
     lin = row_slots.unsqueeze(-1) if lineage is None else lineage  # unread when A == 1
-    BLOCK_R = block_rows or min(max(_next_power_of_2(R), 16), _widest_tile(q.dtype))
-    BLOCK_D = max(_next_power_of_2(d), 16)
-    BLOCK_P = 8 if BLOCK_D <= 64 else 4  # (BLOCK_R, BLOCK_P, BLOCK_D) memory tiles stay in registers
-    BLOCK_T = 64 if BLOCK_R >= 16 else 32  # one row without tensor cores: (BLOCK_T, BLOCK_D) products
-    grid = (triton.cdiv(R, BLOCK_R), H, B)
+    tile = attention_tiles(R, d, q.dtype, block_rows)  # kernel_tiles.py: nothing spilled on sm_90
+    grid = (triton.cdiv(R, tile.rows), H, B)
     _launcher(_class_token_attention_jit, q.device)[grid](
         q, k, v, o, base_keys, base_values, memory_keys, memory_values, memory_length, row_slots, lin,
         T, R, d, scale,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *base_keys.stride(), *base_values.stride(),
         *memory_keys.stride(), *memory_values.stride(), *row_slots.stride(), *lin.stride(),
-        A=A, BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D,
+        A=A, BLOCK_R=tile.rows, BLOCK_T=tile.keys, BLOCK_P=tile.memory, BLOCK_D=tile.features,
+        num_warps=tile.warps,
     )  # fmt: skip
 
 
@@ -262,8 +251,7 @@ def gathered_heads(
     out = c.new_empty(N, C)
     if N == 0:
         return out
-    BLOCK_C = min(max(_next_power_of_2(C), 16), 128)
-    BLOCK_D = min(max(_next_power_of_2(D), 16), 128)
+    BLOCK_C, BLOCK_D = gathered_head_tiles(C, D)
     grid = (N, triton.cdiv(C, BLOCK_C))
     _launcher(_gathered_heads_kernel, c.device)[grid](
         c, out_rows, out_slots, head_weight, head_bias, out,
@@ -282,9 +270,7 @@ def shared_heads(c: Tensor, row_slots: Tensor, head_weight: Tensor, head_bias: T
     out = c.new_empty(R, B, C)
     if R == 0 or B == 0:
         return out
-    BLOCK_B = min(max(_next_power_of_2(B), 16), 64)
-    BLOCK_C = min(max(_next_power_of_2(C), 16), 64)
-    BLOCK_D = min(max(_next_power_of_2(D), 16), 64)
+    BLOCK_B, BLOCK_C, BLOCK_D = shared_head_tiles(B, C, D, c.dtype)
     grid = (R, triton.cdiv(C, BLOCK_C), triton.cdiv(B, BLOCK_B))
     _launcher(_shared_heads_kernel, c.device)[grid](
         c, row_slots, head_weight, head_bias, out,

@@ -23,6 +23,7 @@ TABLES = {
         "try: SDPA backend, base path",
         "try: CUDA graphs on vs off",
         "try: Triton vs torch kernels",
+        "try: kernel tiles in registers vs wide",
     },
     "routing": {"routed vs R(n)"},
     "memory": {"peak memory"},
@@ -70,6 +71,7 @@ def test_cpu_smoke_of_all_steps_writes_one_report(tmp_path) -> None:
     assert all(row["invariant_holds"] for row in tables["invariance"]["invariant vs default"])
     # Triton (its interpreter, here) and torch kernels give the same logits.
     assert all(row["max diff"] < 1e-4 for row in tables["engine"]["try: Triton vs torch kernels"])
+    assert all(row["max diff"] < 1e-4 for row in tables["engine"]["try: kernel tiles in registers vs wide"])
     profiled = tables["profile"]["one pass, profiled"]
     assert [row["pass"] for row in profiled] == [
         "base only", "fused, K = 8", "fused, K = 16",
@@ -103,7 +105,8 @@ def test_all_covers_the_goals_table_in_one_command() -> None:
     engine = plan_of("engine")
     assert {deit, b16} <= set(engine.archs) and "bf16" in engine.dtypes and not engine.large
     assert {64, 256} <= set(engine.batches) and {8, 64, 1000} <= set(engine.ks) and engine.dense_k == 64
-    assert {"graphs", "kernels", "ahead"} <= set(engine.tries) and {deit, b16} <= set(engine.tries_on)
+    assert {"graphs", "kernels", "ahead", "tiles"} <= set(engine.tries)
+    assert {deit, b16} <= set(engine.tries_on)
     routing = plan_of("routing")
     assert {64, 256} <= set(routing.batches) and routing.loaded == 1000 and {deit, b16} <= set(routing.archs)
     assert "bf16" in plan_of("invariance").dtypes
