@@ -39,9 +39,8 @@ the decoding included.
 third above another of the same code on this machine for all its rounds (RESULTS §3.14), so
 rounds of fresh instances say more than rounds of one.
 
-``--rate R`` paces the clients to R requests/s in all (open to ``--clients``' concurrency) instead
-of a closed loop: every configuration then answers the same load, so their CPU per request compares
-at one operating point (in a closed loop one process runs saturated and a group does not).
+``--rate R`` paces the clients to R requests/s in all instead of a closed loop: every configuration
+answers the same load (in a closed loop one process runs saturated and a group does not).
 
 ``--against DIR`` runs every configuration a second time on another checkout's code (`` then``):
 ``git archive <commit> server adapters memory_core | tar -x -C DIR``. Its processes may not carry the
