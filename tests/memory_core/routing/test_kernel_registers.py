@@ -1,8 +1,8 @@
 """The Triton kernels' tiles (memory_core/routing/kernel_tiles.py) fit an H100's or H200's registers.
 
 Each tile the launchers choose is compiled for sm_90 by Triton's own compiler and its PTX assembled
-by the ptxas Triton ships (``ptxas -v``; kernel_spills.py, one process for all of them): neither
-needs a GPU. A tile whose values do not fit is spilled to local memory, which every step of the
+by the ptxas Triton ships (``ptxas -v``; benchmarks/kernel_registers.py, in processes of its own):
+neither needs a GPU. A tile whose values do not fit is spilled to local memory, which every step of the
 kernel's loops then reads back; the tests hold every choice to zero bytes spilled, and show that the
 tiles used before spilled (so that they can fail).
 """
@@ -18,13 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.kernel_registers import attention_job, head_jobs
 from memvit.memory_core.routing import kernel_tiles, triton_kernels
-from memvit.memory_core.routing.kernel_tiles import attention_tiles, gathered_head_tiles, shared_head_tiles
 
 pytestmark = pytest.mark.skipif(not triton_kernels.available(), reason="Triton is not installed")
-ROOT = Path(__file__).resolve().parents[3]  # the checkout: ``tests`` importable
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-ATTENTION = "_class_token_attention_jit"
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: ``benchmarks`` importable
 
 # (R, d, dtype): the all-tasks pass (64 rows at 64 features: DeiT-Tiny's and ViT-B/16's heads), a
 # routed pass (16 rows), 128-feature heads (32 rows), float16, float32 (16 rows, CUDA-core products).
@@ -39,30 +37,14 @@ ATTENTION_SHAPES = [
 HEAD_SHAPES = [(100, 768), (1000, 192), (10, 768)]  # (classes, features)
 
 
-def _attention_job(R: int, d: int, dtype: torch.dtype, **kwargs) -> tuple:
-    tile = attention_tiles(R, d, dtype, **kwargs)
-    constants = dict(A=1, BLOCK_R=tile.rows, BLOCK_T=tile.keys, BLOCK_P=tile.memory, BLOCK_D=tile.features)
-    return (ATTENTION, constants, TYPES[dtype], tile.warps)
-
-
-def _head_jobs(C: int, D: int, dtype: torch.dtype) -> list[tuple]:
-    classes, features = gathered_head_tiles(C, D)
-    images, shared_classes, shared_features = shared_head_tiles(256, C, D, dtype)
-    shared = dict(BLOCK_B=images, BLOCK_C=shared_classes, BLOCK_D=shared_features)
-    return [
-        ("_gathered_heads_kernel", dict(BLOCK_C=classes, BLOCK_D=features), TYPES[dtype], 4),
-        ("_shared_heads_kernel", shared, TYPES[dtype], 4),
-    ]
-
-
 def _jobs() -> dict[str, list[tuple]]:
-    jobs = {f"attention {R} {d} {dtype}": [_attention_job(R, d, dtype)] for R, d, dtype in ATTENTION_SHAPES}
+    jobs = {f"attention {R} {d} {dtype}": [attention_job(R, d, dtype)] for R, d, dtype in ATTENTION_SHAPES}
     for d in (64, 128):
-        jobs[f"one row {d}"] = [_attention_job(1000, d, torch.bfloat16, block_rows=1)]
-    jobs["wide"] = [_attention_job(1000, 64, torch.bfloat16, tiles="wide")]
+        jobs[f"one row {d}"] = [attention_job(1000, d, torch.bfloat16, block_rows=1)]
+    jobs["wide"] = [attention_job(1000, 64, torch.bfloat16, tiles="wide")]
     for C, D in HEAD_SHAPES:
         for dtype in (torch.bfloat16, torch.float32):
-            jobs[f"heads {C} {D} {dtype}"] = _head_jobs(C, D, dtype)
+            jobs[f"heads {C} {D} {dtype}"] = head_jobs(C, D, dtype)
     return jobs
 
 
@@ -73,7 +55,7 @@ def spills() -> dict[str, list[tuple[int, int]]]:
     flat = [job for group in jobs.values() for job in group]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     halves = [flat[0::2], flat[1::2]]
-    command = [sys.executable, "-m", "tests.memory_core.routing.kernel_spills"]
+    command = [sys.executable, "-m", "benchmarks.kernel_registers", "--jobs"]
     runs = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env, cwd=ROOT) for _ in halves]  # fmt: skip
     outs = [run.communicate(json.dumps(half), timeout=600) for run, half in zip(runs, halves, strict=True)]
