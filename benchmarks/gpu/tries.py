@@ -17,9 +17,10 @@
   and of the base alone, the host's time to the first launch, and whether the logits are the same.
 - ``tiles``: the Triton kernels' tiles chosen to fit the registers (the default, kernel_tiles.py:
   nothing spilled when compiled for sm_90) against the tiles before (``wide``: 13 KB per thread
-  spilled in the all-tasks pass), for fused K = ``Plan.loaded`` and the eight-task passes, eager
-  (a graph replays the kernels it was captured with): wall and GPU-busy ms of each, the top kernels,
-  and the largest difference between their logits.
+  spilled in the all-tasks pass) and 16-row tiles throughout (``narrow``: twice the programs per
+  SM), for fused K = ``Plan.loaded`` and the eight-task passes, eager (a graph replays the kernels
+  it was captured with): wall and GPU-busy ms of each, the top kernels, and the largest difference
+  between their logits.
 """
 
 from __future__ import annotations
@@ -265,18 +266,21 @@ def _tiles(e: MemoryViT, fn: Callable[[], FusedOutput], plan: Plan) -> dict:
 
         return call
 
-    calls = {"registers": kept("registers"), "wide": kept("wide")}
+    calls = {"registers": kept("registers"), "wide": kept("wide"), "narrow": kept("narrow")}
     busy = {name: profiled_pass(call, plan, None) for name, call in calls.items()}  # timed, then recorded
     a, b = last["registers"], last["wide"]
     row: dict = {"graphed": False}
     for name in calls:
         row[f"{name} ms"] = busy[name]["wall ms"]
         row[f"{name} busy ms"] = busy[name]["GPU busy ms"]
-    row["wide/registers time"] = busy["wide"]["wall ms"] / busy["registers"]["wall ms"]
-    if busy["registers"]["GPU busy ms"]:  # None on CPU
-        row["wide/registers busy"] = busy["wide"]["GPU busy ms"] / busy["registers"]["GPU busy ms"]
-    diffs = [(a.adapters[n].float() - b.adapters[n].float()).abs().max().item() for n in a.adapters]
+    for other in ("wide", "narrow"):
+        row[f"{other}/registers time"] = busy[other]["wall ms"] / busy["registers"]["wall ms"]
+        if busy["registers"]["GPU busy ms"]:  # None on CPU
+            row[f"{other}/registers busy"] = busy[other]["GPU busy ms"] / busy["registers"]["GPU busy ms"]
+    diffs = [(a.adapters[n].float() - c.adapters[n].float()).abs().max().item() for c in (b, last["narrow"])
+             for n in a.adapters]  # fmt: skip
     row["max diff"] = max(diffs)
     row["top kernels registers"] = busy["registers"]["top kernels (us/pass)"]
     row["top kernels wide"] = busy["wide"]["top kernels (us/pass)"]
+    row["top kernels narrow"] = busy["narrow"]["top kernels (us/pass)"]
     return row

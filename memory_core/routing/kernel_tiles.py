@@ -15,9 +15,11 @@ per warp group either way); 128-feature heads take 32 rows at most; the heads' w
 4,096 values. tests/memory_core/routing/test_kernel_registers.py compiles every choice made here for
 sm_90 and holds it to zero bytes spilled.
 
-``TILES``: "registers" (these) or "wide" (the tiles before), the GPU suite's try that times one
-against the other (benchmarks/gpu/tries.py ``tiles``). A CUDA graph replays the kernels it was
-captured with, so the try runs its passes eagerly.
+``TILES``: "registers" (these), "wide" (the tiles before) or "narrow" (these with 16 rows at most:
+113 registers a thread, so two programs of 8 warps share an SM where one 64-row program has it, for
+reading the image's keys four times as often), for the GPU suite's try that times them against each
+other (benchmarks/gpu/tries.py ``tiles``). A CUDA graph replays the kernels it was captured with, so
+the try runs its passes eagerly.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ def attention_tiles(
     row its own program, the batch-invariant mode), else by R: the more rows a program holds, the
     fewer times the image's keys are read, up to what the registers hold."""
     features = max(next_power_of_2(d), 16)
-    if (tiles or TILES) == "wide":  # before: float32 16 rows, half types 64, memory in chunks, 4 warps
+    tiles = tiles or TILES
+    if tiles == "wide":  # before: float32 16 rows, half types 64, memory in chunks, 4 warps
         rows = block_rows or min(max(next_power_of_2(R), 16), 16 if dtype == torch.float32 else 64)
         return AttentionTiles(rows, 64 if rows >= 16 else 32, 8 if features <= 64 else 4, features, 4)
     # float32 scores exactly (input_precision="ieee": no tensor cores), so its products stay on the
     # CUDA cores' registers: 16 rows (a 64-row tile ran the all-tasks pass 2.1x slower than torch's
     # kernels on an H200, 16-row tiles 1.09x faster).
-    widest = 16 if dtype == torch.float32 else (64 if features <= 64 else 32)
+    widest = 16 if dtype == torch.float32 or tiles == "narrow" else (64 if features <= 64 else 32)
     rows = block_rows or min(max(next_power_of_2(R), 16), widest)
     if rows >= 16:  # the base keys on the tensor cores (tl.dot needs 16 rows)
         return AttentionTiles(rows, 64, 1, features, 8)
