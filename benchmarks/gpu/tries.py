@@ -16,11 +16,11 @@
   routed 1 and 8 of ``Plan.loaded`` per image and fused K = 8: wall ms (graphed, synced) of each
   and of the base alone, the host's time to the first launch, and whether the logits are the same.
 - ``tiles``: the Triton kernels' tiles chosen to fit the registers (the default, kernel_tiles.py:
-  nothing spilled when compiled for sm_90) against the tiles before (``wide``: 13 KB per thread
-  spilled in the all-tasks pass) and 16-row tiles throughout (``narrow``: twice the programs per
-  SM), for fused K = ``Plan.loaded`` and routed 8 of it per image, eager (a graph replays the kernels
-  it was captured with): wall and GPU-busy ms of each, the top kernels, and the largest difference
-  between their logits.
+  nothing spilled when compiled for sm_90) against the tiles before (``wide``: 2.7 KB a thread
+  spilled in the all-tasks pass with Triton 3.6) and 16-row tiles throughout (``narrow``: twice the
+  programs per SM), for fused K = ``Plan.loaded`` and routed 8 of it per image, eager (a graph
+  replays the kernels it was captured with): wall and GPU-busy ms of each, the top kernels, and the
+  largest difference between their logits.
 """
 
 from __future__ import annotations
