@@ -17,10 +17,10 @@
   and of the base alone, the host's time to the first launch, and whether the logits are the same.
 - ``tiles``: the Triton kernels' tiles chosen to fit the registers (the default, kernel_tiles.py:
   nothing spilled when compiled for sm_90) against the tiles before (``wide``: 2.7 KB a thread
-  spilled in the all-tasks pass with Triton 3.6) and 16-row tiles throughout (``narrow``: twice the
-  programs per SM), for fused K = ``Plan.loaded`` and routed 8 of it per image, eager (a graph
-  replays the kernels it was captured with): wall and GPU-busy ms of each, the top kernels, and the
-  largest difference between their logits.
+  spilled in the all-tasks pass with Triton 3.6), 16-row tiles throughout (``narrow``: twice the
+  programs per SM) and 64-row tiles on 16 warps (``deep``), for fused K = ``Plan.loaded`` and routed
+  8 of it per image, eager (a graph replays the kernels it was captured with): wall and GPU-busy ms
+  of each, the top kernels, and the largest difference between their logits.
 """
 
 from __future__ import annotations
@@ -267,21 +267,22 @@ def _tiles(e: MemoryViT, fn: Callable[[], FusedOutput], plan: Plan) -> dict:
 
         return call
 
-    calls = {"registers": kept("registers"), "wide": kept("wide"), "narrow": kept("narrow")}
+    calls = {name: kept(name) for name in ("registers", "wide", "narrow", "deep")}
     busy = {name: profiled_pass(call, plan, None) for name, call in calls.items()}  # timed, then recorded
     a, b = last["registers"], last["wide"]
     row: dict = {"graphed": False}
     for name in calls:
         row[f"{name} ms"] = busy[name]["wall ms"]
         row[f"{name} busy ms"] = busy[name]["GPU busy ms"]
-    for other in ("wide", "narrow"):
+    for other in ("wide", "narrow", "deep"):
         row[f"{other}/registers time"] = busy[other]["wall ms"] / busy["registers"]["wall ms"]
         if busy["registers"]["GPU busy ms"]:  # None on CPU
             row[f"{other}/registers busy"] = busy[other]["GPU busy ms"] / busy["registers"]["GPU busy ms"]
-    diffs = [(a.adapters[n].float() - c.adapters[n].float()).abs().max().item() for c in (b, last["narrow"])
-             for n in a.adapters]  # fmt: skip
+    diffs = [(a.adapters[n].float() - c.adapters[n].float()).abs().max().item()
+             for c in (b, last["narrow"], last["deep"]) for n in a.adapters]  # fmt: skip
     row["max diff"] = max(diffs)
     row["top kernels registers"] = busy["registers"]["top kernels (us/pass)"]
     row["top kernels wide"] = busy["wide"]["top kernels (us/pass)"]
     row["top kernels narrow"] = busy["narrow"]["top kernels (us/pass)"]
+    row["top kernels deep"] = busy["deep"]["top kernels (us/pass)"]
     return row

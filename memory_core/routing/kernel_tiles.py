@@ -18,10 +18,11 @@ tests/memory_core/routing/test_kernel_registers.py compiles every choice made he
 the installed Triton and holds it to zero bytes spilled; ``python -m benchmarks.kernel_registers
 --triton-python`` another environment's interpreter compiles them with its Triton.
 
-``TILES``: "registers" (these), "wide" (the tiles before) or "narrow" (these with 16 rows at most:
+``TILES``: "registers" (these), "wide" (the tiles before), "narrow" (these with 16 rows at most:
 113-192 registers a thread, so up to two programs of 8 warps share an SM where one 64-row program
-has it, for reading the image's keys four times as often), for the GPU suite's try that times them
-against each other (benchmarks/gpu/tries.py ``tiles``). A CUDA graph replays the kernels it was
+has it, for reading the image's keys four times as often) or "deep" (64-row tiles on 16 warps: 128
+registers a thread, 16 warps an SM against 8), for the GPU suite's try that times them against each
+other (benchmarks/gpu/tries.py ``tiles``). A CUDA graph replays the kernels it was
 captured with, so the try runs its passes eagerly.
 """
 
@@ -68,7 +69,8 @@ def attention_tiles(
     widest = 16 if exact or tiles == "narrow" or features > 64 else 64
     rows = block_rows or min(max(next_power_of_2(R), 16), widest)
     if rows >= 16:  # the base keys on the tensor cores (tl.dot needs 16 rows)
-        return AttentionTiles(rows, 32 if exact else 64, 1, features, 8)
+        warps = 16 if tiles == "deep" and rows == 64 else 8
+        return AttentionTiles(rows, 32 if exact else 64, 1, features, warps)
     # One row: no tensor cores, (keys, features) products; memory in chunks of 8 (4 for 128 features).
     return AttentionTiles(rows, 32, 8 if features <= 64 else 4, features, 4)
 

@@ -39,8 +39,9 @@ def _jobs() -> dict[str, list[tuple]]:
     for d in (64, 128):
         jobs[f"one row {d}"] = [attention_job(1000, d, torch.bfloat16, block_rows=1)]
     jobs["wide"] = [attention_job(1000, 64, torch.bfloat16, tiles="wide")]
-    for d in (64, 128):  # the GPU suite's try: 16-row tiles throughout
+    for d in (64, 128):  # the GPU suite's try: 16-row tiles throughout, 64-row tiles on 16 warps
         jobs[f"narrow {d}"] = [attention_job(1000, d, torch.bfloat16, tiles="narrow")]
+        jobs[f"deep {d}"] = [attention_job(1000, d, torch.bfloat16, tiles="deep")]
     for C, D in HEAD_SHAPES:
         for dtype in (torch.bfloat16, torch.float32):
             jobs[f"heads {C} {D} {dtype}"] = head_jobs(C, D, dtype)
@@ -77,9 +78,10 @@ def test_the_batch_invariant_modes_one_row_programs_spill_nothing(spills, d) -> 
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_the_narrow_tiles_the_gpu_suite_tries_spill_nothing(spills, d) -> None:
+def test_the_tiles_the_gpu_suite_tries_spill_nothing(spills, d) -> None:
     assert attention_job(1000, d, torch.bfloat16, tiles="narrow")[1]["BLOCK_R"] == 16
-    assert spills[f"narrow {d}"][0][0] == 0
+    assert attention_job(1000, 64, torch.bfloat16, tiles="deep")[3] == 16  # warps
+    assert spills[f"narrow {d}"][0][0] == 0 and spills[f"deep {d}"][0][0] == 0
 
 
 def test_the_tiles_before_spilled(spills) -> None:
