@@ -12,7 +12,7 @@ import torch
 
 from memvit.memory_core.block.attention import KeysValues, LayerMemory, class_token_attention
 from memvit.memory_core.oracle.reference import DenseMemoryViT
-from memvit.memory_core.routing import triton_kernels
+from memvit.memory_core.routing import kernel_tiles, triton_kernels
 from memvit.memory_core.routing.planned import gathered_heads, shared_heads
 from memvit.memory_core.routing.slots import SlotPools
 from tests.conftest import TOL, images, max_diff, random_adapter, tiny_engine
@@ -62,14 +62,9 @@ def _attention_inputs(B: int, H: int, T: int, R: int, d: int, S: int, P: int, se
     return q, k, v, keys, values, length, slots
 
 
-@pytest.mark.parametrize("R", [1, 5, 70])  # one row tile (mostly padding) to two
-def test_adapter_attention_kernel_equals_the_torch_attention(R: int) -> None:
-    B, H, T, d, S, P = 2, 2, 70, 16, 6, 11  # two key tiles, two memory chunks
-    q, k, v, keys, values, length, slots = _attention_inputs(B, H, T, R, d, S, P)
-    scale = d**-0.5
-    o = torch.zeros(B, T + R, H, d)
-    rows = (q[:, :, T:], k[:, :, T:], v[:, :, T:], k[:, :, :T], v[:, :, :T])
-    triton_kernels.class_token_attention_kernel(o[:, T:], *rows, keys, values, length, slots, None, scale)
+def _torch_attention(q, k, v, keys, values, length, slots, scale: float, T: int) -> torch.Tensor:
+    """The class-token rows' attention by the torch path: (B, R, H, d)."""
+    B, R, P = q.shape[0], q.shape[2] - T, keys.shape[2]
     bias = torch.where(torch.arange(P)[None, :] < length[:, None].long(), 0.0, float("-inf"))
 
     class Attn:  # what class_token_attention reads of timm's Attention
@@ -79,9 +74,46 @@ def test_adapter_attention_kernel_equals_the_torch_attention(R: int) -> None:
     own = torch.arange(R).view(1, R, 1).expand(B, R, 1)
     memory = LayerMemory(keys[slots], values[slots], bias[slots], own, torch.zeros(B, R, 1))
     kv = KeysValues(k[:, :, :T], v[:, :, :T])
-    expected = class_token_attention(Attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], kv, memory)  # (B, H, R, d)
-    assert max_diff(o[:, T:], expected.transpose(1, 2)) <= 1e-5
+    return class_token_attention(Attn, q[:, :, T:], k[:, :, T:], v[:, :, T:], kv, memory).transpose(1, 2)
+
+
+@pytest.mark.parametrize("R", [1, 5, 70])  # one row tile (mostly padding) to two
+def test_adapter_attention_kernel_equals_the_torch_attention(R: int) -> None:
+    B, H, T, d, S, P = 2, 2, 70, 16, 6, 11  # two key tiles, two memory chunks
+    q, k, v, keys, values, length, slots = _attention_inputs(B, H, T, R, d, S, P)
+    scale = d**-0.5
+    o = torch.zeros(B, T + R, H, d)
+    rows = (q[:, :, T:], k[:, :, T:], v[:, :, T:], k[:, :, :T], v[:, :, :T])
+    triton_kernels.class_token_attention_kernel(o[:, T:], *rows, keys, values, length, slots, None, scale)
+    expected = _torch_attention(q, k, v, keys, values, length, slots, scale, T)
+    assert max_diff(o[:, T:], expected) <= 1e-5
     assert torch.equal(o[:, :T], torch.zeros(B, T, H, d))  # the base rows are left alone
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize(
+    ("tiles", "dtype", "bound"),
+    [(t, torch.bfloat16, 0.05) for t in ("registers", "wide", "narrow", "deep")]
+    + [("registers", torch.float32, 1e-4)],
+)
+def test_every_tile_set_compiled_for_the_gpu_equals_the_torch_attention(tiles, dtype, bound, monkeypatch):
+    """kernel_tiles.py's tile sets (the GPU suite's tiles try) as compiled for the device: 16-row and
+    64-row tiles (R = 5, 70), 4 warps to 16, memory one position per step or in chunks. (Under
+    Triton's interpreter float32 and float16 pass it; bfloat16 does not: numpy has no bfloat16.)"""
+    monkeypatch.setattr(kernel_tiles, "TILES", tiles)
+    B, H, T, d, S, P = 2, 3, 197, 64, 6, 11  # ViT-B/16's keys and head width; memory up to 11
+    for R in (5, 70):
+        q, k, v, keys, values, length, slots = _attention_inputs(B, H, T, R, d, S, P)
+        expected = _torch_attention(q, k, v, keys, values, length, slots, d**-0.5, T)
+        on = [t.to("cuda", dtype) for t in (q, k, v, keys, values)]
+        q_, k_, v_, keys_, values_ = on
+        o = torch.zeros(B, R, H, d, device="cuda", dtype=dtype)
+        rows = (q_[:, :, T:], k_[:, :, T:], v_[:, :, T:], k_[:, :, :T], v_[:, :, :T])
+        triton_kernels.class_token_attention_kernel(
+            o, *rows, keys_, values_, length.cuda(), slots.cuda(), None, d**-0.5
+        )
+        assert max_diff(o.float().cpu(), expected) <= bound, (tiles, R)
 
 
 def test_shared_rows_read_through_a_stride_zero_view() -> None:
