@@ -269,20 +269,19 @@ def _tiles(e: MemoryViT, fn: Callable[[], FusedOutput], plan: Plan) -> dict:
 
     calls = {name: kept(name) for name in ("registers", "wide", "narrow", "deep")}
     busy = {name: profiled_pass(call, plan, None) for name, call in calls.items()}  # timed, then recorded
-    a, b = last["registers"], last["wide"]
+    a, others = last["registers"], list(calls)[1:]
     row: dict = {"graphed": False}
     for name in calls:
         row[f"{name} ms"] = busy[name]["wall ms"]
         row[f"{name} busy ms"] = busy[name]["GPU busy ms"]
-    for other in ("wide", "narrow", "deep"):
+    for other in others:
         row[f"{other}/registers time"] = busy[other]["wall ms"] / busy["registers"]["wall ms"]
         if busy["registers"]["GPU busy ms"]:  # None on CPU
             row[f"{other}/registers busy"] = busy[other]["GPU busy ms"] / busy["registers"]["GPU busy ms"]
-    diffs = [(a.adapters[n].float() - c.adapters[n].float()).abs().max().item()
-             for c in (b, last["narrow"], last["deep"]) for n in a.adapters]  # fmt: skip
-    row["max diff"] = max(diffs)
-    row["top kernels registers"] = busy["registers"]["top kernels (us/pass)"]
-    row["top kernels wide"] = busy["wide"]["top kernels (us/pass)"]
-    row["top kernels narrow"] = busy["narrow"]["top kernels (us/pass)"]
-    row["top kernels deep"] = busy["deep"]["top kernels (us/pass)"]
+    row["max diff"] = max(
+        (a.adapters[n].float() - last[other].adapters[n].float()).abs().max().item()
+        for other in others for n in a.adapters
+    )  # fmt: skip
+    for name in calls:
+        row[f"top kernels {name}"] = busy[name]["top kernels (us/pass)"]
     return row
