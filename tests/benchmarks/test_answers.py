@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 from benchmarks.answers import Expected, check, prepared, reason_of
 
 REF = {"base": [2.0, 1.0, -1.0], "a": [0.5, 0.4996, 0.0]}  # a: top-2 margin 4e-4, under 1e-3
@@ -57,3 +59,30 @@ def test_the_margin_is_the_top_two_logits_apart() -> None:
     assert tied.top1 == 0 and tied.margin == 0.0
     assert check({"t": [2.0, 1.0, 3.0]}, {"t": [3.0, 1.0, 3.0]}, 1.5) is None
     assert Expected.of([5.0]).margin == math.inf
+
+
+def test_the_prepared_fast_check_passes_exactly_what_the_task_by_task_check_passes() -> None:
+    """``Prepared.holds`` (every task's logits as one array, the top-1 compared only where a margin
+    within 4x the tolerance could flip it) against ``check`` on the raw reference, over answers
+    nudged at random, close margins, nulls and other class counts included (every reason occurs)."""
+    rng = np.random.default_rng(0)
+    tolerance, seen = 1e-3, set()
+    for trial in range(300):
+        ref = {t: rng.standard_normal(int(rng.integers(1, 6))).tolist() for t in ("base", "a", "b")}
+        if trial % 3 == 0:  # the base's top two close: 1-5x the tolerance apart
+            top = int(np.argmax(ref["base"]))
+            ref["base"] = [*ref["base"], ref["base"][top] - tolerance * float(rng.uniform(1, 5))]
+        got = {t: (np.array(v) + rng.normal(0, tolerance / 2, len(v))).tolist() for t, v in ref.items()}
+        if trial % 6 == 0:  # the close two pushed together by just under the tolerance: some swap
+            got["base"][top] = ref["base"][top] - 0.99 * tolerance
+            got["base"][-1] = ref["base"][-1] + 0.99 * tolerance
+        if trial % 10 == 1:
+            got["a"] = [*got["a"], 0.0]
+        if trial % 10 == 2:
+            got["b"] = [None, *got["b"][1:]]
+        ready = prepared({"p": ref})["p"]
+        expected = reason_of(200, answer(got), "p", {"p": ref}, tolerance)
+        assert reason_of(200, answer(got), "p", {"p": ready}, tolerance) == expected
+        assert ready.holds(got, tolerance) == (expected == "200")
+        seen.add(expected.rsplit(": ", 1)[-1])
+    assert seen == {"200", "logits off", "other classes", "non-finite logits", "top-1 differs"}

@@ -101,3 +101,18 @@ def test_jpeg_checks_on_the_event_loop_answer_as_the_pool_does(tiny_weights, che
     with pytest.raises(BrokenImageError, match="b:"):  # the first bad image names itself
         asyncio.run(pipeline.decode([blobs[0], b"\xff\xd8\xff broken", b"not an image"], ["a", "b", "c"]))
     pool.shutdown()
+
+
+@pytest.mark.parametrize("classes", [[10, 3, 12], [12, 12, 12]])
+def test_each_tasks_logits_are_its_own_classes(classes: list[int]) -> None:
+    """Tasks padded to the widest (converted task by task) or none padded (the array at once): each
+    task's logits are its first ``classes[t]`` columns, nothing of the padding."""
+    rng = np.random.default_rng(1)
+    n, tasks = 2, ("base", "a", "b")
+    raw = rng.standard_normal((n, 3, 12), dtype=np.float32)
+    probs, index = np.ones((n, 3, 1), dtype=np.float32), np.zeros((n, 3, 1), dtype=np.int64)
+    answer = Answer(tasks, np.array(classes), probs, index, raw, (None,) * 3, version=1, registered=2)
+    fields = respond(answer, ["x", "y"], top_k=1, logits=True)
+    for i, result in enumerate(fields.results):
+        for t, task in enumerate(tasks):
+            assert result.tasks[task].logits == raw[i, t, : classes[t]].tolist()
