@@ -167,12 +167,17 @@ def decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
         row[f"{key} at {size} per call"] = timed(
             lambda n=size: device.decode(batch[:n]), plan.device, seconds / 2, size
         )
+    # each call the next photos on (a server's batches mix its photos in every order)
+    starts = [sum(MIXED_CALLS[:j]) for j in range(len(MIXED_CALLS))]
+    mixed = [
+        [items[(a + i) % len(items)] for i in range(n)] for a, n in zip(starts, MIXED_CALLS, strict=True)
+    ]
     row[f"{key} at mixed sizes per call (mean 16)"] = timed(
-        lambda: [device.decode(batch[:n]) for n in MIXED_CALLS], plan.device, seconds / 2, sum(MIXED_CALLS)
+        lambda: [device.decode(call) for call in mixed], plan.device, seconds / 2, sum(MIXED_CALLS)
     )
     # the same calls padded to the largest with an 8x8 JPEG: what one call size would cost the server
     filler = device.prepare(_tiny_jpeg(), "filler")
-    padded = [batch[:n] + [filler] * (max(MIXED_CALLS) - n) for n in MIXED_CALLS]
+    padded = [call + [filler] * (max(MIXED_CALLS) - len(call)) for call in mixed]
     row[f"{key} at mixed sizes padded to {max(MIXED_CALLS)}"] = timed(
         lambda: [device.decode(call) for call in padded], plan.device, seconds / 2, sum(MIXED_CALLS)
     )
