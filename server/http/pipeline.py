@@ -164,7 +164,7 @@ def respond_json(answer: Answer, names: list[str], *, top_k: int, logits: bool) 
 
 def response_fields(answer: Answer, names: list[str], *, top_k: int, logits: bool) -> dict:
     """The response as plain dicts and lists, in ``ClassifyResponse``'s shape. One ``tolist`` per
-    array for the whole request; then only the per-image, per-task fields."""
+    array for the whole request (padded logits: ``_logit_lists``); then the per-image, per-task fields."""
     tasks, classes = answer.tasks, answer.classes.tolist()
     probs, index = answer.probs.tolist(), answer.index.tolist()  # (n, T, k) nested lists
     raw = _logit_lists(answer.logits, classes) if logits and answer.logits is not None else None
