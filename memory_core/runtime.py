@@ -1,5 +1,5 @@
 """Process-level settings for entry points: malloc tuning for CPU inference, float32 kept float32 on
-CUDA, the start-up heap frozen out of the garbage collector's reach.
+CUDA, how the host waits for the GPU, the start-up heap frozen out of the garbage collector's reach.
 
 glibc serves allocations above a (dynamic) threshold with fresh ``mmap`` pages and returns them on
 free, so every large activation of a pass page-faults its way into existence again. The fused pass
@@ -54,6 +54,41 @@ def exact_float32(device: torch.device, dtype: torch.dtype) -> bool:
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     log.info("float32 on CUDA: TF32 convolutions and products off (answers independent of the batch)")
+    return True
+
+
+# CUDA's primary-context scheduling flags (cuda.h CUctx_flags): how a host thread waits for the device
+CUDA_WAITS = {"spin": 0x1, "yield": 0x2, "block": 0x4}
+
+
+def cuda_host_waits(device: torch.device, mode: str) -> bool:
+    """How this process's threads wait for the GPU in a synchronize: ``spin`` (a core busy until the
+    work is done), ``yield``, or ``block`` (asleep until woken); ``auto`` leaves CUDA's default, which
+    spins while the process has fewer CUDA contexts than the host has cores.
+
+    A serving process waits in several threads at once: each decode thread for nvJPEG (torchvision
+    synchronises its stream before and after every batch) and the collector for each pass's answers,
+    milliseconds each. Spinning, every such wait holds a core the API processes and the other engine
+    threads could use (the model process spent 0.63-0.85 ms of CPU an image on the H200 host, its
+    collector busy 0.14-0.26 of the wall: RESULTS §3.16). Sets the primary context's flags through the
+    driver (libcuda), before the process creates its context: the first tensor on the device.
+    Returns whether it set them.
+    """
+    if device.type != "cuda" or mode == "auto":
+        return False
+    if mode not in CUDA_WAITS:
+        raise ValueError(f"CUDA host waits: one of auto, {', '.join(CUDA_WAITS)}; got {mode!r}")
+    driver = ctypes.CDLL("libcuda.so.1")
+    ordinal, handle = device.index or 0, ctypes.c_int()
+    set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or driver.cuDevicePrimaryCtxSetFlags
+    for call, args in (
+        (driver.cuInit, (0,)),
+        (driver.cuDeviceGet, (ctypes.byref(handle), ordinal)),
+        (set_flags, (handle, CUDA_WAITS[mode])),
+    ):
+        if (status := call(*args)) != 0:
+            raise RuntimeError(f"CUDA driver call {call.__name__} failed with status {status}")
+    log.info("CUDA host waits on device %d: %s", ordinal, mode)
     return True
 
 

@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     gil_switch_ms: float | None = Field(
         None, gt=0, le=100, description="GIL switch interval of the engine process, ms (0.5 on a GPU)"
     )
+    # How the engine's process waits for the GPU (memory_core/runtime.py ``cuda_host_waits``): "auto"
+    # is CUDA's default (spinning while cores outnumber contexts), "block" sleeps until woken.
+    cuda_waits: Literal["auto", "spin", "yield", "block"] = Field(
+        "auto", description="how the engine's process waits for the GPU: auto, spin, yield or block"
+    )
     # Images are decoded and fused passes filled by the service each key has received, by its weight
     # (server/inference/fair_queue.py); false: by arrival, as before keys had shares.
     fair_batching: bool = Field(True, description="share passes and decoders between keys by weight")

@@ -1,7 +1,7 @@
 """Step ``server``: the HTTP service on the device, right under load, against its two bounds.
 
 Per model: the model bound and the decode bound (bounds.py), then ``memvit serve`` on the device
-(tests/server/launcher.py) in variants (``VARIANTS``): the default front end on a GPU host (API
+(tests/server/launcher.py) in variants (server_variants.py): the default front end on a GPU host (API
 processes before one model process, JPEGs decoded on the GPU) at full load and paced at half of it
 (the goal p99 <= 2 x p50); one process; replicas; JPEGs decoded on the CPU workers. The model is
 served in its dtype (``SERVER_DTYPE``: ViT-B/16 in bfloat16). For each server:
@@ -34,60 +34,8 @@ from benchmarks.processes import RoleClock
 from .bounds import MAX_BATCH, bound, decode_bound, jpegs, model, model_bound, store
 from .plan import Plan
 from .report import Budget, StepReport, goal
+from .server_variants import variants
 from .stage_metrics import full_collections, graph_captures, stage_means, stage_p99_bounds, stage_sums
-
-# (label, the server's environment, its loads in turn): "full" is the plan's closed-loop clients,
-# "half" the same clients paced at half what "full" reached, "crowd" CROWD times the clients closed-loop
-# (at 64 in flight on the H200 no engine thread, API process or load process was busy past 0.6 of the
-# wall: whether more requests in flight reach the bound). The first model gets the plan's
-# ``server_variants`` first variants, the others the first alone at full load. The first is the
-# default front end on a GPU host (server/cli/serve.py: API processes before one model process, chosen
-# by the 2026-11-27 run: 2,000 img/s against 1,560 for 8 replicas and 680 for one process), where the
-# goals are judged (and the two keys measured). Its model process runs two decode threads and a 0.5 ms
-# GIL switch interval by default on a GPU (server/settings.py), each chosen alone against the front end
-# without it (RESULTS §3.16); the next two rows take one of them back each, so the run says what each
-# is worth beside the other. Then one process, the replicas, and the CPU decoders (the sixth: beyond
-# the default ``server_variants``).
-API_PROCESSES = "8"
-GROUP = {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "model-process"}
-VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
-    (f"{API_PROCESSES} API processes, one model process (default)", GROUP, ("full", "half", "crowd")),
-    (
-        f"{API_PROCESSES} API processes, one model process, 1 decode thread",
-        {**GROUP, "MEMVIT_DEVICE_DECODE_THREADS": "1"},
-        ("full",),
-    ),
-    (
-        f"{API_PROCESSES} API processes, one model process, GIL switch 5 ms (Python's)",
-        {**GROUP, "MEMVIT_GIL_SWITCH_MS": "5"},
-        ("full",),
-    ),
-    (
-        "one process, JPEG decode on the device",
-        {"MEMVIT_API_PROCESSES": "1", "MEMVIT_DECODE_DEVICE": "auto"},
-        ("full",),
-    ),
-    (
-        f"{API_PROCESSES} replicas",
-        {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "replicas"},
-        ("full",),
-    ),
-    (
-        "one process, JPEG decode on the CPU",
-        {"MEMVIT_API_PROCESSES": "1", "MEMVIT_DECODE_DEVICE": "cpu"},
-        ("full",),
-    ),
-)
-
-
-def variants(device: str) -> tuple:
-    """``VARIANTS``, the device's default front end first, with the default's loads: on a CPU
-    (``--cpu-smoke``) one process."""
-    if device == "cuda":
-        return VARIANTS
-    (one,) = [v for v in VARIANTS if v[0].startswith("one process, JPEG decode on the device")]
-    return ((*one[:2], VARIANTS[0][2]), *[v for v in VARIANTS if v is not one])
-
 
 SERVER_DTYPE = {"vit_base_patch16_224": "bf16"}  # ViT-B/16 is served, and judged, in bfloat16
 SERVER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from memvit.memory_core import LiveAdapters, MemoryViT
-from memvit.memory_core.runtime import exact_float32
+from memvit.memory_core.runtime import cuda_host_waits, exact_float32
 
 from ..edge.principal import check_credentials
 from ..inference.device_decode import DeviceDecoder, JpegCheck
@@ -60,6 +60,7 @@ def resolve_device(name: str) -> torch.device:
 def build_engine(settings: Settings) -> MemoryViT:
     """The base model the settings describe (the embedded demo when none is configured)."""
     device, dtype = resolve_device(settings.device), DTYPES[settings.dtype]
+    cuda_host_waits(device, settings.cuda_waits)  # before the process's first tensor on the device
     like = {"device": device, "dtype": dtype, "batch_invariant": settings.batch_invariant}
     if settings.uses_demo:
         from ..demo import BASE_WEIGHTS

@@ -1,15 +1,19 @@
-"""Process-level settings entry points call: float32 on CUDA kept float32 (no TF32), nothing else touched."""
+"""Process-level settings entry points call: float32 on CUDA kept float32 (no TF32), nothing else touched;
+how the host waits for the GPU (the driver's flags, and on a GPU the cores it leaves idle)."""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import pytest
 import torch
 
+from memvit.memory_core import runtime
 from memvit.memory_core.invariant.blocks import InvariantBlocks
-from memvit.memory_core.runtime import exact_float32, freeze_heap
+from memvit.memory_core.runtime import cuda_host_waits, exact_float32, freeze_heap
 
 
 @pytest.fixture
@@ -68,3 +72,70 @@ def test_the_heap_is_frozen_after_one_collection() -> None:
         assert len(gc.get_objects()) < frozen  # what the collector still walks: what came since
     finally:
         gc.unfreeze()
+
+
+class FakeDriver:
+    """libcuda's three calls ``cuda_host_waits`` makes, recorded; ``fail``: the one that returns 1."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.calls: list[tuple[str, object]] = []
+        for name in ("cuInit", "cuDeviceGet", "cuDevicePrimaryCtxSetFlags_v2"):
+            setattr(self, name, self._call(name, fail))
+
+    def _call(self, name: str, fail: str | None):
+        def call(*args):
+            self.calls.append((name, args[-1]))  # the flag, the ordinal, cuInit's 0
+            return 1 if name == fail else 0
+
+        call.__name__ = name
+        return call
+
+
+def test_cuda_host_waits_set_the_primary_contexts_flags_through_the_driver(monkeypatch) -> None:
+    driver = FakeDriver()
+    monkeypatch.setattr(runtime.ctypes, "CDLL", lambda name: driver if name == "libcuda.so.1" else None)
+    assert cuda_host_waits(torch.device("cuda:1"), "block")
+    assert driver.calls == [("cuInit", 0), ("cuDeviceGet", 1), ("cuDevicePrimaryCtxSetFlags_v2", 0x4)]
+    monkeypatch.setattr(runtime.ctypes, "CDLL", lambda name: FakeDriver(fail="cuDeviceGet"))
+    with pytest.raises(RuntimeError, match="cuDeviceGet failed with status 1"):
+        cuda_host_waits(torch.device("cuda"), "spin")
+
+
+def test_cuda_host_waits_leave_auto_and_other_devices_alone(monkeypatch) -> None:
+    loaded = []
+    monkeypatch.setattr(runtime.ctypes, "CDLL", lambda name: loaded.append(name))
+    assert not cuda_host_waits(torch.device("cpu"), "block")
+    assert not cuda_host_waits(torch.device("cuda"), "auto")  # CUDA's own choice
+    with pytest.raises(ValueError, match="auto, spin, yield, block"):
+        cuda_host_waits(torch.device("cuda"), "busy")
+    assert loaded == []
+
+
+_BUSY_SHARE = """
+import sys, time, torch
+from memvit.memory_core.runtime import cuda_host_waits
+cuda_host_waits(torch.device("cuda"), sys.argv[1])
+torch.cuda._sleep(1_000_000)  # the context, and a first sleep
+torch.cuda.synchronize()
+began = time.perf_counter()
+torch.cuda._sleep(100_000_000)
+torch.cuda.synchronize()
+cycles_per_s = 100_000_000 / (time.perf_counter() - began)
+cpu, began = time.process_time(), time.perf_counter()
+torch.cuda._sleep(int(0.3 * cycles_per_s))  # ~0.3 s of GPU work, the host waiting for it
+torch.cuda.synchronize()
+print((time.process_time() - cpu) / (time.perf_counter() - began))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_blocking_waits_leave_the_core_idle_while_the_gpu_works() -> None:
+    """Each mode in a fresh process (the flags are set before its context): waiting 0.3 s for the GPU,
+    a spinning host keeps its core busy, a blocking one sleeps."""
+    share = {}
+    for mode in ("spin", "block"):
+        out = subprocess.run([sys.executable, "-c", _BUSY_SHARE, mode], capture_output=True, text=True,
+                             check=True, timeout=120)  # fmt: skip
+        share[mode] = float(out.stdout.strip().splitlines()[-1])
+    assert share["spin"] > 0.7 and share["block"] < 0.2, share

@@ -187,3 +187,19 @@ def test_graphs_beside_serving_reaches_the_engine_loop(monkeypatch, tiny_weights
         finally:
             loop.stop()
         assert registry.live.on_growth is None  # a stopped loop captures nothing
+
+
+def test_the_cuda_waits_reach_the_engines_process(monkeypatch, tiny_weights) -> None:
+    """``MEMVIT_CUDA_WAITS``: set where the engine is built, on its resolved device, before its first
+    tensor there (memory_core/runtime.py ``cuda_host_waits``; on a CPU it sets nothing)."""
+    from memvit.server.http import service
+
+    seen = []
+    monkeypatch.setattr(service, "cuda_host_waits", lambda device, mode: seen.append((device.type, mode)))
+    service.build_engine(Settings(_env_file=None, weights=tiny_weights, device="cpu"))
+    monkeypatch.setenv("MEMVIT_CUDA_WAITS", "block")
+    service.build_engine(Settings(_env_file=None, weights=tiny_weights, device="cpu"))
+    assert seen == [("cpu", "auto"), ("cpu", "block")]
+    monkeypatch.setenv("MEMVIT_CUDA_WAITS", "busy")
+    with pytest.raises(ValidationError, match="cuda_waits"):
+        Settings(_env_file=None)
