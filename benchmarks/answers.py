@@ -102,7 +102,7 @@ class Prepared:
         if got.keys() != self.tasks.keys():
             return False
         lists = [got[task] for task in self.tasks]
-        if tuple(map(len, lists)) != self.sizes:
+        if not all(type(v) is list for v in lists) or tuple(map(len, lists)) != self.sizes:
             return False
         try:
             values = np.fromiter(chain.from_iterable(lists), dtype=np.float64, count=self.flat.size)

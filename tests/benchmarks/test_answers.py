@@ -80,6 +80,8 @@ def test_the_prepared_fast_check_passes_exactly_what_the_task_by_task_check_pass
             got["a"] = [*got["a"], 0.0]
         if trial % 10 == 2:
             got["b"] = [None, *got["b"][1:]]
+        if trial % 50 == 3:  # no logits at all (a request that did not ask)
+            got["a"] = None
         ready = prepared({"p": ref})["p"]
         expected = reason_of(200, answer(got), "p", {"p": ref}, tolerance)
         assert reason_of(200, answer(got), "p", {"p": ready}, tolerance) == expected
