@@ -135,7 +135,8 @@ def test_blocking_waits_leave_the_core_idle_while_the_gpu_works() -> None:
     a spinning host keeps its core busy, a blocking one sleeps."""
     share = {}
     for mode in ("spin", "block"):
-        out = subprocess.run([sys.executable, "-c", _BUSY_SHARE, mode], capture_output=True, text=True,
-                             check=True, timeout=120)  # fmt: skip
-        share[mode] = float(out.stdout.strip().splitlines()[-1])
+        run = subprocess.run([sys.executable, "-c", _BUSY_SHARE, mode], capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert run.returncode == 0, f"{mode}: {run.stderr.strip().splitlines()[-1:]}"
+        share[mode] = float(run.stdout.strip().splitlines()[-1])
     assert share["spin"] > 0.7 and share["block"] < 0.2, share
