@@ -4,7 +4,9 @@ and where its time goes, step by step."""
 
 from __future__ import annotations
 
+from benchmarks.stub_pass import stubbed_device_pass
 from benchmarks.two_keys_standin import MARKS, breakdown, main
+from memvit.memory_core import MemoryViT
 
 
 def test_smoke_the_flood_delays_the_light_key(capsys) -> None:
@@ -15,6 +17,7 @@ def test_smoke_the_flood_delays_the_light_key(capsys) -> None:
     # sleeps of milliseconds, one decode and one pass at a time: the light request waits behind the
     # flood's batches (~4x on the build machine, 3.3x on the H200), far above what noise could make
     assert ratio > 1.5
+    assert MemoryViT._device_pass is not stubbed_device_pass  # the stub stayed on its own engine
 
 
 def test_each_step_is_timed_from_the_one_before() -> None:
