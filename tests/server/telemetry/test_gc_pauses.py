@@ -34,7 +34,10 @@ def test_settling_freezes_the_heap_and_says_how_much() -> None:
     timed = settle_heap(metrics)
     try:
         frozen = metrics.registry.get_sample_value("memvit_gc_frozen_objects")
-        assert frozen == gc.get_freeze_count() > 1000
+        # Frozen objects still die when their last reference goes (another test's thread may drop
+        # some between the freeze and this line), so the count can only have fallen, and a little.
+        now = gc.get_freeze_count()
+        assert now > 1000 and now <= frozen <= now * 1.01
         assert b"memvit_gc_seconds_bucket" in generate_latest(metrics.registry)
     finally:
         gc.callbacks.remove(timed)
