@@ -68,7 +68,8 @@ def test_the_heap_is_frozen_after_one_collection() -> None:
     try:
         frozen = freeze_heap()
         assert gone() is None
-        assert frozen == gc.get_freeze_count() > 1000
+        now = gc.get_freeze_count()  # frozen objects still die when their last reference goes
+        assert now > 1000 and now <= frozen <= now * 1.01
         assert len(gc.get_objects()) < frozen  # what the collector still walks: what came since
     finally:
         gc.unfreeze()
