@@ -89,6 +89,12 @@ class Settings(BaseSettings):
     device_decode_threads: int | None = Field(
         None, ge=1, le=4, description="GPU decode threads, each with its own stream (default 2)"
     )
+    # Each device decoder call padded with a tiny JPEG up to the first of these sizes that holds it
+    # (server/inference/device_decode.py), so the decoder sees a few call sizes, not every batch's
+    # own; empty: calls as they come. Off until the GPU suite's `at mixed sizes` rows say it pays.
+    device_decode_call_sizes: Annotated[list[int], NoDecode] = Field(
+        default_factory=list, description="comma-separated decoder call sizes to pad to (e.g. 16,32,64)"
+    )
     # A Server-Timing header on /classify and OIP answers: the request's stages in milliseconds.
     server_timing: bool = Field(False, description="say each answer's stage times in a Server-Timing header")
     max_images_per_request: int = Field(16, ge=1)
@@ -185,6 +191,20 @@ class Settings(BaseSettings):
             value = value.split(",")
         if isinstance(value, (list, tuple)):
             return [str(v).strip().lower().rstrip(".") for v in value if str(v).strip()]
+        return value
+
+    @field_validator("device_decode_call_sizes", mode="before")
+    @classmethod
+    def _call_sizes(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("device_decode_call_sizes")
+    @classmethod
+    def _ascending_sizes(cls, value: list[int]) -> list[int]:
+        if value != sorted(set(value)) or any(size < 1 for size in value):
+            raise ValueError(f"decoder call sizes must be positive and ascending (16,32,64), not {value}")
         return value
 
     @field_validator("metrics_tasks", mode="before")

@@ -25,13 +25,16 @@ from memvit.adapters import bundle_for
 from memvit.memory_core import MemoryViT, save_base
 
 from .plan import ARCHS, DTYPES, Plan, adapters, engine, sync
+from .server_variants import CALL_SIZES
+
+SERVER_CALL_SIZES = tuple(int(size) for size in CALL_SIZES.split(","))
 
 MAX_BATCH = {"cuda": 64, "cpu": 8}
 DEVICE_BATCH = 64  # JPEGs per device decoder call, as the server's batches of 64 are
 SMALLER_CALLS = (16, 1)  # and per call as a loaded server's batches were (mean 12-17) and alone
 # Sizes in turn, 16 on average, as a server's batches come: torchvision initialises nvJPEG's batched
 # decoder for each call's batch size, so whether a size unlike the last costs more shows against 16,
-# and against the same calls padded to one size with a tiny JPEG (a fix the server could adopt).
+# and against the same calls padded by the server's decoder (MEMVIT_DEVICE_DECODE_CALL_SIZES).
 MIXED_CALLS = (16, 9, 23, 4, 28, 11, 20, 17)
 
 
@@ -175,12 +178,13 @@ def decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
     row[f"{key} at mixed sizes per call (mean 16)"] = timed(
         lambda: [device.decode(call) for call in mixed], plan.device, seconds / 2, sum(MIXED_CALLS)
     )
-    # the same calls padded to the largest with an 8x8 JPEG: what one call size would cost the server
-    filler = device.prepare(_tiny_jpeg(), "filler")
-    padded = [call + [filler] * (max(MIXED_CALLS) - len(call)) for call in mixed]
-    row[f"{key} at mixed sizes padded to {max(MIXED_CALLS)}"] = timed(
-        lambda: [device.decode(call) for call in padded], plan.device, seconds / 2, sum(MIXED_CALLS)
-    )
+    # the same calls padded by the server's own decoder (MEMVIT_DEVICE_DECODE_CALL_SIZES: 8x8 JPEGs,
+    # their pictures dropped before the preprocessing) to one size, then to the server row's few
+    for sizes in ((max(MIXED_CALLS),), SERVER_CALL_SIZES):
+        padded = DeviceDecoder(decoder, plan.device, sizes)
+        row[f"{key} at mixed sizes padded to {','.join(map(str, sizes))}"] = timed(
+            lambda d=padded: [d.decode(call) for call in mixed], plan.device, seconds / 2, sum(MIXED_CALLS)
+        )
     second = DeviceDecoder(decoder, plan.device)  # a stream of its own, as a second stage would have
     row[f"{key}, 2 threads"] = _two_threads((device, second), batch, plan.device, seconds / 2)
     raw = [torch.frombuffer(bytearray(item.data), dtype=torch.uint8) for item in batch]
@@ -188,12 +192,6 @@ def decode_bound(e: MemoryViT, photos: list[bytes], plan: Plan) -> dict:
         lambda: decode_jpeg(raw, device=plan.device), plan.device, seconds, len(batch)
     )
     return row
-
-
-def _tiny_jpeg() -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (8, 8), (128, 128, 128)).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 def _two_threads(decoders: tuple, batch: list, where: torch.device, seconds: float) -> float:

@@ -10,15 +10,19 @@ model process, chosen by the 2026-11-27 run: 2,000 img/s against 1,560 for 8 rep
 one process), where the goals are judged (and the two keys measured). The second has the engine's
 process wait for the GPU asleep (``MEMVIT_CUDA_WAITS=block``, memory_core/runtime.py) instead of
 CUDA's spinning: whether the cores its decode threads and collector hold while waiting are worth
-more to the rest. The model process runs two decode threads and a 0.5 ms GIL switch interval by
-default on a GPU (server/settings.py), each chosen alone against the front end without it (RESULTS
-§3.16); the next two rows take one of them back each, so the run says what each is worth beside the
-other. Then one process; the replicas and the CPU decoders, beyond the plan's ``server_variants`` (5).
+more to the rest. The third takes back the model process's second decode thread (a GPU's default,
+server/settings.py, chosen alone against one thread in RESULTS §3.16): what it is worth beside the
+rest. The fourth pads every decoder call with tiny JPEGs to 16, 32 or 64 images
+(``MEMVIT_DEVICE_DECODE_CALL_SIZES``): torchvision initialises nvJPEG's batched decoder for each
+call's size, and the server's batches come in every size (the decode bound's `at mixed sizes` rows
+ask the same of the decoder alone). Then one process; the replicas and the CPU decoders, beyond the
+plan's ``server_variants`` (5).
 """
 
 from __future__ import annotations
 
 API_PROCESSES = "8"
+CALL_SIZES = "16,32,64"
 GROUP = {"MEMVIT_API_PROCESSES": API_PROCESSES, "MEMVIT_FRONT_END": "model-process"}
 VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
     (f"{API_PROCESSES} API processes, one model process (default)", GROUP, ("full", "half", "crowd")),
@@ -33,8 +37,8 @@ VARIANTS: tuple[tuple[str, dict[str, str], tuple[str, ...]], ...] = (
         ("full",),
     ),
     (
-        f"{API_PROCESSES} API processes, one model process, GIL switch 5 ms (Python's)",
-        {**GROUP, "MEMVIT_GIL_SWITCH_MS": "5"},
+        f"{API_PROCESSES} API processes, one model process, decoder calls padded to {CALL_SIZES}",
+        {**GROUP, "MEMVIT_DEVICE_DECODE_CALL_SIZES": CALL_SIZES},
         ("full",),
     ),
     (

@@ -172,7 +172,10 @@ def _load(settings: Settings, metrics: Metrics) -> tuple[MemoryViT, AdapterRegis
     device_decoder = None
     if decodes_on_device(settings, engine.device):
         cpu = ImageDecoder(engine, max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels)
-        device_decoder = DeviceDecoder(cpu, engine.device)
+        device_decoder = DeviceDecoder(cpu, engine.device, tuple(settings.device_decode_call_sizes))
+        if device_decoder.call_sizes:
+            sizes = ", ".join(map(str, device_decoder.call_sizes))
+            log.info("device decoder calls padded to %s images", sizes)
     loop = EngineLoop(
         registry.live,
         DeviceRunner(engine, device_decoder, lanes=settings.engine_decode_threads(engine.device.type)),

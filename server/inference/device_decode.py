@@ -22,7 +22,9 @@ nvJPEG: docs/design.md §5 says why this one for now.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import io
 import logging
 import warnings
 from dataclasses import dataclass
@@ -90,7 +92,9 @@ class DeviceDecoder:
     another stream (the pass's), so the caller records that stream on it (``Tensor.record_stream``)
     and the allocator keeps it until the pass has read it."""
 
-    def __init__(self, cpu: ImageDecoder, device: torch.device | str) -> None:
+    def __init__(
+        self, cpu: ImageDecoder, device: torch.device | str, call_sizes: tuple[int, ...] = ()
+    ) -> None:
         self.check = JpegCheck(cpu)
         self.cpu = cpu
         self.device = torch.device(device)
@@ -98,12 +102,19 @@ class DeviceDecoder:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.barrier = True  # off only where a test shows what it prevents (tests/server/test_cuda_decode.py)
+        # Each decoder call padded with a tiny JPEG up to the first of these sizes that holds it (none:
+        # as it comes). torchvision initialises nvJPEG's batched decoder for every call's size; whether
+        # a size unlike the last costs is the GPU suite's `at mixed sizes` question (docs/gpu.md).
+        if list(call_sizes) != sorted(set(call_sizes)) or any(size < 1 for size in call_sizes):
+            raise ValueError(f"decoder call sizes must be positive and ascending, not {call_sizes}")
+        self.call_sizes = tuple(call_sizes)
+        self._filler = _FROM_BUFFER(_FILLER, dtype=_UINT8)
 
     def twin(self) -> DeviceDecoder:
         """A decoder for another thread: the same checks and preprocessing, a stream of its own (its
         barrier then waits for its own batches only). torchvision's GPU decoder is one object behind
         a lock, so two threads overlap everything but the decoder's own call."""
-        twin = DeviceDecoder(self.cpu, self.device)
+        twin = DeviceDecoder(self.cpu, self.device, self.call_sizes)
         twin.barrier = self.barrier
         return twin
 
@@ -144,10 +155,21 @@ class DeviceDecoder:
     def _decoded(self, raw: list[Tensor]) -> list[Tensor | None]:
         """The batch's pictures (3, h, w) uint8: nvJPEG's one call for the batch on CUDA. On a CPU,
         torchvision's ``decode_jpeg`` of a list is this loop over its operator, after checks and a
-        deprecation warning per call (a few microseconds a batch, and the mode's enum read per image)."""
+        deprecation warning per call (a few microseconds a batch, and the mode's enum read per image).
+        With ``call_sizes``, the call padded with fillers, whose pictures are dropped here."""
+        n = len(raw)
+        size = self.call_size(n)
+        if size > n:
+            raw = raw + [self._filler] * (size - n)
         if self.cuda:
-            return list(decode_jpeg(raw, mode=READ_RGB, device=self.device))
-        return [_DECODE_ON_CPU(r, _RGB, False) for r in raw]  # (data, mode, apply_exif_orientation)
+            return list(decode_jpeg(raw, mode=READ_RGB, device=self.device))[:n]
+        return [_DECODE_ON_CPU(r, _RGB, False) for r in raw][:n]  # (data, mode, apply_exif_orientation)
+
+    def call_size(self, n: int) -> int:
+        """How many images the decoder is given for ``n`` uploads: the first of ``call_sizes`` that
+        holds them, or ``n`` itself (none set, or more than the largest)."""
+        at = bisect.bisect_left(self.call_sizes, n)
+        return self.call_sizes[at] if at < len(self.call_sizes) else n
 
     def _with_refused(
         self, items: list[Encoded], decoded: list[int], x: Tensor
@@ -195,7 +217,15 @@ def _quiet_read_only_once() -> None:
         torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
+def _tiny_jpeg() -> bytes:
+    """An 8x8 grey JPEG (~630 bytes): a filler that costs the decoder next to nothing but its slot."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (128, 128, 128)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
 _quiet_read_only_once()
+_FILLER = _tiny_jpeg()
 _FROM_BUFFER, _UINT8, _RGB = torch.frombuffer, torch.uint8, READ_RGB.value
 _DECODE_ON_CPU = torch.ops.image.decode_jpeg.default  # what torchvision's decode_jpeg calls per image
 

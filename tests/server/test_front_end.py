@@ -60,10 +60,14 @@ def shared(tiny_weights, tmp_path_factory) -> tuple[Settings, dict[str, str]]:
 @pytest.fixture(scope="module", params=["model-process", "model-process+device", "replicas"])
 def group(request, shared) -> Iterator[ServerGroup]:
     """``+device``: JPEGs checked in the API processes and decoded by the model process's batcher
-    (``MEMVIT_DECODE_DEVICE=device``, torchvision's CPU decoder here): per-image items on the wire."""
+    (``MEMVIT_DECODE_DEVICE=device``, torchvision's CPU decoder here): per-image items on the wire;
+    its decoder calls padded to 4 or 16 images (the single process beside it pads none)."""
     settings, _ = shared
     mode, _, device = request.param.partition("+")
-    settings = settings.model_copy(update={"port": free_port(), "decode_device": device or "cpu"})
+    padded = [4, 16] if device else []
+    settings = settings.model_copy(
+        update={"port": free_port(), "decode_device": device or "cpu", "device_decode_call_sizes": padded}
+    )
     with ServerGroup(settings, 2, mode) as running:
         running.mode, running.settings = mode, settings
         yield running
@@ -72,7 +76,8 @@ def group(request, shared) -> Iterator[ServerGroup]:
 @pytest.fixture(scope="module")
 def single(group) -> Iterator[str]:
     """One process on the same store, decoding as the group does."""
-    with running_server(group.settings.model_copy(update={"port": free_port()})) as url:
+    unpadded = {"port": free_port(), "device_decode_call_sizes": []}
+    with running_server(group.settings.model_copy(update=unpadded)) as url:
         yield url
 
 

@@ -139,18 +139,27 @@ def test_the_device_decode_threads_reach_the_engine_loop(monkeypatch, tiny_weigh
     from memvit.server.telemetry.metrics import Metrics
 
     monkeypatch.setenv("MEMVIT_DEVICE_DECODE_THREADS", "2")
+    monkeypatch.setenv("MEMVIT_DEVICE_DECODE_CALL_SIZES", "16, 32,64")  # each lane's decoder pads so
     settings = Settings(_env_file=None, weights=tiny_weights, adapter_store=tmp_path / "store",
                         decode_device="device")  # fmt: skip
     _, _, loop = _load(settings, Metrics())
     try:
         first, second = (lane.decoder for lane in loop.runner.lanes)
         assert first is not None and second is not None and first is not second
+        assert first.call_sizes == second.call_sizes == (16, 32, 64)
         assert loop.lanes == 1 and loop.depth == 1
     finally:
         loop.stop()
     monkeypatch.setenv("MEMVIT_DEVICE_DECODE_THREADS", "0")
     with pytest.raises(ValidationError, match="device_decode_threads"):
         Settings(_env_file=None)
+    monkeypatch.setenv("MEMVIT_DEVICE_DECODE_THREADS", "1")
+    for sizes in ("64,16", "0,8", "eight"):
+        monkeypatch.setenv("MEMVIT_DEVICE_DECODE_CALL_SIZES", sizes)
+        with pytest.raises(ValidationError, match="device_decode_call_sizes"):
+            Settings(_env_file=None)
+    monkeypatch.setenv("MEMVIT_DEVICE_DECODE_CALL_SIZES", "")
+    assert Settings(_env_file=None).device_decode_call_sizes == []  # unset: calls as they come
 
 
 def test_the_gpu_engine_settings_reach_the_engine(monkeypatch, tiny_weights) -> None:

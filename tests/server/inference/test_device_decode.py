@@ -156,3 +156,31 @@ def _huge_header(data: bytes) -> bytes:
     sof = frame.index(b"\xff\xc0")
     frame[sof + 5 : sof + 9] = (60000).to_bytes(2, "big") * 2
     return bytes(frame)
+
+
+def test_calls_padded_to_a_few_sizes_decode_the_same_inputs(decoders, monkeypatch) -> None:
+    """``call_sizes``: the decoder is given each call padded with fillers to the first size that holds
+    it (none above the largest); the batch's inputs and refusals are the unpadded call's, bit for bit."""
+    import memvit.server.inference.device_decode as module
+
+    cpu, plain = decoders
+    padded = DeviceDecoder(cpu, "cpu", (4, 8))
+    assert padded.twin().call_sizes == (4, 8)
+    given = []
+    decode_one = module._DECODE_ON_CPU
+    monkeypatch.setattr(module, "_DECODE_ON_CPU", lambda *a: given.append(1) or decode_one(*a))
+    blobs = [jpeg(photo(i, (120 + 11 * i, 90 + 7 * i))) for i in range(9)]
+    for n, size in ((1, 4), (3, 4), (4, 4), (5, 8), (9, 9)):
+        items = [plain.prepare(b, f"p{i}") for i, b in enumerate(blobs[:n])]
+        given.clear()
+        x, failed = padded.decode_batch(items)
+        assert len(given) == size and not failed, n
+        given.clear()
+        expected, _ = plain.decode_batch(items)
+        assert len(given) == n and torch.equal(x, expected), n
+    broken = [plain.prepare(blobs[0], "good"), plain.prepare(broken_jpeg(), "bad")]
+    (x, failed), (expected, refused) = padded.decode_batch(broken), plain.decode_batch(broken)
+    assert torch.equal(x, expected) and list(failed) == list(refused) == [1]
+    for sizes in ((8, 4), (0, 4), (4, 4)):
+        with pytest.raises(ValueError, match="ascending"):
+            DeviceDecoder(cpu, "cpu", sizes)
